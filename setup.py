@@ -1,0 +1,24 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="dstrain",
+    version="0.1.0",
+    description="DeepSpeed-centric training framework driven by JSON configs",
+    python_requires=">=3.10",
+    packages=find_packages(include=["dstrain", "dstrain.*", "models", "models.*"]),
+    package_data={"models": ["*/recipes/*.json"]},
+    install_requires=[
+        "torch>=2.1",
+        "deepspeed>=0.19,<0.20",
+        "fairscale==0.4.13",
+        "transformers",
+        "datasets",
+        "tensorboard",
+        "tqdm",
+        "safetensors",
+        "psutil",
+        "numpy",
+    ],
+    extras_require={"dev": ["pytest", "hypothesis", "matplotlib"]},
+    entry_points={"console_scripts": ["dstrain=dstrain.cli:main"]},
+)
