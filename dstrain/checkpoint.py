@@ -1,0 +1,177 @@
+"""Checkpoints: where they live, when one counts as complete, resume and export.
+
+Layout of ``<output>/checkpoints``::
+
+    step_00000100/            DeepSpeed's files for that step (any ZeRO stage)
+        COMPLETE              written last, after every rank finished writing
+        run_config.json       the resolved run config
+        ds_config.json        the resolved DeepSpeed JSON
+        trainer_state.json    step and counters
+        rng/rank_<r>.pt       every rank's random state
+    latest                    tag of the newest complete checkpoint (atomic rename)
+
+A checkpoint without ``COMPLETE`` (the process died while writing it) is never
+taken as the latest: :func:`find_latest` skips it even if ``latest`` names it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+COMPLETE = "COMPLETE"
+LATEST = "latest"
+_TAG = re.compile(r"^step_(\d+)$")
+
+
+def tag_for(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def step_of(tag: str) -> int:
+    match = _TAG.match(tag)
+    if not match:
+        raise ValueError(f"not a dstrain checkpoint tag: {tag!r}")
+    return int(match.group(1))
+
+
+def is_complete(tag_dir: Path) -> bool:
+    return (Path(tag_dir) / COMPLETE).is_file()
+
+
+def complete_tags(root: str | Path) -> list[str]:
+    """Complete checkpoint tags under ``root``, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    tags = [p.name for p in root.iterdir() if p.is_dir() and _TAG.match(p.name) and is_complete(p)]
+    return sorted(tags, key=step_of)
+
+
+def find_latest(root: str | Path) -> str | None:
+    """The newest complete checkpoint tag, or None.
+
+    Only ``COMPLETE`` markers count; the ``latest`` file is written for
+    DeepSpeed's own tools (``zero_to_fp32.py``) and is not trusted here.
+    """
+    tags = complete_tags(root)
+    return tags[-1] if tags else None
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def prepare_tag_dir(root: str | Path, tag: str) -> None:
+    """Remove a leftover incomplete folder of the same tag (rank 0, before saving)."""
+    path = Path(root) / tag
+    if path.exists() and not is_complete(path):
+        shutil.rmtree(path)
+
+
+def mark_complete(root: str | Path, tag: str, run_config: dict, ds_config: dict,
+                  trainer_state: dict, keep: int) -> None:
+    """Rank 0, after every rank has saved: write metadata, the marker, then ``latest``."""
+    root = Path(root)
+    tag_dir = root / tag
+    (tag_dir / "run_config.json").write_text(json.dumps(run_config, indent=2) + "\n")
+    (tag_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2) + "\n")
+    (tag_dir / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2) + "\n")
+    _atomic_write(tag_dir / COMPLETE, json.dumps({"step": trainer_state.get("step")}) + "\n")
+    _atomic_write(root / LATEST, tag + "\n")
+    for old in complete_tags(root)[:-keep]:
+        shutil.rmtree(root / old, ignore_errors=True)
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_rng(root: str | Path, tag: str, rank: int) -> None:
+    path = Path(root) / tag / "rng"
+    path.mkdir(parents=True, exist_ok=True)
+    torch.save(rng_state(), path / f"rank_{rank}.pt")
+
+
+def load_rng(root: str | Path, tag: str, rank: int) -> None:
+    path = Path(root) / tag / "rng" / f"rank_{rank}.pt"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no random state for rank {rank}; was the world size different?")
+    set_rng_state(torch.load(path, weights_only=False))
+
+
+# ---------------------------------------------------------------- export
+
+def resolve_checkpoint(path: str | Path) -> tuple[Path, str]:
+    """Accept an output folder, a checkpoints folder or one tag folder -> (root, tag)."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such checkpoint or folder")
+    if _TAG.match(path.name) and path.is_dir():
+        if not is_complete(path):
+            raise ValueError(f"{path}: checkpoint is incomplete (no {COMPLETE} marker)")
+        return path.parent, path.name
+    for root in (path, path / "checkpoints"):
+        tag = find_latest(root)
+        if tag:
+            return root, tag
+    raise FileNotFoundError(f"{path}: no complete checkpoint found")
+
+
+def consolidated_state_dict(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """fp32 weights of a checkpoint of any ZeRO stage, plus its run config."""
+    root, tag = resolve_checkpoint(path)
+    tag_dir = root / tag
+    ds_cfg = json.loads((tag_dir / "ds_config.json").read_text())
+    run_cfg = json.loads((tag_dir / "run_config.json").read_text())
+    stage = int(ds_cfg.get("zero_optimization", {}).get("stage", 0))
+    if stage == 0:
+        files = sorted(tag_dir.glob("mp_rank_*_model_states.pt"))
+        if not files:
+            raise FileNotFoundError(f"{tag_dir}: no model states file")
+        state = torch.load(files[0], map_location="cpu", weights_only=False)["module"]
+    else:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        state = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
+    state = {k: v.detach().float().contiguous().clone() for k, v in state.items()}
+    return state, run_cfg
+
+
+def export_safetensors(ckpt: str | Path, out: str | Path) -> Path:
+    """Write consolidated fp32 weights to ``out`` (a .safetensors file, or a folder)."""
+    from safetensors.torch import save_file
+
+    state, run_cfg = consolidated_state_dict(ckpt)
+    out = Path(out)
+    if out.suffix != ".safetensors":
+        out.mkdir(parents=True, exist_ok=True)
+        out = out / "model.safetensors"
+    else:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"format": "pt", "dstrain_model": json.dumps(run_cfg["model"]),
+            "dstrain_run_config": json.dumps(run_cfg)}
+    save_file(state, str(out), metadata=meta)
+    return out

@@ -1,0 +1,370 @@
+"""Run configuration: JSON file -> typed dataclasses, dotted command-line overrides.
+
+A run config has six sections (``model``, ``data``, ``train``, ``deepspeed``,
+``checkpoint``, ``output``); every field has a default, so a recipe names only
+what it changes. ``load_run_config(path, ["--train.lr=3e-4"])`` reads the file,
+applies the overrides (they win over the file), checks types and values, and
+raises :class:`ConfigError` with one line naming the file and the dotted key.
+
+Nothing here touches the disk except reading the recipe, so a bad config fails
+before any output is written.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+
+class ConfigError(ValueError):
+    """A run config problem; ``str(err)`` is one line naming the source and the key."""
+
+    def __init__(self, source: str, key: str, problem: str):
+        self.source, self.key, self.problem = source, key, problem
+        where = f"{key}: " if key else ""
+        super().__init__(f"{source}: {where}{problem}")
+
+
+@dataclass
+class ModelConfig:
+    """Which model to build."""
+
+    name: str = "gpt"
+    """Registered model name (see ``models.registry.available()``)."""
+    size: str = "tiny"
+    """A size profile of that model (e.g. tiny, small, medium)."""
+    args: dict = field(default_factory=dict)
+    """Per-field changes to the size profile, e.g. ``{"n_layer": 2}``."""
+
+
+@dataclass
+class DataConfig:
+    """Where the tokens come from and how they are cut."""
+
+    corpus: str = "stdlib"
+    """``stdlib`` (the installed Python standard library's sources) or a local path."""
+    seq_len: int = 128
+    """Tokens per training sample."""
+    max_bytes: int = 4_000_000
+    """Upper bound on corpus bytes read."""
+    val_every: int = 20
+    """Every n-th document goes to the validation stream."""
+    seed: int = 1234
+    """Seed of the data order (a pure function of seed and step)."""
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation schedule."""
+
+    steps: int = 300
+    micro_batch: int = 8
+    """Samples per rank per forward pass."""
+    grad_accum: int = 1
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    """Final learning rate of the cosine schedule, as a fraction of ``lr``."""
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    betas: tuple = (0.9, 0.95)
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    """Global gradient-norm clipping; 0 turns it off."""
+    seed: int = 0
+    """Seed of model initialisation and of every rank's random state."""
+    log_every: int = 10
+    eval_every: int = 0
+    """Evaluate every n steps (0: only at the end)."""
+    eval_batches: int = 4
+
+
+@dataclass
+class DeepSpeedConfig:
+    """How the engine factory builds the DeepSpeed engine."""
+
+    profile: str = "auto"
+    """``auto`` (the factory chooses), a name from ds_configs/ or a path to a DeepSpeed JSON."""
+    precision: str = "auto"
+    """auto | fp32 | bf16 | fp16."""
+    activation_checkpointing: Any = "auto"
+    """auto | true | false."""
+    device_memory: Any = None
+    """Memory one rank may use, e.g. "80GB"; default: the GPU's, or RAM / local ranks."""
+    host_memory: Any = None
+    """Host RAM per node for offload; default: the machine's."""
+    margin: float = 0.85
+    """Fraction of device memory the plan may fill."""
+    zero_init: Any = "auto"
+    """ZeRO-3: build the model already sharded (``deepspeed.zero.Init``): auto | true | false.
+    auto does so when a full fp32 copy per local rank would take over half the RAM."""
+
+
+@dataclass
+class CheckpointConfig:
+    """When to save and what to keep."""
+
+    every: int = 100
+    """Save every n steps (and always at the end); 0: only at the end."""
+    keep: int = 2
+    """Complete checkpoints kept on disk (older ones are deleted)."""
+    resume: bool = False
+    """Continue from the latest complete checkpoint in the output folder."""
+
+
+@dataclass
+class OutputConfig:
+    """Where results go."""
+
+    dir: str = "runs/default"
+    tensorboard: bool = True
+    progress: bool = True
+
+
+@dataclass
+class RunConfig:
+    """A whole run; see the section classes for the fields."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens per optimizer step on one data-parallel rank."""
+        return self.train.micro_batch * self.train.grad_accum * self.data.seq_len
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["train"]["betas"] = list(self.train.betas)
+        return out
+
+
+# ---------------------------------------------------------------- conversion
+
+def _field_types(cls) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _unknown_key(source: str, key: str, valid: Sequence[str]) -> ConfigError:
+    name = key.rsplit(".", 1)[-1]
+    close = difflib.get_close_matches(name, valid, n=1)
+    hint = f" (did you mean '{close[0]}'?)" if close else f" (valid: {', '.join(valid)})"
+    return ConfigError(source, key, f"unknown key{hint}")
+
+
+def _convert(value: Any, typ: Any, source: str, key: str) -> Any:
+    """Check ``value`` against the annotation ``typ``; return the typed value."""
+    def bad(expected: str) -> ConfigError:
+        return ConfigError(source, key, f"expected {expected}, got {json.dumps(value)}")
+
+    if typ is Any:
+        return value
+    if typ is bool:
+        if not isinstance(value, bool):
+            raise bad("true or false")
+        return value
+    if typ is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad("an integer")
+        return value
+    if typ is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad("a number")
+        if not math.isfinite(value):
+            raise bad("a finite number")
+        return float(value)
+    if typ is str:
+        if not isinstance(value, str):
+            raise bad("a string")
+        return value
+    if typ is dict:
+        if not isinstance(value, dict):
+            raise bad("an object")
+        return dict(value)
+    if typ is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise bad("a list")
+        return tuple(_convert(v, float, source, key) for v in value)
+    if isinstance(typ, types.UnionType):  # pragma: no cover - not used yet
+        raise TypeError(typ)
+    raise TypeError(f"unsupported config type {typ!r} for {key}")
+
+
+def _build(cls, data: Mapping[str, Any], source: str, prefix: str):
+    if not isinstance(data, Mapping):
+        raise ConfigError(source, prefix.rstrip(".") or "(top level)", "expected an object")
+    kinds = _field_types(cls)
+    kwargs = {}
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if key not in kinds:
+            raise _unknown_key(source, dotted, list(kinds))
+        typ = kinds[key]
+        if dataclasses.is_dataclass(typ):
+            kwargs[key] = _build(typ, value, source, dotted + ".")
+        else:
+            kwargs[key] = _convert(value, typ, source, dotted)
+    return cls(**kwargs)
+
+
+def _parse_override(text: str) -> tuple[str, Any]:
+    """``--train.lr=3e-4`` -> ("train.lr", 0.0003); values are JSON, else plain strings."""
+    if not text.startswith("--") or "=" not in text:
+        raise ConfigError("command line", text, "overrides look like --section.key=value")
+    key, raw = text[2:].split("=", 1)
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw
+    return key, value
+
+
+def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
+    """Return a copy of the raw config dict with dotted overrides set."""
+    data = json.loads(json.dumps(data))
+    for text in overrides:
+        key, value = _parse_override(text)
+        parts = key.split(".")
+        if len(parts) < 2:
+            raise ConfigError("command line", key, "name a section and a key, e.g. --train.lr=3e-4")
+        node = data
+        cls: Any = RunConfig
+        for i, part in enumerate(parts[:-1]):
+            dotted = ".".join(parts[: i + 1])
+            if cls is not None:
+                kinds = _field_types(cls)
+                if part not in kinds:
+                    raise _unknown_key("command line", dotted, list(kinds))
+                cls = kinds[part] if dataclasses.is_dataclass(kinds[part]) else None
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError("command line", dotted, "is not a section")
+            node = child
+        if cls is not None and parts[-1] not in _field_types(cls):
+            raise _unknown_key("command line", key, list(_field_types(cls)))
+        node[parts[-1]] = value
+    return data
+
+
+# ---------------------------------------------------------------- validation
+
+def _check(cond: bool, source: str, key: str, problem: str) -> None:
+    if not cond:
+        raise ConfigError(source, key, problem)
+
+
+def validate(cfg: RunConfig, source: str) -> None:
+    """Reject impossible values; the model part is checked by the model's registry."""
+    t, d, ds, ck = cfg.train, cfg.data, cfg.deepspeed, cfg.checkpoint
+    for key, value in [("train.steps", t.steps), ("train.micro_batch", t.micro_batch),
+                       ("train.grad_accum", t.grad_accum), ("train.log_every", t.log_every),
+                       ("train.eval_batches", t.eval_batches), ("data.seq_len", d.seq_len),
+                       ("data.max_bytes", d.max_bytes), ("data.val_every", d.val_every),
+                       ("checkpoint.keep", ck.keep)]:
+        _check(value >= 1, source, key, f"must be at least 1, got {value}")
+    for key, value in [("train.eval_every", t.eval_every), ("checkpoint.every", ck.every),
+                       ("train.warmup_steps", t.warmup_steps), ("train.lr", t.lr),
+                       ("train.weight_decay", t.weight_decay), ("train.grad_clip", t.grad_clip)]:
+        _check(value >= 0, source, key, f"must not be negative, got {value}")
+    _check(0.0 <= t.min_lr_ratio <= 1.0, source, "train.min_lr_ratio",
+           f"must be within [0, 1], got {t.min_lr_ratio}")
+    _check(len(t.betas) == 2 and all(0.0 <= b < 1.0 for b in t.betas), source, "train.betas",
+           f"must be two numbers in [0, 1), got {list(t.betas)}")
+    _check(t.eps > 0, source, "train.eps", f"must be positive, got {t.eps}")
+    _check(ds.precision in ("auto", "fp32", "bf16", "fp16"), source, "deepspeed.precision",
+           f"must be auto, fp32, bf16 or fp16, got {ds.precision!r}")
+    _check(ds.activation_checkpointing in ("auto", True, False), source,
+           "deepspeed.activation_checkpointing",
+           f"must be auto, true or false, got {json.dumps(ds.activation_checkpointing)}")
+    _check(ds.zero_init in ("auto", True, False), source, "deepspeed.zero_init",
+           f"must be auto, true or false, got {json.dumps(ds.zero_init)}")
+    _check(0.0 < ds.margin <= 1.0, source, "deepspeed.margin", f"must be in (0, 1], got {ds.margin}")
+    for key in ("device_memory", "host_memory"):
+        value = getattr(ds, key)
+        if value is not None:
+            from dstrain.engine.profiles import parse_bytes
+            try:
+                parse_bytes(value)
+            except ValueError as err:
+                raise ConfigError(source, f"deepspeed.{key}", str(err)) from None
+    if ds.profile != "auto":
+        from dstrain.engine.ds_config import DSConfigError, resolve_profile_path
+        try:
+            resolve_profile_path(ds.profile)
+        except DSConfigError as err:
+            raise ConfigError(source, "deepspeed.profile", str(err)) from None
+    _check(bool(cfg.output.dir), source, "output.dir", "must not be empty")
+    _validate_model(cfg, source)
+
+
+def _validate_model(cfg: RunConfig, source: str) -> None:
+    from models import registry
+    try:
+        spec = registry.get_spec(cfg.model.name)
+    except KeyError as err:
+        raise ConfigError(source, "model.name", str(err.args[0])) from None
+    if cfg.model.size not in spec.sizes:
+        raise ConfigError(source, "model.size",
+                          f"unknown size {cfg.model.size!r} of {cfg.model.name}; "
+                          f"sizes: {', '.join(spec.sizes)}")
+    try:
+        mcfg = registry.make_model_config(cfg.model.name, cfg.model.size, cfg.model.args)
+    except (ValueError, TypeError) as err:
+        raise ConfigError(source, "model.args", str(err)) from None
+    block = getattr(mcfg, "block_size", None)
+    if block is not None and cfg.data.seq_len > block:
+        raise ConfigError(source, "data.seq_len",
+                          f"{cfg.data.seq_len} exceeds the model's block_size {block}")
+
+
+# ---------------------------------------------------------------- entry points
+
+def read_json(path: str | Path) -> dict:
+    """Read a JSON object; errors name the file, line and column."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ConfigError(str(path), "", f"cannot read: {err.strerror}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ConfigError(str(path), "", f"invalid JSON at line {err.lineno} column {err.colno}: {err.msg}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(str(path), "", "the top level must be a JSON object")
+    return data
+
+
+def run_config_from_dict(data: Mapping[str, Any], source: str = "<dict>",
+                         overrides: Sequence[str] = ()) -> RunConfig:
+    """Build and validate a RunConfig from a raw dict plus dotted overrides."""
+    merged = apply_overrides(dict(data), overrides)
+    # Errors in override values name the command line, errors in the file name the file.
+    override_keys = {_parse_override(o)[0] for o in overrides}
+    try:
+        cfg = _build(RunConfig, merged, source, "")
+        validate(cfg, source)
+    except ConfigError as err:
+        if err.key in override_keys:
+            raise ConfigError("command line", err.key, err.problem) from None
+        raise
+    return cfg
+
+
+def load_run_config(path: str | Path, overrides: Sequence[str] = ()) -> RunConfig:
+    """Load a recipe file, apply overrides, validate; raise ConfigError on any problem."""
+    return run_config_from_dict(read_json(path), str(path), overrides)
+
+
+def save_run_config(cfg: RunConfig, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")

@@ -1,0 +1,451 @@
+"""Read DeepSpeed JSON profiles, fill their "auto" values, reject what DeepSpeed would get wrong.
+
+DeepSpeed 0.19 silently ignores unknown top-level keys and silently drops a key set to
+"auto" inside a pydantic section, so a profile with a typo or an unfilled "auto" trains
+with a value nobody chose. This module fills every "auto" it knows from the run's own
+values, collects every disagreement between the file and the run, and raises them
+together in one :class:`DSConfigError`.
+
+The module is pure: no deepspeed or torch import.
+"""
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+AUTO = "auto"
+
+#: Every top-level key DeepSpeed 0.19.8 reads (deepspeed/runtime/config.py, runtime/constants.py,
+#: deepspeed/__init__.py and the section parsers they call).
+KNOWN_TOP_LEVEL_KEYS: frozenset[str] = frozenset({
+    # batch
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+    "managed_gradient_accumulation",
+    # optimizer / scheduler
+    "optimizer", "scheduler", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
+    "gradient_clipping",
+    # precision
+    "bf16", "bfloat16", "fp16", "torch_autocast", "data_types",
+    # communication
+    "communication_data_type", "seq_parallel_communication_data_type", "prescale_gradients",
+    "gradient_predivide_factor", "gradient_allreduce_op", "disable_allgather",
+    # ZeRO and parallelism
+    "zero_optimization", "pipeline", "tensor_parallel", "expert_parallel",
+    "use_data_before_expert_parallelism", "sequence_parallel_size", "data_parallel_size",
+    "hybrid_engine",
+    # memory / activations
+    "activation_checkpointing", "aio",
+    # logging and monitoring
+    "steps_per_print", "wall_clock_breakdown", "memory_breakdown", "dump_state", "log_level",
+    "flops_profiler", "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger", "timers",
+    # checkpointing
+    "checkpoint", "datastates_ckpt",
+    # misc
+    "compile", "autotuning", "data_efficiency", "dataloader_drop_last", "disable_python_gc",
+    "vocabulary_size", "weight_quantization",
+})
+
+#: Top-level keys DeepSpeed 0.19 removed; DeepSpeed itself raises on them at start-up.
+REMOVED_TOP_LEVEL_KEYS: dict[str, str] = {
+    "amp": "NVIDIA Apex AMP was removed from DeepSpeed; use bf16, fp16 or torch_autocast",
+    "elasticity": "elastic training was removed from DeepSpeed; set the batch keys directly",
+    "nebula": "Nebula checkpointing was removed from DeepSpeed",
+    "compression_training": "the compression library was removed from DeepSpeed",
+    "quantize_training": "MoQ / quantize_training was removed from DeepSpeed",
+    "sparse_gradients": "sparse_gradients was removed from DeepSpeed",
+    "eigenvalue": "eigenvalue MoQ was removed from DeepSpeed",
+    "sparse_attention": "sparse attention was removed from DeepSpeed",
+    "graph_harvesting": "graph harvesting was removed from DeepSpeed",
+    "curriculum_learning": "use data_efficiency.data_sampling.curriculum_learning instead",
+    "progressive_layer_drop": "progressive layer drop was removed from DeepSpeed",
+}
+
+#: Places where "auto" is a value DeepSpeed itself understands, so it is left alone.
+DEEPSPEED_NATIVE_AUTO: frozenset[str] = frozenset({
+    "pipeline.stages", "data_types.keep_in_fp32_modules",
+    "zero_optimization.zenflow.select_strategy", "zero_optimization.zenflow.select_interval",
+    "zero_optimization.zenflow.update_interval",
+    "expert_parallel.score_apply", "expert_parallel.combine_impl",
+    "expert_parallel.row_weighting_impl", "expert_parallel.score_func", "expert_parallel.top_k",
+    "expert_parallel.routed_scaling_factor",
+})
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+_REL_TOL = 1e-6
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+_ADAM_TYPES = {"adam", "adamw", "fusedadam", "cpuadam", "deepspeedcpuadam"}
+# scheduler type (lower case) -> params filled even when the key is missing, because
+# DeepSpeed's defaults for them (1000 warm-up steps, lr 1e-3, ...) are never what the run means
+_SCHED_FILL_MISSING = {
+    "warmupcosinelr": ("total_num_steps", "warmup_num_steps", "cos_min_ratio"),
+    "warmupdecaylr": ("total_num_steps", "warmup_num_steps", "warmup_max_lr"),
+    "warmuplr": ("warmup_num_steps", "warmup_max_lr"),
+}
+
+
+class DSConfigError(ValueError):
+    """A DeepSpeed JSON profile that dstrain refuses; the message names the file and every problem."""
+
+    def __init__(self, source: str, problems: str | list[str]):
+        self.source = str(source)
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        if len(self.problems) == 1:
+            msg = f"{self.source}: {self.problems[0]}"
+        else:
+            body = "\n".join(f"  - {p}" for p in self.problems)
+            msg = f"{self.source}: {len(self.problems)} problems:\n{body}"
+        super().__init__(msg)
+
+
+def ds_configs_dir() -> Path:
+    """The folder of shipped profiles: ``$DSTRAIN_DS_CONFIGS`` if set, else the repo's ``ds_configs/``."""
+    env = os.environ.get("DSTRAIN_DS_CONFIGS")
+    if env:
+        return Path(env).expanduser()
+    return Path(__file__).resolve().parents[2] / "ds_configs"
+
+
+def list_profiles() -> list[str]:
+    """Names (file stems) of the ``*.json`` profiles in :func:`ds_configs_dir`, sorted."""
+    folder = ds_configs_dir()
+    if not folder.is_dir():
+        return []
+    return sorted(p.stem for p in folder.glob("*.json") if p.is_file())
+
+
+def resolve_profile_path(name_or_path: str) -> Path:
+    """Turn a profile name (``"zero2"``) or a path to a ``.json`` file into an existing path."""
+    text = str(name_or_path)
+    as_path = Path(text).expanduser()
+    looks_like_path = text.endswith(".json") or os.sep in text or "/" in text
+    if looks_like_path:
+        if as_path.is_file():
+            return as_path
+        if text.endswith(".json") and os.sep not in text and "/" not in text:
+            candidate = ds_configs_dir() / text
+            if candidate.is_file():
+                return candidate
+        raise DSConfigError(text, "no such DeepSpeed config file")
+    candidate = ds_configs_dir() / f"{text}.json"
+    if candidate.is_file():
+        return candidate
+    names = list_profiles()
+    hint = difflib.get_close_matches(text, names, n=1)
+    msg = f"unknown DeepSpeed profile {text!r}; available in {ds_configs_dir()}: {', '.join(names) or '(none)'}"
+    if hint:
+        msg += f" (did you mean {hint[0]!r}?)"
+    raise DSConfigError(text, msg)
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+def load_ds_json(path) -> dict:
+    """Read a DeepSpeed JSON file; bad JSON or duplicate keys give a DSConfigError with line and column."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise DSConfigError(str(path), f"cannot read: {exc.strerror or exc}") from exc
+    try:
+        data = json.loads(text, object_pairs_hook=_no_duplicates)
+    except json.JSONDecodeError as exc:
+        raise DSConfigError(str(path), f"invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from exc
+    except ValueError as exc:  # duplicate key
+        raise DSConfigError(str(path), str(exc)) from exc
+    if not isinstance(data, dict):
+        raise DSConfigError(str(path), f"top level must be a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _top_level_problems(cfg: dict) -> list[str]:
+    problems = []
+    for key in cfg:
+        if key in KNOWN_TOP_LEVEL_KEYS:
+            continue
+        if key in REMOVED_TOP_LEVEL_KEYS:
+            problems.append(f"top-level key {key!r} is no longer supported: {REMOVED_TOP_LEVEL_KEYS[key]}")
+            continue
+        hint = difflib.get_close_matches(str(key), sorted(KNOWN_TOP_LEVEL_KEYS), n=1, cutoff=0.6)
+        suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
+        problems.append(f"unknown top-level key {key!r}{suggestion}; DeepSpeed would silently ignore it")
+    return problems
+
+
+def validate_top_level(cfg: dict, source: str) -> None:
+    """Reject unknown or removed top-level keys, all of them at once, each with a close-match hint."""
+    if not isinstance(cfg, dict):
+        raise DSConfigError(source, f"config must be a JSON object, got {type(cfg).__name__}")
+    problems = _top_level_problems(cfg)
+    if problems:
+        raise DSConfigError(source, problems)
+
+
+@dataclass(frozen=True)
+class RunValues:
+    """The run's own numbers that a profile's "auto" entries stand for."""
+
+    micro_batch: int
+    grad_accum: int
+    dp_world_size: int
+    lr: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+    grad_clip: float
+    precision: str  # "fp32" | "bf16" | "fp16"
+    hidden_size: int
+    total_steps: int
+    warmup_steps: int
+    min_lr_ratio: float
+
+    def __post_init__(self):
+        for name in ("micro_batch", "grad_accum", "dp_world_size", "hidden_size", "total_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"RunValues.{name} must be a positive int, got {value!r}")
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"RunValues.warmup_steps must be a non-negative int, got {self.warmup_steps!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"RunValues.precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if len(tuple(self.betas)) != 2:
+            raise ValueError(f"RunValues.betas must be two numbers, got {self.betas!r}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"RunValues.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+
+    @property
+    def train_batch_size(self) -> int:
+        """Global batch: micro-batch x gradient accumulation x data-parallel ranks."""
+        return self.micro_batch * self.grad_accum * self.dp_world_size
+
+
+def _is_auto(value) -> bool:
+    return isinstance(value, str) and value.strip().lower() == AUTO
+
+
+def _same(file_value, run_value) -> bool:
+    """Compare a file value with a run value: ints exactly, floats with a relative tolerance."""
+    if isinstance(run_value, (tuple, list)):
+        if not isinstance(file_value, (tuple, list)) or len(file_value) != len(run_value):
+            return False
+        return all(_same(f, r) for f, r in zip(file_value, run_value))
+    if isinstance(run_value, bool) or isinstance(file_value, bool):
+        return file_value is run_value
+    if not isinstance(file_value, (int, float)):
+        return False
+    if isinstance(run_value, int) and isinstance(file_value, int):
+        return file_value == run_value
+    return math.isclose(float(file_value), float(run_value), rel_tol=_REL_TOL, abs_tol=1e-12)
+
+
+def _fmt(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_fmt(v) for v in value) + "]"
+    return json.dumps(value) if isinstance(value, str) else repr(value)
+
+
+def _fill(section: dict, key: str, value, path: str, problems: list[str], *,
+          fill_missing: bool, run_text: str | None = None) -> None:
+    """Fill ``section[key]`` if "auto" (or missing and ``fill_missing``); else record a mismatch."""
+    if key not in section:
+        if fill_missing:
+            section[key] = value
+        return
+    current = section[key]
+    if _is_auto(current):
+        section[key] = value
+    elif not _same(current, value):
+        problems.append(f"{path}: file says {_fmt(current)}, run gives {run_text or _fmt(value)}")
+
+
+def _fill_batch(cfg: dict, v: RunValues, problems: list[str]) -> None:
+    run = {"train_batch_size": v.train_batch_size, "train_micro_batch_size_per_gpu": v.micro_batch,
+           "gradient_accumulation_steps": v.grad_accum}
+    explicit = {k: cfg[k] for k in _BATCH_KEYS if k in cfg and not _is_auto(cfg[k])}
+    for key, value in explicit.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            problems.append(f"{key}: must be a positive integer or \"auto\", file says {_fmt(value)}")
+    if len(explicit) == 3 and all(isinstance(x, int) and not isinstance(x, bool) for x in explicit.values()):
+        tb, mb, ga = (explicit[k] for k in _BATCH_KEYS)
+        if tb != mb * ga * v.dp_world_size:
+            problems.append(
+                f"batch keys disagree among themselves: train_batch_size {tb} != train_micro_batch_size_per_gpu "
+                f"{mb} x gradient_accumulation_steps {ga} x {v.dp_world_size} data-parallel ranks = "
+                f"{mb * ga * v.dp_world_size} (DeepSpeed asserts this at start-up)")
+    run_text = {"train_batch_size": f"{v.micro_batch} x {v.grad_accum} x {v.dp_world_size} = {v.train_batch_size} "
+                                    "(micro-batch x grad-accum x data-parallel ranks)"}
+    for key in _BATCH_KEYS:
+        _fill(cfg, key, run[key], key, problems, fill_missing=True, run_text=run_text.get(key))
+
+
+def _fill_optimizer(cfg: dict, v: RunValues, problems: list[str]) -> None:
+    opt = cfg.get("optimizer")
+    if opt is None:
+        return
+    if not isinstance(opt, dict):
+        problems.append(f"optimizer: must be an object, file says {_fmt(opt)}")
+        return
+    is_adam = str(opt.get("type", "")).lower() in _ADAM_TYPES
+    params = opt.get("params")
+    if params is None and is_adam:
+        params = opt["params"] = {}
+    if not isinstance(params, dict):
+        return
+    run = {"lr": v.lr, "betas": [float(b) for b in v.betas], "eps": v.eps, "weight_decay": v.weight_decay}
+    for key, value in run.items():
+        # lr always matters; the Adam family also silently defaults the others
+        _fill(params, key, value, f"optimizer.params.{key}", problems, fill_missing=is_adam or key == "lr")
+
+
+def _fill_scheduler(cfg: dict, v: RunValues, problems: list[str]) -> None:
+    sched = cfg.get("scheduler")
+    if sched is None:
+        return
+    if not isinstance(sched, dict):
+        problems.append(f"scheduler: must be an object, file says {_fmt(sched)}")
+        return
+    params = sched.get("params")
+    fill_missing = _SCHED_FILL_MISSING.get(str(sched.get("type", "")).lower(), ())
+    if params is None and fill_missing:
+        params = sched["params"] = {}
+    if not isinstance(params, dict):
+        return
+    # DeepSpeed's warm-up schedulers need warmup_num_steps >= 1 (and use at least 2 internally)
+    run = {"total_num_steps": v.total_steps, "warmup_num_steps": max(1, v.warmup_steps),
+           "cos_min_ratio": v.min_lr_ratio, "warmup_max_lr": v.lr}
+    for key, value in run.items():
+        _fill(params, key, value, f"scheduler.params.{key}", problems, fill_missing=key in fill_missing)
+    for key, default in (("warmup_min_ratio", 0.0), ("warmup_min_lr", 0.0)):
+        if _is_auto(params.get(key)):
+            params[key] = default
+
+
+def _fill_precision(cfg: dict, v: RunValues, problems: list[str]) -> None:
+    bf16_key = "bf16" if "bf16" in cfg or "bfloat16" not in cfg else "bfloat16"
+    enabled = {}
+    for key, kind in ((bf16_key, "bf16"), ("fp16", "fp16")):
+        want = v.precision == kind
+        section = cfg.get(key)
+        if section is None:
+            if want:
+                cfg[key] = {"enabled": True}
+            enabled[kind] = want
+            continue
+        if not isinstance(section, dict):
+            problems.append(f"{key}: must be an object, file says {_fmt(section)}")
+            continue
+        current = section.get("enabled", AUTO)
+        if _is_auto(current):
+            section["enabled"] = want
+        elif not isinstance(current, bool):
+            problems.append(f"{key}.enabled: must be true, false or \"auto\", file says {_fmt(current)}")
+        elif current != want:
+            problems.append(f"{key}.enabled: file says {_fmt(current)}, run precision is {v.precision}")
+        enabled[kind] = section.get("enabled") is True
+    if enabled.get("bf16") and enabled.get("fp16"):
+        problems.append("fp16.enabled and bf16.enabled are both true; DeepSpeed allows only one")
+
+
+def _offloads(zo: dict, key: str, legacy: str) -> bool:
+    block = zo.get(key)
+    if isinstance(block, dict) and str(block.get("device", "none")).lower() not in ("none", "auto"):
+        return True
+    return zo.get(legacy) is True
+
+
+def _fill_zero(cfg: dict, v: RunValues, problems: list[str]) -> None:
+    zo = cfg.get("zero_optimization")
+    if zo is None or isinstance(zo, bool):
+        return
+    if not isinstance(zo, dict):
+        problems.append(f"zero_optimization: must be an object, file says {_fmt(zo)}")
+        return
+    h = v.hidden_size
+    sizes = {"reduce_bucket_size": h * h, "allgather_bucket_size": h * h,
+             "stage3_prefetch_bucket_size": int(0.9 * h * h), "prefetch_bucket_size": int(0.9 * h * h),
+             "stage3_param_persistence_threshold": 10 * h, "param_persistence_threshold": 10 * h}
+    for key, value in sizes.items():
+        if _is_auto(zo.get(key)):
+            zo[key] = value
+    stage = zo.get("stage", 0)
+    if _is_auto(stage):
+        return  # reported as a leftover "auto": the stage is the profile's own choice
+    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage <= 3:
+        problems.append(f"zero_optimization.stage: must be 0, 1, 2 or 3, file says {_fmt(stage)}")
+        return
+    if stage < 3 and _offloads(zo, "offload_param", "cpu_offload_param"):
+        problems.append(f"zero_optimization.offload_param: parameter offload is only valid with ZeRO stage 3, "
+                        f"file has stage {stage} (DeepSpeed would silently keep parameters on the device)")
+
+
+def _leftover_autos(node, path: str, found: list[str]) -> None:
+    if isinstance(node, dict):
+        for key, value in node.items():
+            _leftover_autos(value, f"{path}.{key}" if path else str(key), found)
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            _leftover_autos(value, f"{path}[{i}]", found)
+    elif _is_auto(node) and path not in DEEPSPEED_NATIVE_AUTO:
+        found.append(path)
+
+
+def fill_ds_config(template: dict, values: RunValues, source: str) -> dict:
+    """Return a filled deep copy of ``template``; every problem is raised together in one DSConfigError.
+
+    Fills "auto" (and a missing batch key, gradient_clipping, Adam params and the warm-up
+    scheduler's step counts) from ``values``: the three batch keys, gradient_clipping,
+    optimizer lr/betas/eps/weight_decay, scheduler total_num_steps / warmup_num_steps (at
+    least 1, DeepSpeed refuses 0) / cos_min_ratio / warmup_max_lr (= lr) / warmup_min_ratio
+    and warmup_min_lr (0.0), bf16/fp16 ``enabled`` from ``values.precision`` (adding the
+    section when the run needs it), and ZeRO bucket sizes from the hidden size h:
+    reduce/allgather buckets h*h, stage3 prefetch 0.9*h*h, stage3 persistence threshold 10*h.
+
+    Rejected: explicit values that disagree with the run (floats with a relative tolerance),
+    explicit batch keys that disagree among themselves, "auto" anywhere else (named by dotted
+    path, since DeepSpeed would silently drop it), unknown top-level keys, offload_param
+    below stage 3, and fp16 with bf16.
+    """
+    if not isinstance(template, dict):
+        raise DSConfigError(source, f"config must be a JSON object, got {type(template).__name__}")
+    cfg = copy.deepcopy(template)
+    problems = _top_level_problems(cfg)
+    _fill_batch(cfg, values, problems)
+    _fill(cfg, "gradient_clipping", float(values.grad_clip), "gradient_clipping", problems, fill_missing=True)
+    _fill_optimizer(cfg, values, problems)
+    _fill_scheduler(cfg, values, problems)
+    _fill_precision(cfg, values, problems)
+    _fill_zero(cfg, values, problems)
+    leftovers: list[str] = []
+    _leftover_autos(cfg, "", leftovers)
+    problems += [f"{p}: \"auto\" is not a value dstrain can fill (DeepSpeed would silently drop it); "
+                 "set it explicitly" for p in leftovers]
+    if problems:
+        raise DSConfigError(source, problems)
+    return cfg
+
+
+def describe_zero(cfg: dict) -> dict:
+    """Summarise a config's ZeRO setup: ``{"stage", "offload_optimizer", "offload_param"}``."""
+    zo = cfg.get("zero_optimization", {})
+    if isinstance(zo, bool):  # DeepSpeed's deprecated boolean form means stage 1
+        return {"stage": 1 if zo else 0, "offload_optimizer": False, "offload_param": False}
+    if not isinstance(zo, dict):
+        zo = {}
+    stage = zo.get("stage", 0)
+    return {"stage": int(stage) if isinstance(stage, int) else 0,
+            "offload_optimizer": _offloads(zo, "offload_optimizer", "cpu_offload"),
+            "offload_param": _offloads(zo, "offload_param", "cpu_offload_param")}

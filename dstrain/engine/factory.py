@@ -1,0 +1,240 @@
+"""The engine factory: run config + model -> a resolved DeepSpeed config -> an engine.
+
+:func:`plan_engine` is the decision (pure apart from measuring the machine):
+which profile, precision and activation checkpointing, and the DeepSpeed JSON
+with every "auto" filled. :func:`create_engine` is the one place in dstrain that
+calls ``deepspeed.initialize``; trainers see the narrow :class:`Engine`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import math
+
+import torch
+
+from dstrain.config import RunConfig, TrainConfig
+from dstrain.engine import ds_config as dsc
+from dstrain.engine import hardware
+from dstrain.engine.profiles import (Plan, choose_plan, choose_precision, format_plan)
+
+
+@dataclass
+class EnginePlan:
+    """Everything decided before DeepSpeed starts."""
+
+    profile: str
+    """Profile name (or the JSON path the user gave)."""
+    ds_config: dict
+    """Resolved DeepSpeed JSON: no "auto" left."""
+    precision: str
+    activation_checkpointing: bool
+    explanation: str
+    """Human-readable table and reason, as ``dstrain plan`` prints it."""
+    plan: Plan | None = None
+    shard_at_build: bool = False
+    """ZeRO-3 only: build under ``zero.Init`` because one full copy per rank would not fit in RAM."""
+
+    @property
+    def zero(self) -> dict:
+        return dsc.describe_zero(self.ds_config)
+
+
+def _model_parts(cfg: RunConfig):
+    from models import registry
+    spec = registry.get_spec(cfg.model.name)
+    mcfg = registry.make_model_config(cfg.model.name, cfg.model.size, cfg.model.args)
+    return spec, mcfg
+
+
+def _file_precision(template: dict) -> str | None:
+    """The precision a DeepSpeed JSON fixes explicitly, if any."""
+    for key in ("bf16", "fp16"):
+        if template.get(key, {}).get("enabled") is True:
+            return key
+    return None
+
+
+def run_values(cfg: RunConfig, world_size: int, precision: str, hidden_size: int) -> dsc.RunValues:
+    t = cfg.train
+    return dsc.RunValues(
+        micro_batch=t.micro_batch, grad_accum=t.grad_accum, dp_world_size=world_size,
+        lr=t.lr, betas=tuple(t.betas), eps=t.eps, weight_decay=t.weight_decay,
+        grad_clip=t.grad_clip, precision=precision, hidden_size=hidden_size,
+        total_steps=t.steps, warmup_steps=t.warmup_steps, min_lr_ratio=t.min_lr_ratio)
+
+
+def plan_engine(cfg: RunConfig, world_size: int, hw=None, hw_notes: str = "",
+                ranks_per_node: int | None = None, device_type: str | None = None) -> EnginePlan:
+    """Choose profile, precision and activation checkpointing and fill the DeepSpeed JSON."""
+    spec, mcfg = _model_parts(cfg)
+    build = lambda: spec.build(mcfg)  # noqa: E731
+    stats = hardware.model_stats(build)
+    if hw is None:
+        hw, hw_notes = hardware.detect_hardware(cfg.deepspeed.device_memory, cfg.deepspeed.host_memory,
+                                                ranks_per_node=ranks_per_node or min(world_size, 8),
+                                                device_type=device_type)
+    acts = hardware.trace_activations(
+        build, cfg.data.seq_len, getattr(mcfg, "vocab_size", 0),
+        lambda m, flag: spec.parallelize(m, activation_checkpointing=flag))
+    ds = cfg.deepspeed
+    plan = choose_plan(stats, hw, acts, world_size, cfg.train.micro_batch,
+                       precision=ds.precision, activation_checkpointing=ds.activation_checkpointing,
+                       margin=ds.margin)
+    if ds.profile == "auto":
+        profile, precision, ckpt = plan.profile, plan.precision, plan.activation_checkpointing
+        why = f"profile {profile}: {plan.reason}"
+    else:
+        template = dsc.load_ds_json(dsc.resolve_profile_path(ds.profile))
+        requested = ds.precision if ds.precision != "auto" else (_file_precision(template) or "auto")
+        precision, _ = choose_precision(hw, requested)
+        profile = ds.profile
+        ckpt = ds.activation_checkpointing is True
+        why = f"profile {profile}: named in the run config (the factory would pick {plan.profile})"
+    template = dsc.load_ds_json(dsc.resolve_profile_path(profile))
+    source = str(dsc.resolve_profile_path(profile))
+    resolved = dsc.fill_ds_config(template, run_values(cfg, world_size, precision, stats.hidden_size), source)
+    table = format_plan(plan, stats, hw, world_size, cfg.train.micro_batch)
+    explanation = "\n".join(x for x in (hw_notes, table, why,
+                                        f"precision {precision}, activation checkpointing "
+                                        f"{'on' if ckpt else 'off'}") if x)
+    # A full fp32 copy of the model on every local rank at once must leave half the RAM free.
+    shard = (4 * stats.params * hw.ranks_per_node > 0.5 * hw.host_memory
+             if ds.zero_init == "auto" else ds.zero_init)
+    return EnginePlan(profile=profile, ds_config=resolved, precision=precision,
+                      activation_checkpointing=ckpt, explanation=explanation, plan=plan,
+                      shard_at_build=shard)
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices and embeddings, not biases and norm gains (nanoGPT's rule)."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        ndim = len(getattr(p, "ds_shape", p.shape))
+        (decay if ndim >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+class WarmupCosine:
+    """Learning-rate factor for optimizer step k (0-based): linear warm-up, then cosine.
+
+    ``(k + 1) / warmup`` for k < warmup (so the first step already learns), then a
+    cosine from 1 down to ``min_ratio`` reached at k = total. Used when the
+    DeepSpeed JSON has no "scheduler" section (DeepSpeed's WarmupCosineLR spends
+    its first two steps at learning rate 0).
+    """
+
+    def __init__(self, warmup: int, total: int, min_ratio: float):
+        self.warmup, self.total, self.min_ratio = warmup, total, min_ratio
+
+    def __call__(self, k: int) -> float:
+        if k < self.warmup:
+            return (k + 1) / self.warmup
+        progress = min(1.0, (k - self.warmup) / max(1, self.total - self.warmup))
+        return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def scheduler_factory(train: TrainConfig):
+    """A callable DeepSpeed turns into the scheduler: optimizer -> LambdaLR."""
+    schedule = WarmupCosine(train.warmup_steps, train.steps, train.min_lr_ratio)
+    return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+
+
+class Engine:
+    """The narrow interface trainers use: forward, backward, step, save, load."""
+
+    def __init__(self, ds_engine, plan: EnginePlan):
+        self.ds = ds_engine
+        self.plan = plan
+
+    def __call__(self, *args, **kwargs):
+        return self.ds(*args, **kwargs)
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.ds.module
+
+    @property
+    def device(self) -> torch.device:
+        return self.ds.device
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.ds.backward(loss)
+
+    def step(self) -> None:
+        self.ds.step()
+
+    def train(self) -> None:
+        self.ds.train()
+
+    def eval(self) -> None:
+        self.ds.eval()
+
+    @property
+    def lr(self) -> float:
+        return float(self.ds.get_lr()[0])
+
+    @property
+    def grad_norm(self) -> float | None:
+        norm = self.ds.get_global_grad_norm()
+        if norm is None:
+            return None
+        return float(norm.item() if torch.is_tensor(norm) else norm)
+
+    def save(self, save_dir: str, tag: str, client_state: dict | None = None) -> None:
+        self.ds.save_checkpoint(save_dir, tag=tag, client_state=client_state or {}, save_latest=False)
+
+    def load(self, load_dir: str, tag: str) -> dict:
+        path, client_state = self.ds.load_checkpoint(load_dir, tag=tag)
+        if path is None:
+            raise FileNotFoundError(f"DeepSpeed could not load checkpoint {tag} from {load_dir}")
+        return client_state or {}
+
+
+def _init_sharded(model: torch.nn.Module) -> None:
+    """Re-run the model's initialisation one module at a time on gathered parameters.
+
+    Under ``zero.Init`` every submodule is partitioned as soon as its own
+    ``__init__`` returns, so a model-wide init written afterwards touches empty
+    shards. Models that expose ``init_module(name, module)`` get it replayed here
+    in construction order (same random numbers as an unsharded build); rank 0's
+    values are kept.
+    """
+    import deepspeed
+
+    init = getattr(model, "init_module", None)
+    if init is None:
+        return
+    for name, module in model.named_modules():
+        params = list(module.parameters(recurse=False))
+        if params:
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+                init(name, module)
+
+
+def create_engine(build_model: Callable[[], torch.nn.Module],
+                  parallelize: Callable[..., Any], plan: EnginePlan,
+                  train: TrainConfig) -> Engine:
+    """Build the model (sharded at construction under ZeRO-3) and start DeepSpeed.
+
+    This is the only call of ``deepspeed.initialize`` in dstrain. The learning
+    rate follows the JSON's "scheduler" if it has one, else :class:`WarmupCosine`.
+    """
+    import deepspeed
+
+    if plan.zero["stage"] == 3 and plan.shard_at_build:
+        with deepspeed.zero.Init(config_dict_or_path=plan.ds_config):
+            model = build_model()
+        _init_sharded(model)
+    else:
+        model = build_model()
+    model = parallelize(model, activation_checkpointing=plan.activation_checkpointing)
+    scheduler = None if "scheduler" in plan.ds_config else scheduler_factory(train)
+    ds_engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=param_groups(model, train.weight_decay),
+        lr_scheduler=scheduler, config=plan.ds_config)
+    return Engine(ds_engine, plan)

@@ -1,0 +1,198 @@
+"""What the factory needs to know about the machine and the model, measured.
+
+* :func:`detect_hardware` - device type, memory one rank may use, host memory, and
+  whether bf16 is fast here (CUDA: the device says so; CPU: a timed matmul).
+* :func:`model_stats` - parameter count and largest module, from a build on the
+  meta device (no memory, so it works for sizes that would not fit here).
+* :func:`trace_activations` - bytes saved for backward by one forward at micro-batch
+  1, with and without activation checkpointing, counted by autograd's saved-tensor
+  hooks on meta tensors: the model's real graph, at no memory or compute cost.
+* :func:`matmul_peak_flops` - a measured matmul rate, the MFU reference on a CPU.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from dstrain.engine.profiles import Activations, Hardware, ModelStats, parse_bytes
+
+
+@dataclass(frozen=True)
+class MatmulRate:
+    dtype: str
+    size: int
+    flops_per_s: float
+
+
+def matmul_rate(dtype: torch.dtype, size: int, device: str = "cpu", min_time: float = 0.2) -> MatmulRate:
+    """Time ``size``^3 matmuls of ``dtype`` for at least ``min_time`` seconds."""
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    (a @ b).sum().item()  # warm-up
+    n, start = 0, time.perf_counter()
+    while True:
+        c = a @ b
+        n += 1
+        if device != "cpu":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        if elapsed >= min_time:
+            break
+    del c
+    return MatmulRate(str(dtype).replace("torch.", ""), size, 2.0 * size ** 3 * n / elapsed)
+
+
+def cpu_bf16_flags() -> list[str]:
+    """Native bf16 instruction sets the kernel reports for this CPU (Linux only)."""
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return []
+    return sorted({f for f in ("avx512_bf16", "amx_bf16") if f" {f}" in text})
+
+
+def cpu_bf16_is_fast(size: int = 512, min_speedup: float = 1.5) -> tuple[bool, str]:
+    """Measure bf16 against fp32 matmul speed on this CPU; bf16 wins only if clearly faster.
+
+    Without native bf16 (no AVX512-BF16/AMX) PyTorch emulates 16-bit matmuls and
+    bf16 runs hundreds of times slower; with it, about 2-5x faster. The casts
+    of mixed precision cost something, hence ``min_speedup``.
+    """
+    fp32 = matmul_rate(torch.float32, size, min_time=0.1)
+    bf16 = matmul_rate(torch.bfloat16, size, min_time=0.1)
+    speedup = bf16.flops_per_s / fp32.flops_per_s
+    flags = cpu_bf16_flags()
+    note = (f"measured {size}^3 matmul: fp32 {fp32.flops_per_s / 1e9:.1f} GFLOP/s, bf16 "
+            f"{bf16.flops_per_s / 1e9:.2f} GFLOP/s ({speedup:.2f}x); native bf16: "
+            f"{', '.join(flags) or 'none reported'}")
+    return speedup >= min_speedup, note
+
+
+def local_world_size() -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("DSTRAIN_LOCAL_RANKS", "1")))
+
+
+def detect_hardware(device_memory=None, host_memory=None, ranks_per_node: int | None = None,
+                    device_type: str | None = None) -> tuple[Hardware, str]:
+    """Describe this machine as the planner sees it; returns (hardware, notes).
+
+    ``device_memory``/``host_memory`` ("80GB", bytes) override what is detected,
+    which is how ``dstrain plan --device-memory 80GB`` plans for a GPU elsewhere.
+    """
+    import psutil
+
+    ranks = ranks_per_node or local_world_size()
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    host = parse_bytes(host_memory) if host_memory is not None else psutil.virtual_memory().total
+    notes = []
+    if device_type == "cuda" and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        mem = props.total_memory
+        bf16 = torch.cuda.is_bf16_supported()
+        name = props.name
+        notes.append(f"{name}: {mem / 2**30:.1f} GiB, bf16 {'supported' if bf16 else 'not supported'}")
+    elif device_type == "cuda":
+        # Planning for GPUs from a machine without one: assume a modern (bf16) GPU.
+        mem, bf16, name = parse_bytes(device_memory or "80GB"), True, "cuda (assumed)"
+        notes.append("no GPU here: planning for a bf16-capable GPU")
+    else:
+        mem = host // max(ranks, 1)
+        bf16, speed = cpu_bf16_is_fast()
+        name = "cpu"
+        notes.append(speed + ("; bf16 is faster" if bf16 else "; bf16 is slower: fp32"))
+        notes.append(f"CPU budget: {host / 2**30:.1f} GiB RAM / {ranks} local rank(s)")
+    if device_memory is not None:
+        mem = parse_bytes(device_memory)
+        notes.append(f"device memory set to {mem / 1e9:.1f} GB")
+    hw = Hardware(device_type=device_type, device_memory=int(mem), host_memory=int(host),
+                  ranks_per_node=ranks, bf16_supported_fast=bool(bf16),
+                  fp16_supported=device_type == "cuda", name=name)
+    return hw, "; ".join(notes)
+
+
+def model_stats(build: Callable[[], torch.nn.Module]) -> ModelStats:
+    """Count parameters of a model built on the meta device.
+
+    The largest module is the one owning the most parameters directly (what
+    ZeRO-3 gathers at once); tied parameters are counted once.
+    """
+    with torch.device("meta"):
+        model = build()
+    seen, total, largest = set(), 0, 0
+    for module in model.modules():
+        own = 0
+        for p in module.parameters(recurse=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                own += p.numel()
+        total += own
+        largest = max(largest, own)
+    return ModelStats(params=total, largest_module_params=largest,
+                      hidden_size=int(getattr(model, "hidden_size", 0)),
+                      num_layers=int(getattr(model, "num_layers", 0)))
+
+
+def _saved_bytes(model: torch.nn.Module, make_batch: Callable[[], tuple]) -> int:
+    """Bytes autograd saves for backward during one forward (distinct storages)."""
+    storages: dict[tuple, int] = {}
+
+    def pack(t: torch.Tensor):
+        # Meta tensors have no addresses: identify a storage by the tensor's base object.
+        base = t._base if t._base is not None else t
+        key = (id(base), base.dtype)
+        storages[key] = max(storages.get(key, 0), base.numel() * base.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(*make_batch())
+    # Parameters are saved by reference by matmuls; they are model states, not activations.
+    params = {id(p) for p in model.parameters()}
+    total = sum(v for (k, _), v in storages.items() if k not in params)
+    loss.backward()
+    return total
+
+
+def trace_activations(build: Callable[[], torch.nn.Module], seq_len: int, vocab_size: int,
+                      set_checkpointing: Callable[[torch.nn.Module, bool], None]) -> Activations:
+    """Activation bytes at micro-batch 1 in fp32, with and without checkpointing."""
+    with torch.device("meta"):
+        model = build()
+    model.train()
+
+    def batch():
+        ids = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
+        return ids, ids
+
+    plain = _saved_bytes(model, batch)
+    set_checkpointing(model, True)
+    ckpt = _saved_bytes(model, batch)
+    set_checkpointing(model, False)
+    return Activations(per_sample=plain, per_sample_checkpointed=ckpt)
+
+
+# Dense peak of common GPUs (FLOP/s) for MFU, by substring of the device name.
+GPU_PEAK_FLOPS = {
+    ("H200", "bf16"): 989e12, ("H100", "bf16"): 989e12, ("A100", "bf16"): 312e12,
+    ("H200", "fp32"): 67e12, ("H100", "fp32"): 67e12, ("A100", "fp32"): 19.5e12,
+    ("L40S", "bf16"): 362e12, ("A10", "bf16"): 125e12, ("V100", "fp16"): 125e12,
+}
+
+
+def peak_flops(precision: str, measure_cpu: bool = True) -> tuple[float | None, str]:
+    """Peak FLOP/s for MFU: the GPU's datasheet figure, or a matmul measured on this CPU."""
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        for (key, prec), value in GPU_PEAK_FLOPS.items():
+            if key in name and prec == precision:
+                return value, f"{name} {precision} datasheet peak"
+        return None, f"no peak known for {name} {precision}"
+    if not measure_cpu:
+        return None, "not measured"
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(precision, torch.float32)
+    rate = matmul_rate(dtype, 1024 if dtype == torch.float32 else 256, min_time=0.5)
+    return rate.flops_per_s, f"measured {rate.size}^3 {rate.dtype} matmul on this CPU"

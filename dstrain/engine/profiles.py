@@ -1,0 +1,333 @@
+"""Memory plan: choose the ZeRO profile, offload, precision and activation checkpointing.
+
+Pure arithmetic over the table in DESIGN.md ("The engine factory"); no torch, no deepspeed.
+With P parameters, L parameters in the largest module, N data-parallel ranks and Adam:
+
+    profile                   device bytes per rank      host bytes per node
+    zero0                     (w+g+12)P                  -
+    zero1                     (w+g)P + 12P/N             -
+    zero2                     wP + (g+12)P/N             -
+    zero3                     (w+g+12)P/N + (w+g)L       -
+    zero2_offload             (w+g)P                     12P
+    zero3_offload_optimizer   (w+g)P/N + (w+g)L          12P
+    zero3_offload             (w+g)L                     (12+w+g)P
+
+w = g = 2 bytes in bf16/fp16 and 4 in fp32 (fp32 doubles the 2-byte terms); 12 bytes are
+the fp32 master weights and Adam moments. The 16-bit table is the ZeRO paper's.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+PROFILE_ORDER = ("zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload_optimizer", "zero3_offload")
+OPTIMIZER_BYTES = 12  # fp32 master weights + two Adam moments
+_PRECISION_ALIASES = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "half": "fp16",
+                      "fp32": "fp32", "float32": "fp32", "float": "fp32"}
+
+
+@dataclass(frozen=True)
+class ModelStats:
+    """Size of the model: P parameters, L in the largest module, hidden size and layer count."""
+
+    params: int
+    largest_module_params: int
+    hidden_size: int
+    num_layers: int
+
+    def __post_init__(self):
+        if self.params < 1 or not 0 <= self.largest_module_params <= self.params:
+            raise ValueError(f"ModelStats needs params >= 1 and 0 <= largest_module_params <= params, "
+                             f"got {self.params} and {self.largest_module_params}")
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What one rank runs on; ``device_memory`` is the bytes one rank may use, ``host_memory`` per node."""
+
+    device_type: str  # "cuda" | "cpu"
+    device_memory: int
+    host_memory: int
+    ranks_per_node: int
+    bf16_supported_fast: bool
+    fp16_supported: bool
+    name: str = ""
+
+    def __post_init__(self):
+        if self.device_type not in ("cuda", "cpu"):
+            raise ValueError(f"Hardware.device_type must be 'cuda' or 'cpu', got {self.device_type!r}")
+        if self.device_memory <= 0 or self.host_memory <= 0 or self.ranks_per_node < 1:
+            raise ValueError("Hardware needs positive device_memory, host_memory and ranks_per_node")
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Activation bytes at micro-batch 1 measured in fp32, without and with activation checkpointing."""
+
+    per_sample: int
+    per_sample_checkpointed: int
+
+
+@dataclass(frozen=True)
+class ProfileEstimate:
+    """One (profile, checkpointing) candidate: bytes needed and whether it fits the budgets."""
+
+    profile: str
+    activation_checkpointing: bool
+    model_states: int
+    activations: int
+    device_total: int
+    host_total: int
+    fits: bool
+    why_not: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The chosen profile, precision and checkpointing, with every candidate tried before it."""
+
+    profile: str
+    precision: str
+    activation_checkpointing: bool
+    estimates: tuple[ProfileEstimate, ...]
+    reason: str
+    precision_reason: str
+    margin: float
+
+
+class PlanError(ValueError):
+    """No profile fits; the message gives the smallest requirement and the budget."""
+
+    def __init__(self, message: str, estimates: tuple[ProfileEstimate, ...] = ()):
+        super().__init__(message)
+        self.estimates = estimates
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "p": 10**15, "pb": 10**15, "kib": 2**10, "ki": 2**10, "mib": 2**20,
+          "mi": 2**20, "gib": 2**30, "gi": 2**30, "tib": 2**40, "ti": 2**40, "pib": 2**50, "pi": 2**50}
+_BYTES_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:e([+-]?[0-9]+))?\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str | int) -> int:
+    """Parse a size: ``"80GB"`` (10^9), ``"80GiB"`` (2^30), ``"512MB"``, ``"1.5TB"`` or a plain int."""
+    if isinstance(text, bool):
+        raise ValueError(f"not a byte size: {text!r}")
+    if isinstance(text, int):
+        if text < 0:
+            raise ValueError(f"byte size must not be negative: {text!r}")
+        return text
+    match = _BYTES_RE.match(str(text))
+    unit = match.group(3).lower() if match else None
+    if not match or unit not in _UNITS:
+        raise ValueError(f"not a byte size: {text!r} (expected e.g. 80GB, 80GiB, 512MB, 1.5TB or bytes)")
+    number = float(match.group(1) + (f"e{match.group(2)}" if match.group(2) else ""))
+    return int(round(number * _UNITS[unit]))
+
+
+def format_bytes(n) -> str:
+    """Human-readable decimal size, e.g. ``18.2 GB``."""
+    n = float(n)
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{sign}{n / scale:.1f} {unit}"
+    return f"{sign}{int(n)} B"
+
+
+def choose_precision(hw: Hardware, requested: str = "auto") -> tuple[str, str]:
+    """Pick ``(precision, reason)``: bf16 where it is fast, fp16 on older GPUs, fp32 on CPUs without bf16.
+
+    An explicit request is honoured unless DeepSpeed would refuse it (fp16 where the
+    accelerator reports no fp16 support, which includes most CPUs): then ValueError.
+    """
+    req = str(requested).lower()
+    if req != "auto":
+        if req not in _PRECISION_ALIASES:
+            raise ValueError(f"unknown precision {requested!r}; use auto, bf16, fp16 or fp32")
+        req = _PRECISION_ALIASES[req]
+        where = hw.name or hw.device_type
+        if req == "fp16" and not hw.fp16_supported:
+            raise ValueError(f"fp16 requested but {where} has no fp16 support (DeepSpeed raises "
+                             "'Type fp16 is not supported on your device'); use bf16 or fp32")
+        if req == "bf16" and not hw.bf16_supported_fast:
+            return req, f"bf16 as requested (note: {where} has no fast bf16; expect it to be slow)"
+        return req, f"{req} as requested"
+    if hw.bf16_supported_fast:
+        return "bf16", f"bf16: {hw.name or hw.device_type} has fast bf16"
+    if hw.device_type == "cuda" and hw.fp16_supported:
+        return "fp16", f"fp16 with dynamic loss scaling: {hw.name or 'this GPU'} has no fast bf16"
+    return "fp32", f"fp32: {hw.name or hw.device_type} has no fast bf16 (16-bit matmuls would be emulated)"
+
+
+def _is_offload(profile: str) -> bool:
+    return "offload" in profile
+
+
+def model_state_bytes(profile: str, stats: ModelStats, world_size: int, precision: str,
+                      ranks_per_node: int) -> tuple[int, int]:
+    """Model-state bytes ``(device bytes per rank, host bytes per node)`` for Adam (module table).
+
+    Host bytes of the offload profiles are 12P (optimizer offload) or (12+w+g)P = 16P in
+    16-bit (parameter and optimizer offload) for the whole model; each rank holds only its
+    1/N partition, so a node holding ``ranks_per_node`` of the N ranks holds
+    ``min(1, ranks_per_node / N)`` of that.
+    """
+    if profile not in PROFILE_ORDER:
+        raise ValueError(f"unknown profile {profile!r}; known: {', '.join(PROFILE_ORDER)}")
+    if world_size < 1 or ranks_per_node < 1:
+        raise ValueError("world_size and ranks_per_node must be >= 1")
+    precision = _PRECISION_ALIASES.get(str(precision).lower(), precision)
+    if precision not in ("bf16", "fp16", "fp32"):
+        raise ValueError(f"unknown precision {precision!r}")
+    w = g = 4 if precision == "fp32" else 2
+    p, big, n, opt = stats.params, stats.largest_module_params, world_size, OPTIMIZER_BYTES
+    node_share = min(1.0, ranks_per_node / n)
+    device, host = {
+        "zero0": ((w + g + opt) * p, 0),
+        "zero1": ((w + g) * p + opt * p / n, 0),
+        "zero2": (w * p + (g + opt) * p / n, 0),
+        "zero3": ((w + g + opt) * p / n + (w + g) * big, 0),
+        "zero2_offload": ((w + g) * p, opt * p * node_share),
+        "zero3_offload_optimizer": ((w + g) * p / n + (w + g) * big, opt * p * node_share),
+        "zero3_offload": ((w + g) * big, (opt + w + g) * p * node_share),
+    }[profile]
+    return int(round(device)), int(round(host))
+
+
+def _estimate(profile, ckpt, stats, hw, acts, world_size, micro_batch, precision, margin) -> ProfileEstimate:
+    device, host = model_state_bytes(profile, stats, world_size, precision, hw.ranks_per_node)
+    per_sample = acts.per_sample_checkpointed if ckpt else acts.per_sample
+    act = int(round(per_sample * micro_batch * (1.0 if precision == "fp32" else 0.5)))
+    device_total = device + act
+    if hw.device_type == "cpu" and host:
+        # device and host are the same RAM: this rank's share of the offloaded states counts too
+        device_total += int(round(host / min(hw.ranks_per_node, world_size)))
+    dev_budget, host_budget = margin * hw.device_memory, margin * hw.host_memory
+    why = []
+    if device_total > dev_budget:
+        why.append(f"needs {format_bytes(device_total)} > {format_bytes(dev_budget)} budget")
+    if host > host_budget:
+        why.append(f"host needs {format_bytes(host)} > {format_bytes(host_budget)} host budget")
+    return ProfileEstimate(profile, ckpt, device, act, device_total, host, not why, "; ".join(why))
+
+
+def _label(e: ProfileEstimate) -> str:
+    return f"{e.profile}{' + checkpointing' if e.activation_checkpointing else ''}"
+
+
+def choose_plan(stats: ModelStats, hw: Hardware, acts: Activations, world_size: int, micro_batch: int,
+                precision: str = "auto", activation_checkpointing: str | bool = "auto", margin: float = 0.85,
+                profiles=PROFILE_ORDER) -> Plan:
+    """Walk the profiles in order and take the first that fits ``margin`` x the memory budgets.
+
+    Fits means model states + activations x micro_batch <= margin x device_memory, and host
+    bytes <= margin x host_memory. With checkpointing "auto": (1) the non-offload profiles
+    without checkpointing, (2) the same with checkpointing, (3) the offload profiles without,
+    then with checkpointing, because offload's CPU optimizer step usually costs more than
+    recomputation. True/False forces checkpointing on/off for every profile. On a CPU
+    device the offloaded states live in the same RAM and count against the device budget.
+    Raises PlanError when nothing fits.
+    """
+    if world_size < 1 or micro_batch < 1:
+        raise ValueError("world_size and micro_batch must be >= 1")
+    if not 0 < margin <= 1:
+        raise ValueError(f"margin must be in (0, 1], got {margin}")
+    unknown = [p for p in profiles if p not in PROFILE_ORDER]
+    if unknown or not profiles:
+        raise ValueError(f"unknown profiles {unknown}; known: {', '.join(PROFILE_ORDER)}")
+    prec, prec_reason = choose_precision(hw, precision)
+    plain = [p for p in PROFILE_ORDER if p in profiles and not _is_offload(p)]
+    offload = [p for p in PROFILE_ORDER if p in profiles and _is_offload(p)]
+    ordered = plain + offload
+    if activation_checkpointing == "auto":
+        passes = [(plain, False), (plain, True), (offload, False), (offload, True)]
+    elif isinstance(activation_checkpointing, bool):
+        passes = [(ordered, activation_checkpointing)]
+    else:
+        raise ValueError(f"activation_checkpointing must be 'auto', True or False, got {activation_checkpointing!r}")
+
+    tried: list[ProfileEstimate] = []
+    for names, ckpt in passes:
+        for name in names:
+            est = _estimate(name, ckpt, stats, hw, acts, world_size, micro_batch, prec, margin)
+            tried.append(est)
+            if est.fits:
+                return Plan(name, prec, ckpt, tuple(tried), _reason(est, tried[:-1], activation_checkpointing, hw),
+                            prec_reason, margin)
+    raise PlanError(_nothing_fits(tried, hw, margin), tuple(tried))
+
+
+def _nothing_fits(tried: list[ProfileEstimate], hw: Hardware, margin: float) -> str:
+    dev_budget, host_budget = margin * hw.device_memory, margin * hw.host_memory
+    best = min(tried, key=lambda e: (e.device_total, e.host_total))
+    msg = (f"no profile fits: the smallest per-rank need is {_label(best)} with {format_bytes(best.device_total)} "
+           f"against a budget of {format_bytes(dev_budget)} ({margin:g} x {format_bytes(hw.device_memory)})")
+    if best.host_total > host_budget:
+        msg += (f", but it also needs {format_bytes(best.host_total)} host per node against "
+                f"{format_bytes(host_budget)} ({margin:g} x {format_bytes(hw.host_memory)})")
+        host_ok = [e for e in tried if e.host_total <= host_budget]
+        if host_ok:
+            alt = min(host_ok, key=lambda e: e.device_total)
+            msg += f"; within the host budget the smallest is {_label(alt)} with {format_bytes(alt.device_total)}"
+    return msg + "; use more ranks, a smaller micro-batch or a machine with more memory"
+
+
+def _closest(estimates, hw: Hardware) -> ProfileEstimate:
+    return min(estimates, key=lambda e: max(e.device_total / hw.device_memory, e.host_total / hw.host_memory))
+
+
+def _reason(win: ProfileEstimate, losers: list[ProfileEstimate], ckpt_mode, hw: Hardware) -> str:
+    fits = (f"{_label(win)} fits: {format_bytes(win.model_states)} model states + "
+            f"{format_bytes(win.activations)} activations")
+    if win.host_total:
+        fits += f" ({format_bytes(win.host_total)} offloaded to host per node)"
+    same_pass = [e for e in losers if (ckpt_mode != "auto" or (_is_offload(e.profile) == _is_offload(win.profile)
+                                                                and e.activation_checkpointing
+                                                                == win.activation_checkpointing))]
+    earlier = [e for e in losers if e not in same_pass]
+    parts = []
+    plain = [e for e in earlier if not _is_offload(e.profile)]
+    if plain:
+        best = _closest(plain, hw)
+        where = ("nothing fits without activation checkpointing" if not _is_offload(win.profile)
+                 else "no non-offload profile fits, even with activation checkpointing")
+        parts.append(f"{where} (closest: {_label(best)} {best.why_not})")
+    offl = [e for e in earlier if _is_offload(e.profile)]
+    if offl:
+        best = _closest(offl, hw)
+        parts.append(f"no offload profile fits without it (closest: {_label(best)} {best.why_not})")
+    parts += [f"{_label(e)} {e.why_not}" for e in same_pass]
+    text = "; ".join(parts + [fits]) + "."
+    if ckpt_mode == "auto" and _is_offload(win.profile):
+        text += (" Offload was tried only after activation checkpointing because its CPU optimizer step "
+                 "usually costs more than recomputation.")
+    return text
+
+
+def format_plan(plan: Plan, stats: ModelStats, hw: Hardware, world_size: int, micro_batch: int) -> str:
+    """A human-readable table of the plan: header with P, L, N, M, precision and reason, one row per estimate."""
+    lines = [
+        f"model: P={stats.params:,} params, L={stats.largest_module_params:,} (largest module), "
+        f"hidden={stats.hidden_size}, layers={stats.num_layers}",
+        f"hardware: {hw.name or hw.device_type}, N={world_size} data-parallel ranks "
+        f"({hw.ranks_per_node} per node), M={format_bytes(hw.device_memory)} per rank "
+        f"(budget {format_bytes(plan.margin * hw.device_memory)}), host {format_bytes(hw.host_memory)} per node, "
+        f"micro-batch {micro_batch}",
+        f"precision: {plan.precision} ({plan.precision_reason})",
+        f"choice: {plan.profile}{', activation checkpointing' if plan.activation_checkpointing else ''}",
+        f"reason: {plan.reason}",
+        "",
+    ]
+    header = ("", "profile", "ckpt", "model states", "activations", "device total", "host/node", "fits")
+    rows = [header]
+    for e in plan.estimates:
+        chosen = e.profile == plan.profile and e.activation_checkpointing == plan.activation_checkpointing
+        rows.append(("*" if chosen else "", e.profile, "yes" if e.activation_checkpointing else "no",
+                     format_bytes(e.model_states), format_bytes(e.activations), format_bytes(e.device_total),
+                     format_bytes(e.host_total) if e.host_total else "-", "yes" if e.fits else f"no: {e.why_not}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
+    for r in rows:
+        lines.append("  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1])
+    return "\n".join(lines)

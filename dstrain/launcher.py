@@ -1,0 +1,631 @@
+"""Pure builders of launch commands for deepspeed, torchrun and SLURM.
+
+Every builder returns ``(argv, env)``: the command to run and the complete
+environment to run it with (``base_env`` plus what dstrain adds; ``base_env`` is
+never modified). Nothing here starts a process and DeepSpeed is never imported;
+the only impure bits are small functions (accelerator detection, local host
+names, CPU count, free port) that the builders take as injectable arguments.
+
+Each rank ends up running ``python -m dstrain.cli train RECIPE [overrides...]``
+and reads RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT from the
+environment (set by the deepspeed launcher or torchrun, or mapped from SLURM's
+variables by :func:`env_from_slurm`).
+
+``python -m dstrain.launcher --print RECIPE.json`` prints the command it would run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Collection, Mapping, Sequence
+
+DEFAULT_MASTER_PORT = 29500
+ACCELERATORS = ("auto", "cpu", "cuda")
+TRAIN_MODULE = "dstrain.cli"
+LOCAL_HOST_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+# Prefixes of variables DeepSpeed's runner (0.19.x, runner.EXPORT_ENVS plus the
+# accelerator's export_envs()) forwards by itself to ranks on other hosts.
+DEEPSPEED_EXPORTED_PREFIXES = ("MLFLOW", "PYTHON", "MV2", "UCX")
+DEEPSPEED_CUDA_EXPORTED_PREFIXES = ("NCCL",)
+
+Env = dict[str, str]
+Detect = Callable[[], str]
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """What to launch and where.
+
+    ``nproc`` is processes per node. With a hostfile, the default ``nproc=1``
+    means "one process per slot"; ``nproc > 1`` uses slots ``[0, nproc)`` on each
+    host and must not exceed any host's slots. ``include``/``exclude`` use
+    DeepSpeed's syntax (``host[:slot,slot][@host...]``) and replace ``nproc`` and
+    ``num_nodes`` (DeepSpeed rejects the combination). ``master_addr`` is only
+    used for multi-node runs: DeepSpeed's local launch always uses 127.0.0.1.
+    """
+
+    recipe: str
+    overrides: tuple[str, ...] = ()
+    nproc: int = 1
+    hostfile: str | None = None
+    num_nodes: int | None = None
+    master_addr: str | None = None
+    master_port: int = DEFAULT_MASTER_PORT
+    include: str | None = None
+    exclude: str | None = None
+    accelerator: str = "auto"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.overrides, list):
+            object.__setattr__(self, "overrides", tuple(self.overrides))
+
+    def validate(self) -> None:
+        """Raise ValueError listing every problem with this spec."""
+        errors = []
+        if not isinstance(self.recipe, str) or not self.recipe:
+            errors.append(f"recipe must be a non-empty path, got {self.recipe!r}")
+        if not isinstance(self.overrides, tuple) or not all(isinstance(o, str) for o in self.overrides):
+            errors.append(f"overrides must be a tuple of strings, got {self.overrides!r}")
+        if not _is_int(self.nproc) or self.nproc < 1:
+            errors.append(f"nproc (processes per node) must be an integer >= 1, got {self.nproc!r}")
+        if not _is_int(self.master_port) or not 1 <= self.master_port <= 65535:
+            errors.append(f"master_port must be an integer in 1..65535, got {self.master_port!r}")
+        if self.num_nodes is not None and (not _is_int(self.num_nodes) or self.num_nodes < 1):
+            errors.append(f"num_nodes must be an integer >= 1, got {self.num_nodes!r}")
+        if self.include and self.exclude:
+            errors.append("include and exclude are mutually exclusive; give one of them")
+        if (self.include or self.exclude) and (self.num_nodes is not None or self.nproc != 1):
+            errors.append("include/exclude choose the slots themselves; leave nproc=1 and num_nodes unset "
+                          "(DeepSpeed rejects --num_gpus/--num_nodes with them)")
+        if self.hostfile is not None and not os.path.isfile(self.hostfile):
+            errors.append(f"hostfile {self.hostfile!r} does not exist or is not a file")
+        if self.accelerator not in ACCELERATORS:
+            errors.append(f"accelerator must be one of {', '.join(ACCELERATORS)}, got {self.accelerator!r}")
+        if errors:
+            raise ValueError("invalid launch spec: " + "; ".join(errors))
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# --------------------------------------------------------------------------- impure helpers
+
+
+def detect_accelerator() -> str:
+    """Return "cuda" if torch sees a CUDA device, else "cpu" (imports torch lazily)."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def local_hostnames() -> frozenset[str]:
+    """Names under which a hostfile may refer to this machine."""
+    name = socket.gethostname()
+    return LOCAL_HOST_NAMES | {name, name.split(".")[0]}
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on (affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def find_free_port() -> int:
+    """Return a TCP port that was free on 127.0.0.1 a moment ago (bind to port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# --------------------------------------------------------------------------- hostfile
+
+
+# "host slots=N", optionally followed by key=value fields (e.g. OpenMPI's max_slots=N), ignored.
+_HOSTFILE_LINE = re.compile(r"^(\S+)\s+slots=(\d+)(?:\s+\S+=\S*)*\s*$")
+
+
+def parse_hostfile(path: str | os.PathLike) -> list[tuple[str, int]]:
+    """Read a DeepSpeed hostfile: ``hostname slots=N`` per line, ``#`` comments.
+
+    Returns ``[(host, slots), ...]`` in file order. Raises ValueError naming the
+    file and line for a malformed line, zero slots, a duplicate host, or a file
+    with no hosts at all.
+    """
+    hosts: list[tuple[str, int]] = []
+    seen: dict[str, int] = {}
+    with open(path, encoding="utf-8") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            line = raw.split("#", 1)[0].strip()
+            if not line:
+                continue
+            match = _HOSTFILE_LINE.match(line)
+            if match is None:
+                raise ValueError(f"{path}:{lineno}: expected 'hostname slots=N', got {raw.strip()!r}")
+            host, slots = match.group(1), int(match.group(2))
+            if slots < 1:
+                raise ValueError(f"{path}:{lineno}: host {host!r} has slots={slots}; need at least 1")
+            if host in seen:
+                raise ValueError(f"{path}:{lineno}: host {host!r} already listed on line {seen[host]}")
+            seen[host] = lineno
+            hosts.append((host, slots))
+    if not hosts:
+        raise ValueError(f"{path}: no hosts found (expected lines like 'worker-0 slots=8')")
+    return hosts
+
+
+def _hostfile_hosts(spec: LaunchSpec) -> list[tuple[str, int]]:
+    hosts = parse_hostfile(spec.hostfile)
+    if spec.num_nodes is not None:
+        if spec.num_nodes > len(hosts):
+            raise ValueError(f"num_nodes={spec.num_nodes} but hostfile {spec.hostfile!r} lists only {len(hosts)} host(s)")
+        hosts = hosts[: spec.num_nodes]
+    if spec.nproc > 1:
+        short = [f"{h} (slots={s})" for h, s in hosts if s < spec.nproc]
+        if short:
+            raise ValueError(f"nproc={spec.nproc} exceeds the slots of {', '.join(short)} in {spec.hostfile!r}")
+    return hosts
+
+
+def _rename_filter_host(filter_str: str, old: str, new: str) -> str:
+    """Rename a host inside a DeepSpeed include/exclude string."""
+    parts = []
+    for node_spec in filter_str.split("@"):
+        name, sep, slots = node_spec.partition(":")
+        parts.append((new if name == old else name) + sep + slots)
+    return "@".join(parts)
+
+
+# --------------------------------------------------------------------------- environment
+
+
+def _resolve_accelerator(spec: LaunchSpec, env: Mapping[str, str], detect: Detect) -> str:
+    if spec.accelerator != "auto":
+        return spec.accelerator
+    preset = env.get("DS_ACCELERATOR")
+    if preset:  # "cpu", "cuda", or another DeepSpeed accelerator whose env we leave alone
+        return preset
+    found = detect()
+    if found not in ("cpu", "cuda"):
+        raise ValueError(f"accelerator detection returned {found!r}; expected 'cpu' or 'cuda'")
+    return found
+
+
+def _start_env(base_env: Mapping[str, str] | None) -> Env:
+    return dict(os.environ if base_env is None else base_env)
+
+
+def _apply_cpu_env(env: Env, procs_per_node: int, cpu_count: int | None) -> None:
+    env["DS_ACCELERATOR"] = "cpu"
+    if "OMP_NUM_THREADS" not in env:
+        cpus = available_cpus() if cpu_count is None else cpu_count
+        env["OMP_NUM_THREADS"] = str(max(1, cpus // max(1, procs_per_node)))
+
+
+def env_delta(env: Mapping[str, str], base_env: Mapping[str, str] | None = None) -> Env:
+    """Variables of ``env`` that are new or changed relative to ``base_env`` (default os.environ)."""
+    base = os.environ if base_env is None else base_env
+    return {k: v for k, v in env.items() if base.get(k) != v}
+
+
+def deepspeed_env_file(env: Mapping[str, str], accelerator: str = "cpu") -> str:
+    """Text of a ``.deepspeed_env`` file carrying the ``env`` variables DeepSpeed would drop.
+
+    DeepSpeed's multi-host runner forwards only variables whose names start with
+    MLFLOW, PYTHON, MV2, UCX (plus NCCL with the CUDA accelerator) and the lines of
+    ``.deepspeed_env`` files. Pass the *delta* (:func:`env_delta`) so only
+    dstrain's additions (DS_ACCELERATOR, OMP_NUM_THREADS, ...) are listed. The
+    format is strict: ``KEY=VALUE`` per line, no comments, no blank lines.
+    """
+    prefixes = DEEPSPEED_EXPORTED_PREFIXES + (DEEPSPEED_CUDA_EXPORTED_PREFIXES if accelerator == "cuda" else ())
+    lines = [f"{k}={v}" for k, v in env.items() if not k.startswith(prefixes)]
+    return "".join(line + "\n" for line in lines)
+
+
+def format_command(argv: Sequence[str], env_delta: Mapping[str, str] | None = None) -> str:
+    """A copy-pasteable shell line ``VAR=value ... cmd args`` with every word quoted."""
+    words = [f"{k}={shlex.quote(v)}" for k, v in (env_delta or {}).items()]
+    return " ".join(words + [shlex.quote(a) for a in argv])
+
+
+def _train_args(spec: LaunchSpec) -> list[str]:
+    return ["-m", TRAIN_MODULE, "train", spec.recipe, *spec.overrides]
+
+
+# --------------------------------------------------------------------------- deepspeed
+
+
+def deepspeed_executable(python: str) -> str:
+    """The ``deepspeed`` script next to ``python`` if there is one, else "deepspeed" (from PATH)."""
+    candidate = Path(python).parent / "deepspeed"
+    return str(candidate) if candidate.is_file() else "deepspeed"
+
+
+def build_deepspeed_command(
+    spec: LaunchSpec,
+    python: str = sys.executable,
+    base_env: Mapping[str, str] | None = None,
+    cpu_count: int | None = None,
+    *,
+    detect: Detect = detect_accelerator,
+    local_hosts: Collection[str] | None = None,
+) -> tuple[list[str], Env]:
+    """Build ``deepspeed ... --module dstrain.cli train RECIPE [overrides]`` (DeepSpeed 0.19.x).
+
+    Always passes ``--no_local_rank`` (ranks read LOCAL_RANK from the
+    environment) and ``--module``. How hosts are chosen:
+
+    * no hostfile: ``--num_gpus nproc`` on this machine. With CUDA and
+      CUDA_VISIBLE_DEVICES set, ``--include localhost:<first nproc ids>`` instead,
+      because ``--num_gpus`` makes DeepSpeed drop that variable and use GPUs
+      0..nproc-1.
+    * a hostfile whose only host (after ``num_nodes``) is this machine
+      (localhost, 127.0.0.1 or its hostname): launched locally the same way with
+      ``--num_gpus slots``, since ``--hostfile`` makes DeepSpeed ssh to the host
+      even when it is this one. Beware: without ``--hostfile`` DeepSpeed reads
+      ``/job/hostfile`` if that file exists.
+    * any other hostfile: ``--hostfile F --force_multi`` (without
+      ``--force_multi`` DeepSpeed runs a lone remaining host, e.g. after
+      ``--num_nodes 1`` or ``--include``, on this machine). DeepSpeed
+      then needs passwordless ssh to every host (it checks the first one),
+      ``pdsh`` on this machine, the same python path and working directory on
+      every host, and, without ``master_addr``, it asks the first host for its
+      address with ``ssh HOST hostname -I``. Remote ranks receive only variables
+      named MLFLOW*, PYTHON*, MV2*, UCX* (and NCCL* with CUDA) plus the lines of
+      ``.deepspeed_env`` in the home directory or the current directory (or the
+      file named by DS_ENV_FILE). DS_ACCELERATOR and OMP_NUM_THREADS are not
+      among them: write them there (see :func:`deepspeed_env_file`).
+
+    On CPU the env gets DS_ACCELERATOR=cpu (DeepSpeed then uses gloo) and, unless
+    already set, OMP_NUM_THREADS = cpu_count // processes per node (cpu_count of
+    this machine). On CUDA the env is left alone (NCCL is DeepSpeed's default).
+    """
+    spec.validate()
+    env = _start_env(base_env)
+    accel = _resolve_accelerator(spec, env, detect)
+    local_names = local_hostnames() if local_hosts is None else frozenset(local_hosts)
+
+    argv = [deepspeed_executable(python)]
+    include, exclude = spec.include, spec.exclude
+    remote = False
+    local_pool = spec.nproc  # slots in DeepSpeed's local pool (used for CPU include/exclude)
+    if spec.hostfile is not None:
+        hosts = _hostfile_hosts(spec)
+        if len(hosts) == 1 and hosts[0][0] in local_names:
+            host, slots = hosts[0]
+            local_pool = slots
+            procs = spec.nproc if spec.nproc > 1 else slots
+            include = include and _rename_filter_host(include, host, "localhost")
+            exclude = exclude and _rename_filter_host(exclude, host, "localhost")
+        else:
+            remote = True
+            procs = spec.nproc if spec.nproc > 1 else max(s for _, s in hosts)
+    else:
+        if spec.num_nodes is not None and spec.num_nodes > 1:
+            raise ValueError(f"num_nodes={spec.num_nodes} needs a hostfile listing the nodes")
+        procs = spec.nproc
+
+    if remote:
+        argv += ["--hostfile", spec.hostfile]
+        if spec.num_nodes is not None:
+            argv += ["--num_nodes", str(spec.num_nodes)]
+        if spec.nproc > 1:
+            argv += ["--num_gpus", str(spec.nproc)]
+        argv.append("--force_multi")  # else DeepSpeed runs a single remaining host on this machine
+    elif not (include or exclude):
+        visible = env.get("CUDA_VISIBLE_DEVICES", "").strip()
+        if accel == "cuda" and visible:
+            include = f"localhost:{_first_visible_ids(visible, procs)}"
+        else:
+            argv += ["--num_gpus", str(procs)]
+    elif accel == "cpu":
+        # DeepSpeed's CPU accelerator counts NUMA nodes as devices unless LOCAL_SIZE is set.
+        env["LOCAL_SIZE"] = str(local_pool)
+        procs = _count_filtered_slots(include, exclude, local_pool)
+
+    argv += ["--master_port", str(spec.master_port)]
+    if remote and spec.master_addr:
+        argv += ["--master_addr", spec.master_addr]
+    if include:
+        argv += ["--include", include]
+    if exclude:
+        argv += ["--exclude", exclude]
+    argv += ["--no_local_rank", "--module", TRAIN_MODULE, "train", spec.recipe, *spec.overrides]
+
+    if accel == "cpu":
+        _apply_cpu_env(env, procs, cpu_count)
+    return argv, env
+
+
+def _count_filtered_slots(include: str | None, exclude: str | None, pool: int) -> int:
+    """Processes a local include/exclude string leaves out of ``pool`` slots."""
+    specs = [s.partition(":") for s in (include or exclude).split("@")]
+    picked = sum(len(slots.split(",")) if sep else pool for _, sep, slots in specs)
+    return max(1, picked if include else pool - picked)
+
+
+def _first_visible_ids(visible: str, count: int) -> str:
+    ids = [d.strip() for d in visible.split(",") if d.strip()]
+    if not all(d.isdigit() for d in ids):
+        raise ValueError(
+            f"CUDA_VISIBLE_DEVICES={visible!r}: DeepSpeed's launcher takes numeric device ids only; "
+            "use numeric ids, unset it, or launch with torchrun"
+        )
+    if count > len(ids):
+        raise ValueError(f"nproc={count} but CUDA_VISIBLE_DEVICES={visible!r} exposes only {len(ids)} device(s)")
+    return ",".join(ids[:count])
+
+
+# --------------------------------------------------------------------------- torchrun
+
+
+def build_torchrun_command(
+    spec: LaunchSpec,
+    python: str = sys.executable,
+    base_env: Mapping[str, str] | None = None,
+    cpu_count: int | None = None,
+    *,
+    detect: Detect = detect_accelerator,
+    local_hosts: Collection[str] | None = None,
+) -> tuple[list[str], Env]:
+    """Build ``python -m torch.distributed.run ... -m dstrain.cli train RECIPE [overrides]``.
+
+    One node: ``--nnodes 1`` with ``--master-addr`` (default 127.0.0.1) and
+    ``--master-port``. Several nodes (``num_nodes > 1``, or a hostfile with several
+    hosts, which also supplies slots and the first host as master): c10d
+    rendezvous at ``master_addr:master_port``; run the same command on every node.
+    With a hostfile every host used must have the same slots. include/exclude are
+    DeepSpeed-only and rejected. CPU env handling is as in
+    :func:`build_deepspeed_command`.
+    """
+    spec.validate()
+    if spec.include or spec.exclude:
+        raise ValueError("include/exclude are deepspeed launcher options; torchrun does not support them")
+    env = _start_env(base_env)
+    accel = _resolve_accelerator(spec, env, detect)
+    local_names = local_hostnames() if local_hosts is None else frozenset(local_hosts)
+
+    nnodes, procs, master = spec.num_nodes or 1, spec.nproc, spec.master_addr
+    if spec.hostfile is not None:
+        hosts = _hostfile_hosts(spec)
+        slot_counts = {s for _, s in hosts}
+        if spec.nproc == 1 and len(slot_counts) > 1:
+            raise ValueError(f"torchrun needs the same slots on every host; {spec.hostfile!r} has {sorted(slot_counts)}")
+        nnodes = len(hosts)
+        procs = spec.nproc if spec.nproc > 1 else hosts[0][1]
+        first = hosts[0][0]
+        master = master or ("127.0.0.1" if nnodes == 1 and first in local_names else first)
+
+    argv = [python, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node", str(procs)]
+    if nnodes == 1:
+        argv += ["--master-addr", master or "127.0.0.1", "--master-port", str(spec.master_port)]
+    else:
+        if not master:
+            raise ValueError(f"num_nodes={nnodes} needs master_addr (an address of the first node) or a hostfile")
+        argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{master}:{spec.master_port}", "--rdzv-id", "dstrain"]
+    argv += _train_args(spec)
+
+    if accel == "cpu":
+        _apply_cpu_env(env, procs, cpu_count)
+    return argv, env
+
+
+# --------------------------------------------------------------------------- SLURM
+
+
+def build_srun_command(
+    spec: LaunchSpec,
+    nodes: int,
+    python: str = sys.executable,
+    base_env: Mapping[str, str] | None = None,
+    *,
+    detect: Detect = detect_accelerator,
+) -> tuple[list[str], Env]:
+    """Build ``srun --nodes N --ntasks-per-node P ... python -m dstrain.cli train ...``.
+
+    Each task maps SLURM's variables to torch's with :func:`env_from_slurm` (the
+    ``train`` subcommand does this). MASTER_PORT is put in the env (srun passes the
+    environment through), MASTER_ADDR too when given (else the first node of the
+    step). With CUDA, ``--gpus-per-node nproc`` is requested. On CPU, OMP_NUM_THREADS
+    comes from SLURM_CPUS_PER_TASK in each task. Hosts are SLURM's to choose:
+    hostfile/include/exclude are rejected.
+    """
+    spec.validate()
+    if not _is_int(nodes) or nodes < 1:
+        raise ValueError(f"nodes must be an integer >= 1, got {nodes!r}")
+    if spec.hostfile or spec.include or spec.exclude:
+        raise ValueError("srun picks hosts itself; use sbatch/srun --nodelist/--exclude instead of hostfile/include/exclude")
+    if spec.num_nodes is not None and spec.num_nodes != nodes:
+        raise ValueError(f"num_nodes={spec.num_nodes} disagrees with nodes={nodes}")
+    env = _start_env(base_env)
+    accel = _resolve_accelerator(spec, env, detect)
+
+    argv = ["srun", f"--nodes={nodes}", f"--ntasks-per-node={spec.nproc}", f"--ntasks={nodes * spec.nproc}"]
+    if accel == "cuda":
+        argv.append(f"--gpus-per-node={spec.nproc}")
+    argv += ["--kill-on-bad-exit=1", python, *_train_args(spec)]
+
+    env["MASTER_PORT"] = str(spec.master_port)
+    if spec.master_addr:
+        env["MASTER_ADDR"] = spec.master_addr
+    if accel == "cpu":
+        env["DS_ACCELERATOR"] = "cpu"
+    return argv, env
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Expand a SLURM node list: ``"node[01-03,07],gpu-a"`` -> node01, node02, node03, node07, gpu-a."""
+    hosts: list[str] = []
+    for item in _split_top_level(nodelist):
+        hosts.extend(_expand_item(item, nodelist))
+    if not hosts:
+        raise ValueError(f"empty SLURM node list {nodelist!r}")
+    return hosts
+
+
+def _split_top_level(text: str) -> list[str]:
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        if depth < 0 or depth > 1:
+            raise ValueError(f"malformed SLURM node list {text!r}")
+        if ch == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    if depth != 0:
+        raise ValueError(f"unbalanced brackets in SLURM node list {text!r}")
+    items.append(text[start:])
+    return [s.strip() for s in items if s.strip()]
+
+
+def _expand_item(item: str, whole: str) -> list[str]:
+    open_at = item.find("[")
+    if open_at < 0:
+        return [item]
+    close_at = item.index("]", open_at)
+    prefix, body, rest = item[:open_at], item[open_at + 1 : close_at], item[close_at + 1 :]
+    names = []
+    for part in body.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"bad range {part!r} in SLURM node list {whole!r}")
+        width = len(lo)
+        for n in range(int(lo), int(hi if sep else lo) + 1):
+            names.append(f"{prefix}{n:0{width}d}")
+    return [name + tail for name in names for tail in _expand_item(rest, whole)]
+
+
+def _tasks_on_node(tasks_per_node: str, node_id: int) -> int | None:
+    """Pick node ``node_id``'s count from SLURM's ``"2(x3),1"`` format."""
+    counts: list[int] = []
+    for part in tasks_per_node.split(","):
+        match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if match is None:
+            return None
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    return counts[node_id] if 0 <= node_id < len(counts) else None
+
+
+def _slurm_int(environ: Mapping[str, str], *names: str) -> int:
+    for name in names:
+        if name in environ:
+            try:
+                return int(environ[name])
+            except ValueError:
+                raise ValueError(f"{name}={environ[name]!r} is not an integer") from None
+    raise ValueError(f"running under SLURM (SLURM_PROCID set) but {' / '.join(names)} is missing")
+
+
+def env_from_slurm(environ: Mapping[str, str]) -> Env:
+    """Map a SLURM task's variables to torch.distributed's.
+
+    Returns RANK (SLURM_PROCID), LOCAL_RANK (SLURM_LOCALID), WORLD_SIZE
+    (SLURM_STEP_NUM_TASKS or SLURM_NTASKS), MASTER_ADDR (environ's, else the first
+    host of SLURM_STEP_NODELIST / SLURM_JOB_NODELIST / SLURM_NODELIST), MASTER_PORT
+    (environ's, else 29500), plus NODE_RANK and LOCAL_WORLD_SIZE when SLURM gives
+    them and OMP_NUM_THREADS from SLURM_CPUS_PER_TASK when not already set.
+    Returns {} when not under SLURM (no SLURM_PROCID) or when an outer launcher
+    already set RANK, LOCAL_RANK and WORLD_SIZE (e.g. deepspeed inside an sbatch
+    script, where every rank inherits SLURM_PROCID=0). Raises ValueError naming
+    a missing or malformed variable.
+    """
+    if "SLURM_PROCID" not in environ:
+        return {}
+    if all(k in environ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):
+        return {}
+    rank = _slurm_int(environ, "SLURM_PROCID")
+    local_rank = _slurm_int(environ, "SLURM_LOCALID")
+    world = _slurm_int(environ, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
+    if not 0 <= rank < world:
+        raise ValueError(f"SLURM_PROCID={rank} is outside the world of {world} tasks")
+    out = {"RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world)}
+
+    master = environ.get("MASTER_ADDR")
+    if not master:
+        nodelist = next((environ[k] for k in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST") if environ.get(k)), None)
+        if nodelist is None:
+            raise ValueError("running under SLURM but neither MASTER_ADDR nor SLURM_JOB_NODELIST is set")
+        master = expand_nodelist(nodelist)[0]
+    out["MASTER_ADDR"] = master
+    out["MASTER_PORT"] = environ.get("MASTER_PORT") or str(DEFAULT_MASTER_PORT)
+
+    if environ.get("SLURM_NODEID", "").isdigit():
+        node_id = int(environ["SLURM_NODEID"])
+        out["NODE_RANK"] = str(node_id)
+        per_node = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
+        local_world = _tasks_on_node(per_node, node_id) if per_node else None
+        if local_world is not None:
+            out["LOCAL_WORLD_SIZE"] = str(local_world)
+    if "OMP_NUM_THREADS" not in environ and environ.get("SLURM_CPUS_PER_TASK", "").isdigit():
+        out["OMP_NUM_THREADS"] = environ["SLURM_CPUS_PER_TASK"]
+    return out
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the LaunchSpec options and the RECIPE/overrides positionals to ``parser``."""
+    parser.add_argument("--nproc", type=int, default=1, help="processes per node (with a hostfile, 1 = all slots)")
+    parser.add_argument("--hostfile", default=None, help="DeepSpeed hostfile: 'hostname slots=N' per line")
+    parser.add_argument("--num-nodes", type=int, default=None, help="use the first N hosts")
+    parser.add_argument("--master-addr", default=None, help="address of the first node (multi-node)")
+    parser.add_argument("--master-port", type=int, default=DEFAULT_MASTER_PORT)
+    parser.add_argument("--include", default=None, help="deepspeed --include, e.g. 'worker-0@worker-1:0,2'")
+    parser.add_argument("--exclude", default=None, help="deepspeed --exclude, e.g. 'worker-1:0'")
+    parser.add_argument("--accelerator", choices=ACCELERATORS, default="auto")
+    parser.add_argument("recipe", help="recipe JSON")
+    parser.add_argument("overrides", nargs=argparse.REMAINDER, help="--dotted.key=value overrides, passed verbatim")
+
+
+def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
+    """Build a LaunchSpec from arguments parsed with :func:`add_launch_arguments`."""
+    return LaunchSpec(
+        recipe=args.recipe, overrides=tuple(args.overrides), nproc=args.nproc, hostfile=args.hostfile,
+        num_nodes=args.num_nodes, master_addr=args.master_addr, master_port=args.master_port,
+        include=args.include, exclude=args.exclude, accelerator=args.accelerator,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m dstrain.launcher [--backend B] [--print] [options] RECIPE [overrides]``.
+
+    Builds the command for the chosen backend and replaces this process with it
+    (os.execvpe), or only prints it with ``--print``.
+    """
+    parser = argparse.ArgumentParser(prog="python -m dstrain.launcher", description=main.__doc__)
+    parser.add_argument("--backend", choices=("deepspeed", "torchrun", "srun"), default="deepspeed")
+    parser.add_argument("--nodes", type=int, default=1, help="nodes for --backend srun")
+    parser.add_argument("--print", dest="dry_run", action="store_true", help="print the command, run nothing")
+    add_launch_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        spec = spec_from_args(args)
+        if args.backend == "deepspeed":
+            cmd, env = build_deepspeed_command(spec)
+        elif args.backend == "torchrun":
+            cmd, env = build_torchrun_command(spec)
+        else:
+            cmd, env = build_srun_command(spec, nodes=args.nodes)
+    except (ValueError, OSError) as err:
+        parser.error(str(err))
+    delta = env_delta(env)
+    if args.dry_run:
+        print(format_command(cmd, delta))
+        return 0
+    print(format_command(cmd, delta), file=sys.stderr, flush=True)
+    os.execvpe(cmd[0], cmd, env)
+    return 1  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())

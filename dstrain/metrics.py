@@ -1,0 +1,114 @@
+"""Throughput, memory, cross-rank averaging and the rank-0 sinks (TensorBoard, JSONL, progress bar)."""
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+
+
+def peak_memory_bytes() -> int:
+    """Peak memory of this rank: CUDA allocator peak on a GPU, peak RSS on a CPU."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return int(torch.cuda.max_memory_allocated())
+    rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss_kb * (1 if sys.platform == "darwin" else 1024))
+
+
+def reduce_mean(values: Mapping[str, float]) -> dict[str, float]:
+    """Average each value over all ranks (one all-reduce); identity without a process group."""
+    keys = sorted(values)
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return {k: float(values[k]) for k in keys}
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    t /= dist.get_world_size()
+    return dict(zip(keys, t.tolist()))
+
+
+class Throughput:
+    """Tokens/s, FLOP/s and MFU over the steps since the last :meth:`read`."""
+
+    def __init__(self, flops_per_token: float, peak_flops: float | None = None):
+        self.flops_per_token = flops_per_token
+        self.peak_flops = peak_flops
+        self._tokens = 0
+        self._start = time.perf_counter()
+
+    def add(self, tokens: int) -> None:
+        self._tokens += tokens
+
+    def read(self) -> dict[str, float]:
+        """Per-rank rates since the previous read; resets the window."""
+        now = time.perf_counter()
+        elapsed = max(now - self._start, 1e-9)
+        tps = self._tokens / elapsed
+        out = {"tokens_per_s": tps, "flops_per_s": tps * self.flops_per_token}
+        if self.peak_flops:
+            out["mfu"] = out["flops_per_s"] / self.peak_flops
+        self._tokens, self._start = 0, now
+        return out
+
+
+class RunLogger:
+    """Rank-0 sinks: metrics.jsonl (always), TensorBoard and a tqdm bar (optional).
+
+    Every rank constructs one; only rank 0 writes anything.
+    """
+
+    def __init__(self, out_dir: str | Path, rank: int, total_steps: int, start_step: int = 0,
+                 tensorboard: bool = True, progress: bool = True):
+        self.rank = rank
+        self.active = rank == 0
+        self.writer = self.bar = self.jsonl = None
+        if not self.active:
+            return
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self.jsonl = open(out / "metrics.jsonl", "a")
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(str(out / "tensorboard"), purge_step=start_step + 1)
+        if progress:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
+                            dynamic_ncols=True, file=sys.stderr)
+
+    def log(self, step: int, values: Mapping[str, float], prefix: str = "train") -> None:
+        if not self.active:
+            return
+        record = {"step": step, **{f"{prefix}/{k}": v for k, v in values.items()}}
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        if self.writer is not None:
+            for key, value in values.items():
+                self.writer.add_scalar(f"{prefix}/{key}", value, step)
+        if self.bar is not None and prefix == "train" and "loss" in values:
+            self.bar.set_postfix(loss=f"{values['loss']:.4f}", refresh=False)
+
+    def advance(self, n: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def message(self, text: str) -> None:
+        if not self.active:
+            return
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.writer is not None:
+            self.writer.flush()
+            self.writer.close()
+        if self.jsonl is not None:
+            self.jsonl.close()

@@ -1,0 +1,87 @@
+"""Process-group start-up shared by every trainer: env discovery, backend, seeding."""
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _fill_env() -> None:
+    """Make a plain ``python -m dstrain.cli train`` (or srun) look like a launcher's child."""
+    if "RANK" not in os.environ and "SLURM_PROCID" in os.environ:
+        from dstrain.launcher import env_from_slurm
+        os.environ.update(env_from_slurm(os.environ))
+    if "RANK" not in os.environ:
+        from dstrain.launcher import find_free_port
+        os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                           "MASTER_ADDR": "127.0.0.1",
+                           "MASTER_PORT": os.environ.get("MASTER_PORT", str(find_free_port()))})
+    os.environ.setdefault("LOCAL_RANK", "0")
+
+
+def use_cpu_accelerator_if_no_gpu() -> None:
+    """DeepSpeed must be told before import that a GPU-less machine uses its CPU accelerator."""
+    if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
+
+
+def init_distributed() -> World:
+    """Start the process group (NCCL on GPUs, gloo on CPU) and return this rank's place."""
+    use_cpu_accelerator_if_no_gpu()
+    _fill_env()
+    import deepspeed
+    import torch.distributed as dist
+
+    cuda = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", auto_mpi_discovery=False)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world)))
+    os.environ["LOCAL_WORLD_SIZE"] = str(local_world)
+    if cuda:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+        threads = int(os.environ.get("OMP_NUM_THREADS", 0)) or max(1, (os.cpu_count() or 1) // local_world)
+        torch.set_num_threads(threads)
+    return World(rank, world, local_rank, local_world, device)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def broadcast_object(obj, src: int = 0):
+    """Rank ``src``'s object on every rank (decisions taken once, shared by all)."""
+    import torch.distributed as dist
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()

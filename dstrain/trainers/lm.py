@@ -1,0 +1,234 @@
+"""Supervised language-model training: the loop every rank runs for ``dstrain train``.
+
+Data order is a pure function of (data seed, step) (see ``WindowSampler``), so a
+resumed run only needs the step number from the checkpoint; each rank's random
+state is saved and restored beside it. Metrics are averaged over ranks before
+rank 0 logs them.
+
+Test hooks (environment): ``DSTRAIN_FAULT_AFTER_STEP=n`` kills rank 0 right after
+step n; ``DSTRAIN_FAULT_IN_SAVE=n`` kills rank 0 while checkpoint n is being written
+(after DeepSpeed's files, before the COMPLETE marker).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+
+from dstrain import checkpoint as ckpt
+from dstrain import runtime
+from dstrain.config import RunConfig, save_run_config
+from dstrain.data.corpus import ByteTokenizer, build_token_streams, load_documents
+from dstrain.data.sampler import WindowSampler, get_batch
+from dstrain.engine.factory import create_engine, plan_engine
+from dstrain.metrics import RunLogger, Throughput, peak_memory_bytes, reduce_mean
+
+
+class RunFolderError(RuntimeError):
+    """The output folder is in a state the run must not overwrite."""
+
+
+def load_token_streams(cfg: RunConfig, world: runtime.World) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank 0 reads (and lets ``datasets`` cache) the corpus first; the others then read the cache."""
+    cache = str(Path(cfg.output.dir) / ".cache" / "datasets")
+    streams = None
+    if world.is_main:
+        docs = load_documents(cfg.data.corpus, cache_dir=cache, max_bytes=cfg.data.max_bytes)
+        streams = build_token_streams(docs, ByteTokenizer(), val_every=cfg.data.val_every)
+    runtime.barrier()
+    if not world.is_main:
+        docs = load_documents(cfg.data.corpus, cache_dir=cache, max_bytes=cfg.data.max_bytes)
+        streams = build_token_streams(docs, ByteTokenizer(), val_every=cfg.data.val_every)
+    return streams
+
+
+class _StopFlag:
+    """Set by SIGTERM/SIGINT; the loop checkpoints and leaves at the next log step."""
+
+    def __init__(self):
+        self.set = False
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, *_):
+        self.set = True
+
+
+def _fault(name: str, step: int) -> None:
+    if os.environ.get(name) == str(step) and int(os.environ.get("RANK", 0)) == 0:
+        os._exit(17)
+
+
+class LMTrainer:
+    """Owns the engine, data and sinks of one supervised LM run."""
+
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self.world = runtime.init_distributed()
+        self.out = Path(cfg.output.dir)
+        self.ckpt_root = self.out / "checkpoints"
+        resume_tag = self._check_run_folder()
+        from models import registry
+        self.spec = registry.get_spec(cfg.model.name)
+        self.model_cfg = registry.make_model_config(cfg.model.name, cfg.model.size, cfg.model.args)
+        self.train_tokens, self.val_tokens = load_token_streams(cfg, self.world)
+
+        plan = None
+        if self.world.is_main:
+            plan = plan_engine(cfg, self.world.world_size, ranks_per_node=self.world.local_world_size,
+                               device_type=self.world.device.type)
+        self.plan = runtime.broadcast_object(plan)
+        if self.world.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            save_run_config(cfg, self.out / "run_config.json")
+            (self.out / "ds_config.json").write_text(json.dumps(self.plan.ds_config, indent=2) + "\n")
+            (self.out / "plan.txt").write_text(self.plan.explanation + "\n")
+            print(self.plan.explanation, flush=True)
+
+        runtime.seed_everything(cfg.train.seed)  # identical initial weights on every rank
+        self.engine = create_engine(lambda: self.spec.build(self.model_cfg), self.spec.parallelize,
+                                    self.plan, cfg.train)
+        runtime.seed_everything(cfg.train.seed + 7919 * (self.world.rank + 1))  # per-rank dropout
+        self.start_step = 0
+        if resume_tag is not None:
+            self._resume(resume_tag)
+        with torch.device("meta"):
+            self.flops_per_token = self.spec.build(self.model_cfg).flops_per_token(cfg.data.seq_len)
+        self.sampler = WindowSampler(len(self.train_tokens), cfg.data.seq_len, cfg.data.seed)
+        self.stop = _StopFlag()
+
+    # ---------------------------------------------------------------- folder and resume
+    def _check_run_folder(self) -> str | None:
+        """Decide on rank 0 whether to resume and from which tag; share it."""
+        decision = None
+        if self.world.is_main:
+            latest = ckpt.find_latest(self.ckpt_root)
+            if self.cfg.checkpoint.resume:
+                decision = ("resume", latest)
+            elif latest is not None:
+                decision = ("error", f"{self.out} already holds checkpoint {latest}; "
+                                     "pass --resume to continue it or choose another output.dir")
+            else:
+                decision = ("fresh", None)
+        kind, value = runtime.broadcast_object(decision)
+        if kind == "error":
+            raise RunFolderError(value)
+        if kind == "resume" and value is None and self.world.is_main:
+            print(f"no complete checkpoint in {self.ckpt_root}: starting from step 0", flush=True)
+        return value if kind == "resume" else None
+
+    def _resume(self, tag: str) -> None:
+        state = json.loads((self.ckpt_root / tag / "trainer_state.json").read_text())
+        if state.get("world_size") != self.world.world_size:
+            raise RunFolderError(f"checkpoint {tag} was written by {state.get('world_size')} ranks, "
+                                 f"this run has {self.world.world_size}")
+        self.engine.load(str(self.ckpt_root), tag)
+        ckpt.load_rng(self.ckpt_root, tag, self.world.rank)
+        self.start_step = int(state["step"])
+        if self.world.is_main:
+            print(f"resumed from {self.ckpt_root / tag} at step {self.start_step}", flush=True)
+
+    def save(self, step: int) -> None:
+        tag = ckpt.tag_for(step)
+        if self.world.is_main:
+            ckpt.prepare_tag_dir(self.ckpt_root, tag)
+        runtime.barrier()
+        self.engine.save(str(self.ckpt_root), tag, client_state={"step": step})
+        ckpt.save_rng(self.ckpt_root, tag, self.world.rank)
+        runtime.barrier()
+        _fault("DSTRAIN_FAULT_IN_SAVE", step)
+        if self.world.is_main:
+            ckpt.mark_complete(self.ckpt_root, tag, self.cfg.to_dict(), self.plan.ds_config,
+                               {"step": step, "world_size": self.world.world_size},
+                               keep=self.cfg.checkpoint.keep)
+        runtime.barrier()
+
+    # ---------------------------------------------------------------- steps
+    def train_step(self, step: int) -> float:
+        """One optimizer step (grad_accum micro-batches); returns this rank's mean loss."""
+        t = self.cfg.train
+        indices = self.sampler.local_batch_indices(step, t.micro_batch, t.grad_accum,
+                                                   self.world.rank, self.world.world_size)
+        total = 0.0
+        for micro in indices:
+            x, y = get_batch(self.train_tokens, micro, self.cfg.data.seq_len)
+            loss = self.engine(x.to(self.engine.device), y.to(self.engine.device))
+            self.engine.backward(loss)
+            self.engine.step()
+            total += loss.item()
+        return total / len(indices)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss on the first eval_batches x micro_batch x world validation windows."""
+        t, seq = self.cfg.train, self.cfg.data.seq_len
+        val = WindowSampler(len(self.val_tokens), seq, self.cfg.data.seed)
+        self.engine.eval()
+        losses = []
+        for b in range(t.eval_batches):
+            idx = val.local_batch_indices(b, t.micro_batch, 1, self.world.rank, self.world.world_size)[0]
+            x, y = get_batch(self.val_tokens, idx, seq)
+            losses.append(self.engine(x.to(self.engine.device), y.to(self.engine.device)).item())
+        self.engine.train()
+        return reduce_mean({"loss": sum(losses) / len(losses)})["loss"]
+
+    def run(self) -> dict:
+        cfg, t = self.cfg, self.cfg.train
+        log = RunLogger(self.out, self.world.rank, t.steps, self.start_step,
+                        tensorboard=cfg.output.tensorboard, progress=cfg.output.progress)
+        meter = Throughput(self.flops_per_token)
+        tokens_per_step = cfg.tokens_per_step
+        losses, step, last_saved, stopped = [], self.start_step, None, False
+        self.engine.train()
+        start = time.perf_counter()
+        try:
+            for step in range(self.start_step + 1, t.steps + 1):
+                losses.append(self.train_step(step - 1))
+                meter.add(tokens_per_step)
+                log.advance()
+                if step % t.log_every == 0 or step == t.steps:
+                    rates = meter.read()
+                    stats = reduce_mean({"loss": sum(losses) / len(losses), "stop": float(self.stop.set),
+                                         "memory_gb": peak_memory_bytes() / 1e9, **rates})
+                    losses = []
+                    stats["tokens_per_s"] *= self.world.world_size  # whole job
+                    stats["flops_per_s"] *= self.world.world_size
+                    stats.pop("mfu", None)
+                    stop = stats.pop("stop") > 0
+                    stats.update(lr=self.engine.lr)
+                    norm = self.engine.grad_norm
+                    if norm is not None:
+                        stats["grad_norm"] = norm
+                    log.log(step, stats)
+                    if stop:
+                        log.message(f"stop requested: saving step {step} and leaving")
+                        self.save(step)
+                        last_saved, stopped = step, True
+                        break
+                if t.eval_every and step % t.eval_every == 0:
+                    log.log(step, {"loss": self.evaluate()}, prefix="val")
+                if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
+                    self.save(step)
+                    last_saved = step
+                _fault("DSTRAIN_FAULT_AFTER_STEP", step)
+            if not stopped and last_saved != step and step > self.start_step:
+                self.save(step)
+            val_loss = self.evaluate() if not stopped else None
+            if val_loss is not None:
+                log.log(step, {"loss": val_loss}, prefix="val")
+        finally:
+            log.close()
+        summary = {"step": step, "val_loss": val_loss, "stopped": stopped,
+                   "seconds": time.perf_counter() - start, "profile": self.plan.profile,
+                   "precision": self.plan.precision, "world_size": self.world.world_size}
+        if self.world.is_main:
+            (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        return summary
+
+
+def train(cfg: RunConfig) -> dict:
+    return LMTrainer(cfg).run()

@@ -1,0 +1,120 @@
+"""Look models up by name.
+
+The framework (``dstrain``) never imports a concrete model; it asks this module
+for a :class:`ModelSpec` by name. Each registered name maps to a module path that
+is imported lazily and must expose a module-level ``SPEC``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import typing
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+
+_REGISTRY: dict[str, str] = {
+    "gpt": "models.gpt",
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything the framework needs to know about one model family.
+
+    Attributes:
+        name: registry name, e.g. ``"gpt"``.
+        config_cls: dataclass of model hyper-parameters; validates itself in
+            ``__post_init__`` (raising ``ValueError`` naming the field).
+        sizes: size name -> field values for ``config_cls``.
+        build: config instance -> ``torch.nn.Module``, created on the current
+            default device and initialised from the caller's ``torch.manual_seed``.
+        parallelize: ``parallelize(model, activation_checkpointing: bool) -> model``.
+    """
+
+    name: str
+    config_cls: type
+    sizes: Mapping[str, Mapping[str, Any]]
+    build: Callable[[Any], torch.nn.Module]
+    parallelize: Callable[..., torch.nn.Module]
+
+
+def available() -> list[str]:
+    """Names of the registered models, sorted."""
+    return sorted(_REGISTRY)
+
+
+def get_spec(name: str) -> ModelSpec:
+    """Import and return the :class:`ModelSpec` registered under ``name``.
+
+    Raises:
+        KeyError: ``name`` is not registered (the message lists what is).
+    """
+    if name not in _REGISTRY:
+        raise KeyError(f"unknown model {name!r}; available: {', '.join(available())}")
+    module = importlib.import_module(_REGISTRY[name])
+    spec = getattr(module, "SPEC", None)
+    if not isinstance(spec, ModelSpec):
+        raise TypeError(f"module {_REGISTRY[name]!r} must define SPEC as a ModelSpec")
+    return spec
+
+
+def _field_types(config_cls: type) -> dict[str, Any]:
+    """Resolved annotation of each dataclass field (handles postponed annotations)."""
+    hints = typing.get_type_hints(config_cls)
+    return {f.name: hints.get(f.name, Any) for f in dataclasses.fields(config_cls)}
+
+
+def _coerce(key: str, value: Any, expected: Any) -> Any:
+    """Check ``value`` against the annotation ``expected``; return it (int -> float
+    widened). ``bool`` is not accepted where an int or float is expected."""
+    if expected is Any:
+        return value
+    if expected is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(
+                f"config key {key!r}: expected float, got {type(value).__name__} ({value!r})"
+            )
+        return float(value)
+    if expected is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(
+                f"config key {key!r}: expected int, got {type(value).__name__} ({value!r})"
+            )
+        return value
+    if isinstance(expected, type) and not isinstance(value, expected):
+        raise ValueError(
+            f"config key {key!r}: expected {expected.__name__}, got "
+            f"{type(value).__name__} ({value!r})"
+        )
+    return value
+
+
+def make_model_config(name: str, size: str, overrides: Mapping[str, Any] | None = None) -> Any:
+    """Build the config of model ``name`` at ``size``, with ``overrides`` applied.
+
+    Raises:
+        KeyError: unknown model name.
+        ValueError: unknown size (lists the valid ones), unknown override key
+            (lists the valid keys), a value of the wrong type (names the key,
+            the expected and the given type), or an impossible value (raised by
+            the config class, naming the key).
+    """
+    spec = get_spec(name)
+    if size not in spec.sizes:
+        raise ValueError(
+            f"unknown size {size!r} for model {name!r}; valid sizes: {', '.join(spec.sizes)}"
+        )
+    types = _field_types(spec.config_cls)
+    values = dict(spec.sizes[size])
+    for key, value in dict(overrides or {}).items():
+        if key not in types:
+            raise ValueError(
+                f"unknown config key {key!r} for model {name!r}; valid keys: "
+                f"{', '.join(sorted(types))}"
+            )
+        values[key] = value
+    values = {k: _coerce(k, v, types[k]) for k, v in values.items()}
+    return spec.config_cls(**values)
