@@ -49,23 +49,69 @@ def cmd_train(args, overrides) -> int:
 
 
 def cmd_launch(args, overrides) -> int:
+    """Validate the recipe once, build the deepspeed/torchrun command, run it (or print it).
+
+    Ranks run ``python -m dstrain.cli train RECIPE [overrides] [--resume]``. Ranks on
+    other hosts (deepspeed with a hostfile naming them) start through pdsh, which
+    forwards only a few variables and the lines of ``.deepspeed_env``: the ones the
+    ranks need are written there unless the file is someone else's. SIGINT, SIGTERM
+    (and SIGHUP unless ignored) go to the launcher's whole process group; the
+    return value is its exit status (128+N when killed by signal N).
+    """
     _load(args.recipe, overrides)  # fail here, once, rather than on every rank
+    import contextlib
+    import signal
+
     from dstrain import launcher
-    extra = tuple(overrides) + (("--resume",) if args.resume else ())
-    spec = launcher.LaunchSpec(recipe=args.recipe, overrides=extra, nproc=args.nproc,
-                               hostfile=args.hostfile, master_addr=args.master_addr,
-                               master_port=args.master_port or launcher.find_free_port(),
-                               num_nodes=args.num_nodes)
-    spec.validate()
-    if args.launcher == "torchrun":
-        argv, env = launcher.build_torchrun_command(spec)
-    else:
-        argv, env = launcher.build_deepspeed_command(spec)
-    delta = {k: v for k, v in env.items() if os.environ.get(k) != v}
-    print(launcher.format_command(argv, delta), flush=True)
+    if args.master_port is None:  # one node: any free port; several: the one port every node can agree on
+        one_node = args.hostfile is None and (args.num_nodes or 1) == 1
+        args.master_port = launcher.find_free_port() if one_node else launcher.DEFAULT_MASTER_PORT
+    extra = [*overrides, *(["--resume"] if args.resume else [])]
+    build = launcher.build_torchrun_command if args.launcher == "torchrun" else launcher.build_deepspeed_command
+    try:
+        argv, env = build(launcher.spec_from_args(args, extra))
+    except (ValueError, OSError) as err:
+        print(f"dstrain: error: {err}", file=sys.stderr)
+        return EXIT_CONFIG
+    print(launcher.format_command(argv, launcher.env_delta(env)), flush=True)
+
+    if "--hostfile" in argv:  # DeepSpeed reads ~/NAME and ./NAME, NAME = $DS_ENV_FILE or .deepspeed_env
+        marker = "DSTRAIN_WROTE_DEEPSPEED_ENV=1\n"  # first line of a file dstrain wrote (no comments allowed)
+        needed = {k: env[k] for k in ("DS_ACCELERATOR", "OMP_NUM_THREADS") if k in env} | launcher.env_delta(env)
+        lines = launcher.deepspeed_env_file(needed, env.get("DS_ACCELERATOR", "cuda"))
+        path = Path(os.environ.get("DS_ENV_FILE", ".deepspeed_env"))
+        old = path.read_text() if path.is_file() else None
+        shown = " ".join(lines.splitlines()) or "(nothing)"
+        if old is not None and not old.startswith(marker):
+            if not set(lines.splitlines()) <= set(old.splitlines()):
+                print(f"dstrain: warning: {path} was not written by dstrain; left as is. Ranks on other hosts "
+                      f"need these lines in it: {shown}", file=sys.stderr)
+        elif old is None and not lines:
+            pass  # nothing to forward, no stale file of ours to clear
+        elif args.dry_run:
+            print(f"dstrain: would write {path} for ranks on other hosts: {shown}", file=sys.stderr)
+        else:
+            path.write_text(marker + lines)
+            print(f"dstrain: wrote {path} for ranks on other hosts: {shown}", file=sys.stderr)
     if args.dry_run:
         return 0
-    return subprocess.call(argv, env=env)
+
+    proc = subprocess.Popen(argv, env=env, start_new_session=True)  # own group: Ctrl-C reaches us only
+
+    def forward(signum, _frame):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signum)
+
+    signals = [signal.SIGINT, signal.SIGTERM]
+    if signal.getsignal(signal.SIGHUP) == signal.SIG_DFL:  # nohup sets it to SIG_IGN: keep it so
+        signals.append(signal.SIGHUP)
+    previous = {sig: signal.signal(sig, forward) for sig in signals}
+    try:
+        code = proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 128 - code if code < 0 else code
 
 
 def cmd_plan(args, overrides) -> int:
@@ -119,15 +165,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
     t.set_defaults(func=cmd_train)
 
-    la = sub.add_parser("launch", allow_abbrev=False, help="build and run the deepspeed command")
+    from dstrain import launcher
+    la = sub.add_parser("launch", allow_abbrev=False, help="build and run the deepspeed (or torchrun) command",
+                        description="Options may come before or after RECIPE; --dotted.key=value overrides "
+                                    "are passed to every rank in order.")
     la.add_argument("recipe")
-    la.add_argument("--nproc", type=int, default=1, help="processes (GPUs) per node")
-    la.add_argument("--hostfile")
-    la.add_argument("--num-nodes", type=int)
-    la.add_argument("--master-addr")
-    la.add_argument("--master-port", type=int)
+    launcher.add_launch_options(la)  # the options of `python -m dstrain.launcher`
+    la.set_defaults(master_port=None)  # unset: a free port on one node, 29500 across nodes
     la.add_argument("--launcher", choices=["deepspeed", "torchrun"], default="deepspeed")
-    la.add_argument("--resume", action="store_true")
+    la.add_argument("--resume", action="store_true", help="ranks continue from the latest complete checkpoint")
     la.add_argument("--dry-run", action="store_true", help="print the command, do not run it")
     la.set_defaults(func=cmd_launch)
 
@@ -157,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dstrain.config import ConfigError
+    from dstrain.config import ConfigError, RunFolderError
     from dstrain.engine.ds_config import DSConfigError
     from dstrain.engine.profiles import PlanError
 
@@ -168,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.func(args, overrides)
-    except (ConfigError, DSConfigError, PlanError) as err:
+    except (ConfigError, DSConfigError, PlanError, RunFolderError) as err:
         print(f"dstrain: error: {err}", file=sys.stderr)
         return EXIT_CONFIG
     except (FileNotFoundError, ValueError) as err:

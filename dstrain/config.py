@@ -31,6 +31,10 @@ class ConfigError(ValueError):
         super().__init__(f"{source}: {where}{problem}")
 
 
+class RunFolderError(RuntimeError):
+    """The output folder is in a state a run must not overwrite (or cannot resume from)."""
+
+
 @dataclass
 class ModelConfig:
     """Which model to build."""

@@ -9,7 +9,10 @@ names, CPU count, free port) that the builders take as injectable arguments.
 Each rank ends up running ``python -m dstrain.cli train RECIPE [overrides...]``
 and reads RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT from the
 environment (set by the deepspeed launcher or torchrun, or mapped from SLURM's
-variables by :func:`env_from_slurm`).
+variables by :func:`dstrain.slurm.env_from_slurm`). The SLURM helpers live in
+:mod:`dstrain.slurm`, which imports this module; this module imports it only
+lazily (module ``__getattr__``, ``main``), so there is no import cycle and
+``from dstrain.launcher import env_from_slurm`` keeps working.
 
 ``python -m dstrain.launcher --print RECIPE.json`` prints the command it would run.
 """
@@ -37,6 +40,17 @@ DEEPSPEED_CUDA_EXPORTED_PREFIXES = ("NCCL",)
 
 Env = dict[str, str]
 Detect = Callable[[], str]
+
+# Names that moved to dstrain.slurm; resolved lazily by __getattr__ below.
+_SLURM_NAMES = frozenset({"build_srun_command", "env_from_slurm", "expand_nodelist"})
+
+
+def __getattr__(name: str):
+    if name in _SLURM_NAMES:
+        from dstrain import slurm
+
+        return getattr(slurm, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -419,162 +433,11 @@ def build_torchrun_command(
     return argv, env
 
 
-# --------------------------------------------------------------------------- SLURM
-
-
-def build_srun_command(
-    spec: LaunchSpec,
-    nodes: int,
-    python: str = sys.executable,
-    base_env: Mapping[str, str] | None = None,
-    *,
-    detect: Detect = detect_accelerator,
-) -> tuple[list[str], Env]:
-    """Build ``srun --nodes N --ntasks-per-node P ... python -m dstrain.cli train ...``.
-
-    Each task maps SLURM's variables to torch's with :func:`env_from_slurm` (the
-    ``train`` subcommand does this). MASTER_PORT is put in the env (srun passes the
-    environment through), MASTER_ADDR too when given (else the first node of the
-    step). With CUDA, ``--gpus-per-node nproc`` is requested. On CPU, OMP_NUM_THREADS
-    comes from SLURM_CPUS_PER_TASK in each task. Hosts are SLURM's to choose:
-    hostfile/include/exclude are rejected.
-    """
-    spec.validate()
-    if not _is_int(nodes) or nodes < 1:
-        raise ValueError(f"nodes must be an integer >= 1, got {nodes!r}")
-    if spec.hostfile or spec.include or spec.exclude:
-        raise ValueError("srun picks hosts itself; use sbatch/srun --nodelist/--exclude instead of hostfile/include/exclude")
-    if spec.num_nodes is not None and spec.num_nodes != nodes:
-        raise ValueError(f"num_nodes={spec.num_nodes} disagrees with nodes={nodes}")
-    env = _start_env(base_env)
-    accel = _resolve_accelerator(spec, env, detect)
-
-    argv = ["srun", f"--nodes={nodes}", f"--ntasks-per-node={spec.nproc}", f"--ntasks={nodes * spec.nproc}"]
-    if accel == "cuda":
-        argv.append(f"--gpus-per-node={spec.nproc}")
-    argv += ["--kill-on-bad-exit=1", python, *_train_args(spec)]
-
-    env["MASTER_PORT"] = str(spec.master_port)
-    if spec.master_addr:
-        env["MASTER_ADDR"] = spec.master_addr
-    if accel == "cpu":
-        env["DS_ACCELERATOR"] = "cpu"
-    return argv, env
-
-
-def expand_nodelist(nodelist: str) -> list[str]:
-    """Expand a SLURM node list: ``"node[01-03,07],gpu-a"`` -> node01, node02, node03, node07, gpu-a."""
-    hosts: list[str] = []
-    for item in _split_top_level(nodelist):
-        hosts.extend(_expand_item(item, nodelist))
-    if not hosts:
-        raise ValueError(f"empty SLURM node list {nodelist!r}")
-    return hosts
-
-
-def _split_top_level(text: str) -> list[str]:
-    items, depth, start = [], 0, 0
-    for i, ch in enumerate(text):
-        depth += {"[": 1, "]": -1}.get(ch, 0)
-        if depth < 0 or depth > 1:
-            raise ValueError(f"malformed SLURM node list {text!r}")
-        if ch == "," and depth == 0:
-            items.append(text[start:i])
-            start = i + 1
-    if depth != 0:
-        raise ValueError(f"unbalanced brackets in SLURM node list {text!r}")
-    items.append(text[start:])
-    return [s.strip() for s in items if s.strip()]
-
-
-def _expand_item(item: str, whole: str) -> list[str]:
-    open_at = item.find("[")
-    if open_at < 0:
-        return [item]
-    close_at = item.index("]", open_at)
-    prefix, body, rest = item[:open_at], item[open_at + 1 : close_at], item[close_at + 1 :]
-    names = []
-    for part in body.split(","):
-        lo, sep, hi = part.strip().partition("-")
-        if not lo.isdigit() or (sep and not hi.isdigit()):
-            raise ValueError(f"bad range {part!r} in SLURM node list {whole!r}")
-        width = len(lo)
-        for n in range(int(lo), int(hi if sep else lo) + 1):
-            names.append(f"{prefix}{n:0{width}d}")
-    return [name + tail for name in names for tail in _expand_item(rest, whole)]
-
-
-def _tasks_on_node(tasks_per_node: str, node_id: int) -> int | None:
-    """Pick node ``node_id``'s count from SLURM's ``"2(x3),1"`` format."""
-    counts: list[int] = []
-    for part in tasks_per_node.split(","):
-        match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
-        if match is None:
-            return None
-        counts += [int(match.group(1))] * int(match.group(2) or 1)
-    return counts[node_id] if 0 <= node_id < len(counts) else None
-
-
-def _slurm_int(environ: Mapping[str, str], *names: str) -> int:
-    for name in names:
-        if name in environ:
-            try:
-                return int(environ[name])
-            except ValueError:
-                raise ValueError(f"{name}={environ[name]!r} is not an integer") from None
-    raise ValueError(f"running under SLURM (SLURM_PROCID set) but {' / '.join(names)} is missing")
-
-
-def env_from_slurm(environ: Mapping[str, str]) -> Env:
-    """Map a SLURM task's variables to torch.distributed's.
-
-    Returns RANK (SLURM_PROCID), LOCAL_RANK (SLURM_LOCALID), WORLD_SIZE
-    (SLURM_STEP_NUM_TASKS or SLURM_NTASKS), MASTER_ADDR (environ's, else the first
-    host of SLURM_STEP_NODELIST / SLURM_JOB_NODELIST / SLURM_NODELIST), MASTER_PORT
-    (environ's, else 29500), plus NODE_RANK and LOCAL_WORLD_SIZE when SLURM gives
-    them and OMP_NUM_THREADS from SLURM_CPUS_PER_TASK when not already set.
-    Returns {} when not under SLURM (no SLURM_PROCID) or when an outer launcher
-    already set RANK, LOCAL_RANK and WORLD_SIZE (e.g. deepspeed inside an sbatch
-    script, where every rank inherits SLURM_PROCID=0). Raises ValueError naming
-    a missing or malformed variable.
-    """
-    if "SLURM_PROCID" not in environ:
-        return {}
-    if all(k in environ for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):
-        return {}
-    rank = _slurm_int(environ, "SLURM_PROCID")
-    local_rank = _slurm_int(environ, "SLURM_LOCALID")
-    world = _slurm_int(environ, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
-    if not 0 <= rank < world:
-        raise ValueError(f"SLURM_PROCID={rank} is outside the world of {world} tasks")
-    out = {"RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world)}
-
-    master = environ.get("MASTER_ADDR")
-    if not master:
-        nodelist = next((environ[k] for k in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST") if environ.get(k)), None)
-        if nodelist is None:
-            raise ValueError("running under SLURM but neither MASTER_ADDR nor SLURM_JOB_NODELIST is set")
-        master = expand_nodelist(nodelist)[0]
-    out["MASTER_ADDR"] = master
-    out["MASTER_PORT"] = environ.get("MASTER_PORT") or str(DEFAULT_MASTER_PORT)
-
-    if environ.get("SLURM_NODEID", "").isdigit():
-        node_id = int(environ["SLURM_NODEID"])
-        out["NODE_RANK"] = str(node_id)
-        per_node = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
-        local_world = _tasks_on_node(per_node, node_id) if per_node else None
-        if local_world is not None:
-            out["LOCAL_WORLD_SIZE"] = str(local_world)
-    if "OMP_NUM_THREADS" not in environ and environ.get("SLURM_CPUS_PER_TASK", "").isdigit():
-        out["OMP_NUM_THREADS"] = environ["SLURM_CPUS_PER_TASK"]
-    return out
-
-
 # --------------------------------------------------------------------------- command line
 
 
-def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the LaunchSpec options and the RECIPE/overrides positionals to ``parser``."""
+def add_launch_options(parser: argparse.ArgumentParser) -> None:
+    """Add the LaunchSpec options (no positionals) to ``parser``."""
     parser.add_argument("--nproc", type=int, default=1, help="processes per node (with a hostfile, 1 = all slots)")
     parser.add_argument("--hostfile", default=None, help="DeepSpeed hostfile: 'hostname slots=N' per line")
     parser.add_argument("--num-nodes", type=int, default=None, help="use the first N hosts")
@@ -583,14 +446,25 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--include", default=None, help="deepspeed --include, e.g. 'worker-0@worker-1:0,2'")
     parser.add_argument("--exclude", default=None, help="deepspeed --exclude, e.g. 'worker-1:0'")
     parser.add_argument("--accelerator", choices=ACCELERATORS, default="auto")
+
+
+def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the LaunchSpec options and the RECIPE/overrides positionals to ``parser``.
+
+    Everything after RECIPE is an override, options included; a parser that must
+    accept options after RECIPE adds :func:`add_launch_options` and its own RECIPE.
+    """
+    add_launch_options(parser)
     parser.add_argument("recipe", help="recipe JSON")
     parser.add_argument("overrides", nargs=argparse.REMAINDER, help="--dotted.key=value overrides, passed verbatim")
 
 
-def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
-    """Build a LaunchSpec from arguments parsed with :func:`add_launch_arguments`."""
+def spec_from_args(args: argparse.Namespace, overrides: Sequence[str] | None = None) -> LaunchSpec:
+    """A LaunchSpec from arguments parsed with :func:`add_launch_arguments` (or the options
+    of :func:`add_launch_options` plus ``args.recipe``; ``overrides`` replaces ``args.overrides``)."""
     return LaunchSpec(
-        recipe=args.recipe, overrides=tuple(args.overrides), nproc=args.nproc, hostfile=args.hostfile,
+        recipe=args.recipe, overrides=tuple(args.overrides if overrides is None else overrides),
+        nproc=args.nproc, hostfile=args.hostfile,
         num_nodes=args.num_nodes, master_addr=args.master_addr, master_port=args.master_port,
         include=args.include, exclude=args.exclude, accelerator=args.accelerator,
     )
@@ -615,6 +489,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.backend == "torchrun":
             cmd, env = build_torchrun_command(spec)
         else:
+            from dstrain.slurm import build_srun_command
+
             cmd, env = build_srun_command(spec, nodes=args.nodes)
     except (ValueError, OSError) as err:
         parser.error(str(err))

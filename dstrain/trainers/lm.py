@@ -21,15 +21,11 @@ import torch
 
 from dstrain import checkpoint as ckpt
 from dstrain import runtime
-from dstrain.config import RunConfig, save_run_config
+from dstrain.config import RunConfig, RunFolderError, save_run_config
 from dstrain.data.corpus import ByteTokenizer, build_token_streams, load_documents
 from dstrain.data.sampler import WindowSampler, get_batch
 from dstrain.engine.factory import create_engine, plan_engine
 from dstrain.metrics import RunLogger, Throughput, peak_memory_bytes, reduce_mean
-
-
-class RunFolderError(RuntimeError):
-    """The output folder is in a state the run must not overwrite."""
 
 
 def load_token_streams(cfg: RunConfig, world: runtime.World) -> tuple[torch.Tensor, torch.Tensor]:

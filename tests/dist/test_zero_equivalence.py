@@ -10,7 +10,7 @@ STEPS = 5
 PROFILES = {  # profile -> (stage, offload_optimizer, offload_param)
     "zero0": (0, False, False), "zero1": (1, False, False), "zero2": (2, False, False),
     "zero2_offload": (2, True, False), "zero3": (3, False, False),
-    "zero3_offload": (3, True, True),
+    "zero3_offload_optimizer": (3, True, False), "zero3_offload": (3, True, True),
 }
 
 

@@ -1,0 +1,573 @@
+"""Throughput benchmark: dstrain's engine against a plain PyTorch loop, same model and batch.
+
+``dstrain bench RECIPE [--a.b=c ...] [--profiles zero1,zero3] [--steps 20] [--warmup 3]
+[--nproc 2] [--out benchmarks/results/NAME.json] [--plot]``
+
+The parent process (no torch.distributed) launches, per profile, two jobs through
+the deepspeed launcher, each running ``python -m dstrain.bench --worker``: one
+times dstrain (``plan_engine`` + ``create_engine`` with the profile forced), the
+other a plain loop (the same model and seed, torch DDP when world > 1, torch
+AdamW over dstrain's ``param_groups``, ``no_sync`` on non-final micro-steps,
+gradient clipping, the same learning-rate schedule). Separate processes give
+separate peak-memory figures (RSS peaks only grow). The order alternates per
+profile (plain first, then dstrain first, ...) so slow drift of the machine does
+not favour one side.
+
+Each step is timed with ``perf_counter`` after a barrier (data already on the
+device; ``cuda.synchronize`` on GPUs); a step's time is the maximum over ranks,
+and the reported figure is the median over the timed steps. MFU divides the
+achieved FLOP/s of one rank by the peak of one rank: a GPU's datasheet figure,
+or on a CPU a matmul measured by every rank at once in every job of the run
+(the median of those is used for all jobs).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+GOALS = {0: 1.05, 1: 1.05, 2: 1.05, 3: 1.25}
+"""Largest acceptable dstrain/plain step-time ratio per ZeRO stage (offload profiles have none)."""
+RESULT_FIELDS = ("benchmark", "command", "git_commit", "date", "device", "world_size", "model",
+                 "batch", "precision", "threads_per_rank", "peak_flops", "versions", "load_average",
+                 "method", "profiles")
+METRIC_FIELDS = ("step_time_s", "tokens_per_s", "flops_per_s", "mfu", "peak_memory_bytes")
+
+
+@dataclass
+class BenchOptions:
+    recipe: str
+    overrides: list[str] = field(default_factory=list)
+    profiles: list[str] | None = None
+    steps: int = 20
+    warmup: int = 3
+    nproc: int = 2
+    out: str | None = None
+    plot: bool = False
+    plain: str = "each"
+    timeout: int = 1800
+    # worker only
+    worker: bool = False
+    mode: str = "dstrain"
+    profile: str | None = None
+    result: str | None = None
+
+
+def parse_args(argv: list[str]) -> BenchOptions:
+    """Recipe, dotted ``--section.key=value`` overrides (passed to the run config) and bench options."""
+    p = argparse.ArgumentParser(prog="dstrain bench", allow_abbrev=False,
+                                description="dstrain vs plain PyTorch step time, per DeepSpeed profile")
+    p.add_argument("recipe")
+    p.add_argument("--profiles", type=lambda s: [x for x in s.split(",") if x],
+                   help="comma-separated ds_configs profiles (default: the recipe's, or the factory's pick)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per job")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
+    p.add_argument("--nproc", type=int, default=2, help="world size (processes on this machine)")
+    p.add_argument("--out", help="result JSON (default benchmarks/results/throughput_<recipe>.json)")
+    p.add_argument("--plot", action="store_true", help="also write a PNG next to the JSON")
+    p.add_argument("--plain", choices=("each", "once"), default="each",
+                   help="run the plain loop beside every profile (default) or once")
+    p.add_argument("--timeout", type=int, default=1800, help="seconds per launched job")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--mode", choices=("plain", "dstrain"), default="dstrain", help=argparse.SUPPRESS)
+    p.add_argument("--profile", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    args, extra = p.parse_known_args(argv)
+    overrides = []
+    for item in extra:
+        if item.startswith("--local_rank"):
+            continue
+        if not (item.startswith("--") and "=" in item and "." in item.split("=", 1)[0]):
+            p.error(f"unrecognized argument {item!r} (overrides look like --section.key=value)")
+        overrides.append(item)
+    for name in ("steps", "nproc"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be at least 1")
+    if args.warmup < 0:
+        p.error("--warmup must not be negative")
+    return BenchOptions(**{k: v for k, v in vars(args).items()}, overrides=overrides)
+
+
+# ---------------------------------------------------------------- pure summaries
+
+def summarize(times: list[float]) -> dict[str, float]:
+    """Median, mean, p90, min and max of step times (p90 by linear interpolation)."""
+    if not times:
+        raise ValueError("no step times to summarize")
+    xs = sorted(times)
+    pos = 0.9 * (len(xs) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    p90 = xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+    return {"median": statistics.median(xs), "mean": statistics.fmean(xs), "p90": p90,
+            "min": xs[0], "max": xs[-1]}
+
+
+def goal_for(stage: int, offload: bool) -> float | None:
+    return None if offload else GOALS.get(stage)
+
+
+def compare(dstrain_median: float, plain_median: float, goal: float | None) -> dict:
+    ratio = dstrain_median / plain_median
+    return {"ratio": ratio, "goal": goal, "goal_met": None if goal is None else ratio <= goal}
+
+
+def rates(step_s: float, tokens_per_step: int, world: int, flops_per_token: float | None,
+          peak_per_rank: float | None) -> dict:
+    """Global tokens/s and FLOP/s of one step time; MFU = per-rank FLOP/s / per-rank peak."""
+    tps = tokens_per_step / step_s
+    flops = tps * flops_per_token if flops_per_token else None
+    mfu = flops / world / peak_per_rank if flops and peak_per_rank else None
+    return {"tokens_per_s": tps, "flops_per_s": flops, "mfu": mfu}
+
+
+def job_metrics(job: dict, tokens_per_step: int, world: int, flops_per_token, peak) -> dict:
+    step = summarize(job["step_times_s"])
+    return {"step_time_s": step, **rates(step["median"], tokens_per_step, world, flops_per_token, peak),
+            "peak_memory_bytes": job["peak_memory_bytes"], "start_memory_bytes": job["start_memory_bytes"],
+            "final_loss": job["losses"][-1], "step_times_s": job["step_times_s"]}
+
+
+def build_profiles(jobs: list[dict], tokens_per_step: int, world: int, flops_per_token, peak) -> dict:
+    """Per profile: both sides' metrics, the ratio and the goal. ``jobs`` come from the workers."""
+    plains = {j["pair"]: j for j in jobs if j["mode"] == "plain"}
+    out = {}
+    for job in (j for j in jobs if j["mode"] == "dstrain"):
+        plain = plains[job["pair"]]
+        d = job_metrics(job, tokens_per_step, world, flops_per_token, peak)
+        b = job_metrics(plain, tokens_per_step, world, flops_per_token, peak)
+        goal = goal_for(job["zero"]["stage"], job["zero"].get("offload_optimizer", False)
+                        or job["zero"].get("offload_param", False))
+        out[job["profile"]] = {"stage": job["zero"]["stage"], "zero": job["zero"], "order": job["order"],
+                               "ds_optimizer": job.get("optimizer"), "plain_optimizer": plain.get("optimizer"),
+                               **compare(d["step_time_s"]["median"], b["step_time_s"]["median"], goal),
+                               "dstrain": d, "plain": b}
+    return out
+
+
+def check_result(result: dict) -> list[str]:
+    """Problems with a result dict (missing fields, non-positive numbers); empty when it is complete."""
+    problems = [f"missing {k}" for k in RESULT_FIELDS if k not in result]
+    for name, prof in result.get("profiles", {}).items():
+        for side in ("dstrain", "plain"):
+            for key in METRIC_FIELDS:
+                value = prof.get(side, {}).get(key)
+                value = value["median"] if isinstance(value, dict) else value
+                if not isinstance(value, (int, float)) or value <= 0:
+                    problems.append(f"{name}.{side}.{key} is {value!r}")
+        if not isinstance(prof.get("ratio"), float) or "goal_met" not in prof:
+            problems.append(f"{name}: no ratio/goal")
+    return problems
+
+
+def format_table(result: dict) -> str:
+    head = ("profile", "plain s", "dstrain s", "ratio", "goal", "met", "tok/s", "GFLOP/s", "MFU",
+            "mem plain", "mem dstrain")
+    rows = [head]
+    for name, p in result["profiles"].items():
+        d, b = p["dstrain"], p["plain"]
+        rows.append((name, f"{b['step_time_s']['median']:.4f}", f"{d['step_time_s']['median']:.4f}",
+                     f"{p['ratio']:.3f}", "-" if p["goal"] is None else f"{p['goal']:.2f}",
+                     {True: "yes", False: "NO", None: "-"}[p["goal_met"]], f"{d['tokens_per_s']:.0f}",
+                     "-" if d["flops_per_s"] is None else f"{d['flops_per_s'] / 1e9:.2f}",
+                     "-" if d["mfu"] is None else f"{100 * d['mfu']:.1f}%",
+                     f"{b['peak_memory_bytes'] / 2**20:.0f} MiB", f"{d['peak_memory_bytes'] / 2**20:.0f} MiB"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows)
+
+
+# ---------------------------------------------------------------- worker (one rank of one job)
+
+def _device_sync(device) -> None:
+    import torch
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _rss_now() -> int:
+    import psutil
+    return int(psutil.Process().memory_info().rss)
+
+
+def _plain_step_fn(model, cfg, precision, device, world):
+    """The reference: torch DDP (world > 1), torch AdamW over dstrain's param groups, clipping."""
+    import torch
+    from dstrain.engine.factory import param_groups, scheduler_factory
+    t = cfg.train
+    ddp = world > 1
+    if ddp:
+        ids = [device.index] if device.type == "cuda" else None
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    opt = torch.optim.AdamW(param_groups(model.module if ddp else model, t.weight_decay),
+                            lr=t.lr, betas=tuple(t.betas), eps=t.eps)
+    sched = scheduler_factory(t)(opt)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+
+    def step(micro):
+        losses = []
+        for k, (x, y) in enumerate(micro):
+            sync = model.no_sync() if ddp and k < len(micro) - 1 else contextlib.nullcontext()
+            amp = torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()
+            with sync:
+                with amp:
+                    loss = model(x, y)
+                scaler.scale(loss / len(micro)).backward()
+            losses.append(loss.item())
+        if t.grad_clip > 0:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        return sum(losses) / len(losses)
+
+    model.train()
+    return step, f"torch.optim.{type(opt).__name__} (foreach={opt.defaults.get('foreach')}, " \
+                 f"fused={opt.defaults.get('fused')})" + (" + DDP" if ddp else "")
+
+
+def _dstrain_step_fn(engine):
+    def step(micro):
+        losses = []
+        for x, y in micro:
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        return sum(losses) / len(losses)
+
+    engine.train()
+    inner = getattr(engine.ds.optimizer, "optimizer", None)
+    name = type(engine.ds.optimizer).__name__ + (f" over {type(inner).__name__}" if inner is not None else "")
+    return step, name
+
+
+def run_worker(opts: BenchOptions) -> int:
+    """One rank of one job: build, warm up, time, gather, and (rank 0) write the job's JSON."""
+    import torch
+    import torch.distributed as dist
+    from dstrain import runtime
+    from dstrain.config import load_run_config
+    from dstrain.data.sampler import WindowSampler, get_batch
+    from dstrain.engine import hardware
+    from dstrain.engine.factory import create_engine, plan_engine
+    from dstrain.metrics import peak_memory_bytes
+    from dstrain.trainers.lm import load_token_streams
+    from models import registry
+
+    cfg = load_run_config(opts.recipe, opts.overrides)
+    cfg.deepspeed.profile = opts.profile
+    world = runtime.init_distributed()
+    start_memory = _rss_now()
+    spec = registry.get_spec(cfg.model.name)
+    mcfg = registry.make_model_config(cfg.model.name, cfg.model.size, cfg.model.args)
+    train_tokens, _ = load_token_streams(cfg, world)
+    plan = plan_engine(cfg, world.world_size, ranks_per_node=world.local_world_size,
+                       device_type=world.device.type) if world.is_main else None
+    plan = runtime.broadcast_object(plan)
+
+    # Every rank measures the matmul peak at the same time: what one rank gets while all are busy.
+    runtime.barrier()
+    peak, how = hardware.peak_flops(plan.precision)
+    peaks = [peak]
+    if world.world_size > 1 and world.device.type == "cpu":
+        box = [None] * world.world_size
+        dist.all_gather_object(box, peak)
+        peaks = box
+
+    t, seq = cfg.train, cfg.data.seq_len
+    sampler = WindowSampler(len(train_tokens), seq, cfg.data.seed)
+    total = opts.warmup + opts.steps
+    batches = []
+    for s in range(total):
+        idx = sampler.local_batch_indices(s, t.micro_batch, t.grad_accum, world.rank, world.world_size)
+        batches.append([tuple(v.to(world.device) for v in get_batch(train_tokens, row, seq)) for row in idx])
+
+    runtime.seed_everything(t.seed)  # identical initial weights on every rank and in both jobs
+    if opts.mode == "plain":
+        model = spec.parallelize(spec.build(mcfg), activation_checkpointing=plan.activation_checkpointing)
+        step, optimizer = _plain_step_fn(model.to(world.device), cfg, plan.precision, world.device,
+                                         world.world_size)
+    else:
+        engine = create_engine(lambda: spec.build(mcfg), spec.parallelize, plan, t)
+        step, optimizer = _dstrain_step_fn(engine)
+    runtime.seed_everything(t.seed + 7919 * (world.rank + 1))
+
+    times, losses = [], []
+    prof_dir = os.environ.get("DSTRAIN_BENCH_CPROFILE")  # where the time goes: one .pstats per rank
+    prof = None
+    for s in range(total):
+        if prof_dir and s == opts.warmup:
+            import cProfile
+            prof = cProfile.Profile()
+            prof.enable()
+        runtime.barrier()
+        _device_sync(world.device)
+        t0 = time.perf_counter()
+        losses.append(step(batches[s]))
+        _device_sync(world.device)
+        times.append(time.perf_counter() - t0)
+    if prof is not None:
+        prof.disable()
+        prof.dump_stats(os.path.join(prof_dir, f"{opts.mode}_{opts.profile}_rank{world.rank}.pstats"))
+
+    stats = torch.tensor(times[opts.warmup:] + [float(peak_memory_bytes()), float(start_memory)],
+                         dtype=torch.float64, device=world.device)
+    mean_losses = torch.tensor(losses, dtype=torch.float64, device=world.device)
+    if world.world_size > 1:
+        dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+        dist.all_reduce(mean_losses)
+        mean_losses /= world.world_size
+    if world.is_main:
+        with torch.device("meta"):
+            meta_model = spec.build(mcfg)
+        fpt = meta_model.flops_per_token(seq) if hasattr(meta_model, "flops_per_token") else None
+        values = stats.tolist()
+        job = {"mode": opts.mode, "profile": opts.profile, "zero": plan.zero, "precision": plan.precision,
+               "activation_checkpointing": plan.activation_checkpointing, "optimizer": optimizer,
+               "step_times_s": values[:-2], "peak_memory_bytes": int(values[-2]),
+               "start_memory_bytes": int(values[-1]), "losses": mean_losses.tolist(),
+               "peak_flops": {"per_rank": peaks, "how": how}, "threads_per_rank": torch.get_num_threads(),
+               "flops_per_token": fpt, "params": sum(p.numel() for p in meta_model.parameters()),
+               "tokens_per_step": cfg.tokens_per_step * world.world_size, "world_size": world.world_size}
+        Path(opts.result).write_text(json.dumps(job))
+    runtime.barrier()
+    return 0
+
+
+# ---------------------------------------------------------------- parent (launches the jobs)
+
+def job_schedule(profiles: list[str], plain: str = "each") -> list[tuple[str, str, int, str]]:
+    """(mode, profile, pair, order) of every job, in launch order.
+
+    ``each``: a plain job beside every profile, plain first for even-numbered
+    profiles and dstrain first for odd ones. ``once``: one plain job first.
+    """
+    if plain == "once":
+        return [("plain", profiles[0], 0, "plain once, first")] + [
+            ("dstrain", p, 0, "plain once, first") for p in profiles]
+    jobs = []
+    for i, profile in enumerate(profiles):
+        order = ("plain", "dstrain") if i % 2 == 0 else ("dstrain", "plain")
+        jobs += [(mode, profile, i, f"{order[0]} first") for mode in order]
+    return jobs
+
+
+def _portable(text: str) -> str:
+    """Paths of this machine made relative to the working directory (or ~)."""
+    cwd, home = os.getcwd().rstrip("/") + "/", os.path.expanduser("~").rstrip("/") + "/"
+    return text.replace(cwd, "").replace(home, "~/")
+
+
+def command_line(argv: list[str]) -> str:
+    prog = sys.argv[0] if sys.argv else ""
+    name = os.path.basename(prog)
+    if name == "dstrain":
+        head = "dstrain bench"
+    elif prog.endswith(os.path.join("dstrain", "bench.py")):
+        head = "python -m dstrain.bench"
+    elif prog.endswith(".py") and name != "__main__.py" and "pytest" not in prog:
+        head = "python " + _portable(os.path.abspath(prog))
+    else:
+        head = "python -m dstrain.bench"
+    return _portable(" ".join([head, shlex.join(argv)]))
+
+
+def _git_commit() -> tuple[str | None, bool | None]:
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip() != ""
+        return head, dirty
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+
+
+def _describe_device(cuda: bool) -> dict:
+    if cuda:
+        import torch
+        return {"type": "cuda", "name": torch.cuda.get_device_name(), "count": torch.cuda.device_count()}
+    name = platform.processor() or "unknown CPU"
+    with contextlib.suppress(OSError):
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    from dstrain.launcher import available_cpus
+    return {"type": "cpu", "name": name, "cpus": available_cpus()}
+
+
+def _version(dist_name: str) -> str | None:
+    from importlib import metadata
+    try:
+        return metadata.version(dist_name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _launch(opts: BenchOptions, overrides: list[str], mode: str, profile: str, result: Path,
+            log: Path) -> dict:
+    """One job through the deepspeed launcher; returns the JSON rank 0 wrote."""
+    from dstrain import launcher
+    spec = launcher.LaunchSpec(recipe=opts.recipe, overrides=tuple(overrides), nproc=opts.nproc,
+                               master_port=launcher.find_free_port())
+    argv, env = launcher.build_deepspeed_command(spec)
+    # Same launcher flags as `dstrain launch`; only the module each rank runs differs.
+    argv = argv[:argv.index("--module") + 1] + [
+        "dstrain.bench", "--worker", "--mode", mode, "--profile", profile, "--steps", str(opts.steps),
+        "--warmup", str(opts.warmup), "--result", str(result), opts.recipe, *overrides]
+    env["PYTHONUNBUFFERED"] = "1"
+    with open(log, "w") as fh:
+        proc = subprocess.run(argv, env=env, stdout=fh, stderr=subprocess.STDOUT, timeout=opts.timeout)
+    if proc.returncode != 0 or not result.is_file():
+        tail = log.read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"{mode} job for {profile} failed (exit {proc.returncode}):\n{tail}")
+    return json.loads(result.read_text())
+
+
+def default_profiles(cfg, nproc: int) -> list[str]:
+    if cfg.deepspeed.profile != "auto":
+        return [cfg.deepspeed.profile]
+    from dstrain.engine.factory import plan_engine
+    return [plan_engine(cfg, nproc, ranks_per_node=nproc).profile]
+
+
+def assemble(opts: BenchOptions, argv: list[str], cfg, jobs: list[dict], device: dict,
+             load_before, load_after, precision_note: str) -> dict:
+    first = jobs[0]
+    measured = [x for j in jobs for x in j["peak_flops"]["per_rank"] if x]
+    peak = statistics.median(measured) if measured else None
+    how = first["peak_flops"]["how"]
+    if device["type"] == "cpu" and measured:
+        how += (f", run by all {first['world_size']} ranks at once ({first['threads_per_rank']} thread(s) "
+                f"each) in every job; median of {len(measured)} measurements")
+    commit, dirty = _git_commit()
+    tokens = first["tokens_per_step"]
+    return {
+        "benchmark": "throughput", "command": command_line(argv), "git_commit": commit, "git_dirty": dirty,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": device,
+        "world_size": first["world_size"],
+        "model": {"name": cfg.model.name, "size": cfg.model.size, "args": cfg.model.args,
+                  "params": first["params"], "flops_per_token": first["flops_per_token"]},
+        "batch": {"seq_len": cfg.data.seq_len, "micro_batch": cfg.train.micro_batch,
+                  "grad_accum": cfg.train.grad_accum, "tokens_per_step_global": tokens},
+        "precision": first["precision"], "precision_note": precision_note,
+        "activation_checkpointing": first["activation_checkpointing"],
+        "threads_per_rank": first["threads_per_rank"],
+        "peak_flops": {"per_rank": peak, "how": how, "measurements": measured},
+        "versions": {"python": platform.python_version(), "torch": _version("torch"),
+                     "deepspeed": _version("deepspeed")},
+        "load_average": {"before": list(load_before), "after": list(load_after)},
+        "method": {
+            "timed_steps": opts.steps, "warmup_steps": opts.warmup,
+            "order": ("one plain job and one dstrain job per profile, in separate launcher jobs; plain first "
+                      "for even-numbered profiles, dstrain first for odd ones" if opts.plain == "each"
+                      else "one plain job, run first, compared with every profile"),
+            "timing": ("perf_counter around each optimizer step (all micro-batches), after a barrier, batches "
+                       "already on the device; per step the max over ranks; median over timed steps"),
+            "memory": ("peak RSS (ru_maxrss) of each rank, max over ranks; plain and dstrain in separate "
+                       "processes; both include the Python/torch/deepspeed imports"
+                       if device["type"] == "cpu" else "torch.cuda.max_memory_allocated, max over ranks"),
+            "mfu": "achieved FLOP/s per rank (model.flops_per_token x tokens / step time) / peak_flops.per_rank",
+        },
+        "profiles": build_profiles(jobs, tokens, first["world_size"], first["flops_per_token"], peak),
+    }
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = list(result["profiles"])
+    plain = [result["profiles"][n]["plain"]["step_time_s"]["median"] for n in names]
+    ds = [result["profiles"][n]["dstrain"]["step_time_s"]["median"] for n in names]
+    xs = range(len(names))
+    fig, ax = plt.subplots(figsize=(1.8 * len(names) + 2.5, 4))
+    ax.bar([x - 0.2 for x in xs], plain, 0.4, label="plain PyTorch (DDP)")
+    ax.bar([x + 0.2 for x in xs], ds, 0.4, label="dstrain (DeepSpeed)")
+    for x, n, d in zip(xs, names, ds):
+        ax.annotate(f"{result['profiles'][n]['ratio']:.2f}x", (x + 0.2, d), ha="center", va="bottom")
+    ax.set_xticks(list(xs), names)
+    ax.set_ylabel("median step time (s)")
+    b = result["batch"]
+    ax.set_title(f"{result['model']['name']}-{result['model']['size']}, {result['world_size']} ranks, "
+                 f"micro-batch {b['micro_batch']} x seq {b['seq_len']}, {result['precision']}", fontsize=9)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def run_benchmark(opts: BenchOptions, argv: list[str]) -> int:
+    from dstrain import launcher
+    from dstrain.config import load_run_config
+    from dstrain.engine.ds_config import resolve_profile_path
+
+    cfg = load_run_config(opts.recipe, opts.overrides)  # config errors now, once
+    cuda = os.environ.get("DS_ACCELERATOR", "") != "cpu" and launcher.detect_accelerator() == "cuda"
+    overrides, note = list(opts.overrides), "as configured"
+    if not cuda and cfg.deepspeed.precision == "auto":
+        overrides.append("--deepspeed.precision=fp32")
+        note = "fp32 forced by the benchmark on CPU (deepspeed.precision was auto)"
+    profiles = opts.profiles or default_profiles(cfg, opts.nproc)
+    for p in profiles:
+        resolve_profile_path(p)
+    out = Path(opts.out or f"benchmarks/results/throughput_{Path(opts.recipe).stem}.json")
+    device = _describe_device(cuda)
+    load_before = os.getloadavg()
+    jobs = []
+    with tempfile.TemporaryDirectory(prefix="dstrain-bench-") as tmp:
+        worker_overrides = overrides + [f"--output.dir={tmp}/run"]  # dataset cache, shared by the jobs
+        for n, (mode, profile, pair, order) in enumerate(job_schedule(profiles, opts.plain)):
+            print(f"[bench] {profile}: {mode} ({opts.nproc} ranks, {opts.warmup}+{opts.steps} steps)",
+                  file=sys.stderr, flush=True)
+            job = _launch(opts, worker_overrides, mode, profile, Path(tmp, f"job{n}.json"),
+                          Path(tmp, f"job{n}.log"))
+            job.update(pair=pair, order=order)
+            print(f"[bench]   median step {statistics.median(job['step_times_s']):.4f} s",
+                  file=sys.stderr, flush=True)
+            jobs.append(job)
+    result = assemble(opts, argv, cfg, jobs, device, load_before, os.getloadavg(), note)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    if opts.plot:
+        plot(result, out.with_suffix(".png"))
+    print(format_table(result))
+    print(f"wrote {_portable(str(out.resolve()))}" + (" (+ .png)" if opts.plot else ""))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    opts = parse_args(argv)
+    if opts.worker:
+        return run_worker(opts)
+    from dstrain.config import ConfigError
+    from dstrain.engine.ds_config import DSConfigError
+    try:
+        return run_benchmark(opts, argv)
+    except (ConfigError, DSConfigError) as err:
+        print(f"dstrain bench: error: {err}", file=sys.stderr)
+        return 2
+    except RuntimeError as err:
+        print(f"dstrain bench: {err}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

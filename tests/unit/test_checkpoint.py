@@ -1,0 +1,79 @@
+"""Checkpoint bookkeeping: only complete checkpoints count; pruning; RNG round trip."""
+import json
+import random
+
+import pytest
+import torch
+
+from dstrain import checkpoint as ckpt
+
+
+def fake_save(root, step, complete=True, keep=10):
+    tag = ckpt.tag_for(step)
+    (root / tag).mkdir(parents=True)
+    (root / tag / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    if complete:
+        ckpt.mark_complete(root, tag, {"model": {}}, {"zero_optimization": {"stage": 0}},
+                           {"step": step, "world_size": 2}, keep=keep)
+    return tag
+
+
+def test_incomplete_checkpoint_never_latest(tmp_path):
+    assert ckpt.find_latest(tmp_path) is None
+    fake_save(tmp_path, 100)
+    fake_save(tmp_path, 200, complete=False)  # died while writing
+    assert ckpt.find_latest(tmp_path) == "step_00000100"
+    # even if the `latest` pointer were made to name it
+    (tmp_path / "latest").write_text("step_00000200\n")
+    assert ckpt.find_latest(tmp_path) == "step_00000100"
+
+
+def test_prepare_removes_only_incomplete(tmp_path):
+    fake_save(tmp_path, 100)
+    fake_save(tmp_path, 200, complete=False)
+    ckpt.prepare_tag_dir(tmp_path, "step_00000200")
+    ckpt.prepare_tag_dir(tmp_path, "step_00000100")
+    assert not (tmp_path / "step_00000200").exists()
+    assert ckpt.is_complete(tmp_path / "step_00000100")
+
+
+def test_mark_complete_writes_metadata_and_prunes(tmp_path):
+    for step in (1, 2, 3, 4):
+        fake_save(tmp_path, step, keep=2)
+    assert ckpt.complete_tags(tmp_path) == ["step_00000003", "step_00000004"]
+    assert (tmp_path / "latest").read_text().strip() == "step_00000004"
+    tag_dir = tmp_path / "step_00000004"
+    assert json.loads((tag_dir / "trainer_state.json").read_text())["step"] == 4
+    assert (tag_dir / "run_config.json").is_file() and (tag_dir / "ds_config.json").is_file()
+
+
+def test_resolve_checkpoint_accepts_output_root_or_tag(tmp_path):
+    root = tmp_path / "run" / "checkpoints"
+    fake_save(root, 5)
+    assert ckpt.resolve_checkpoint(tmp_path / "run") == (root, "step_00000005")
+    assert ckpt.resolve_checkpoint(root) == (root, "step_00000005")
+    assert ckpt.resolve_checkpoint(root / "step_00000005") == (root, "step_00000005")
+    fake_save(root, 6, complete=False)
+    with pytest.raises(ValueError, match="incomplete"):
+        ckpt.resolve_checkpoint(root / "step_00000006")
+    with pytest.raises(FileNotFoundError):
+        ckpt.resolve_checkpoint(tmp_path / "nothing")
+
+
+def test_export_cli_reports_missing_checkpoint(tmp_path, capsys):
+    from dstrain.cli import main
+    assert main(["export", str(tmp_path), str(tmp_path / "w.safetensors")]) == 2
+    assert "no complete checkpoint" in capsys.readouterr().err
+
+
+def test_rng_round_trip(tmp_path):
+    (tmp_path / "step_00000001").mkdir()
+    torch.manual_seed(3)
+    random.seed(3)
+    ckpt.save_rng(tmp_path, "step_00000001", rank=1)
+    expected = (torch.rand(3), random.random())
+    torch.rand(5)
+    ckpt.load_rng(tmp_path, "step_00000001", rank=1)
+    assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
+    with pytest.raises(FileNotFoundError, match="rank 0"):
+        ckpt.load_rng(tmp_path, "step_00000001", rank=0)
