@@ -36,10 +36,12 @@ def build_model(cfg: RunConfig) -> torch.nn.Module:
     return spec.build(registry.make_model_config(cfg.model.name, cfg.model.size, cfg.model.args))
 
 
-def plain_training(cfg: RunConfig, world_size: int, steps: int | None = None, cache_dir=None):
+def plain_training(cfg: RunConfig, world_size: int, steps: int | None = None, cache_dir=None,
+                   norms: bool = False):
     """Train like the distributed run would, in one process on the whole global batch.
 
-    Returns (per-step losses, model). The global batch of a step is the union of all
+    Returns (per-step losses, model), or with ``norms=True`` also the per-step gradient
+    norms before clipping. The global batch of a step is the union of all
     ranks' micro-batches; its mean loss equals the average of the ranks' means.
     """
     t = cfg.train
@@ -52,16 +54,16 @@ def plain_training(cfg: RunConfig, world_size: int, steps: int | None = None, ca
                              {"params": other, "weight_decay": 0.0}],
                             lr=t.lr, betas=tuple(t.betas), eps=t.eps)
     global_batch = t.micro_batch * t.grad_accum * world_size
-    losses = []
+    losses, grad_norms = [], []
     for k in range(steps if steps is not None else t.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(cfg, k)
         x, y = get_batch(train_tokens, sampler.global_indices(k, global_batch), cfg.data.seq_len)
         loss = model(x, y)
         loss.backward()
-        if t.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        grad_norms.append(float(torch.nn.utils.clip_grad_norm_(
+            model.parameters(), t.grad_clip if t.grad_clip > 0 else float("inf"))))
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-    return losses, model
+    return (losses, grad_norms, model) if norms else (losses, model)

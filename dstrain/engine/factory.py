@@ -139,9 +139,14 @@ class WarmupCosine:
 
 
 def scheduler_factory(train: TrainConfig):
-    """A callable DeepSpeed turns into the scheduler: optimizer -> LambdaLR."""
+    """A callable DeepSpeed turns into the scheduler: optimizer -> LambdaLR.
+
+    The factor is wrapped in a plain function so that LambdaLR's checkpointed state
+    holds only the step: a resumed run follows the schedule of its own run config
+    (e.g. more steps), not the one saved in the checkpoint.
+    """
     schedule = WarmupCosine(train.warmup_steps, train.steps, train.min_lr_ratio)
-    return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: schedule(k))
 
 
 class Engine:
@@ -150,6 +155,9 @@ class Engine:
     def __init__(self, ds_engine, plan: EnginePlan):
         self.ds = ds_engine
         self.plan = plan
+        # DeepSpeed computes the norm but does not keep it for plain fp32 without ZeRO.
+        self._own_norm = plan.zero["stage"] == 0 and plan.precision == "fp32"
+        self._norm: float | None = None
 
     def __call__(self, *args, **kwargs):
         return self.ds(*args, **kwargs)
@@ -166,6 +174,11 @@ class Engine:
         self.ds.backward(loss)
 
     def step(self) -> None:
+        if self._own_norm and self.ds.is_gradient_accumulation_boundary():
+            grads = [p.grad for p in self.ds.module.parameters() if p.grad is not None]
+            if grads:
+                norms = torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])
+                self._norm = float(torch.linalg.vector_norm(norms))
         self.ds.step()
 
     def train(self) -> None:
@@ -180,6 +193,9 @@ class Engine:
 
     @property
     def grad_norm(self) -> float | None:
+        """Global gradient 2-norm of the last optimizer step, before clipping."""
+        if self._own_norm:
+            return self._norm
         norm = self.ds.get_global_grad_norm()
         if norm is None:
             return None

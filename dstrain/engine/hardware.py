@@ -6,7 +6,7 @@
   meta device (no memory, so it works for sizes that would not fit here).
 * :func:`trace_activations` - bytes saved for backward by one forward at micro-batch
   1, with and without activation checkpointing, counted by autograd's saved-tensor
-  hooks on meta tensors: the model's real graph, at no memory or compute cost.
+  hooks on fake tensors: the model's real graph, at no memory or compute cost.
 * :func:`matmul_peak_flops` - a measured matmul rate, the MFU reference on a CPU.
 """
 from __future__ import annotations
@@ -138,40 +138,44 @@ def model_stats(build: Callable[[], torch.nn.Module]) -> ModelStats:
 
 
 def _saved_bytes(model: torch.nn.Module, make_batch: Callable[[], tuple]) -> int:
-    """Bytes autograd saves for backward during one forward (distinct storages)."""
-    storages: dict[tuple, int] = {}
+    """Bytes autograd saves for backward during one forward (distinct storages, parameters excluded)."""
+    storages: dict[int, int] = {}
 
     def pack(t: torch.Tensor):
-        # Meta tensors have no addresses: identify a storage by the tensor's base object.
-        base = t._base if t._base is not None else t
-        key = (id(base), base.dtype)
-        storages[key] = max(storages.get(key, 0), base.numel() * base.element_size())
+        storage = t.untyped_storage()
+        storages[storage._cdata] = storage.nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = model(*make_batch())
-    # Parameters are saved by reference by matmuls; they are model states, not activations.
-    params = {id(p) for p in model.parameters()}
-    total = sum(v for (k, _), v in storages.items() if k not in params)
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    total = sum(v for k, v in storages.items() if k not in params)
     loss.backward()
     return total
 
 
 def trace_activations(build: Callable[[], torch.nn.Module], seq_len: int, vocab_size: int,
                       set_checkpointing: Callable[[torch.nn.Module, bool], None]) -> Activations:
-    """Activation bytes at micro-batch 1 in fp32, with and without checkpointing."""
-    with torch.device("meta"):
+    """Activation bytes at micro-batch 1 in fp32, with and without checkpointing.
+
+    Runs the real model under ``FakeTensorMode``: CPU kernels are chosen as for a
+    real run (so attention saves what the fused kernel saves, not an N x N matrix
+    as on the meta device), but no memory is allocated and nothing is computed.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=False):
         model = build()
-    model.train()
+        model.train()
 
-    def batch():
-        ids = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
-        return ids, ids
+        def batch():
+            ids = torch.zeros(1, seq_len, dtype=torch.long)
+            return ids, ids
 
-    plain = _saved_bytes(model, batch)
-    set_checkpointing(model, True)
-    ckpt = _saved_bytes(model, batch)
-    set_checkpointing(model, False)
+        plain = _saved_bytes(model, batch)
+        set_checkpointing(model, True)
+        ckpt = _saved_bytes(model, batch)
+        set_checkpointing(model, False)
     return Activations(per_sample=plain, per_sample_checkpointed=ckpt)
 
 
