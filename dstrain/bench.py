@@ -435,8 +435,10 @@ def _launch(opts: BenchOptions, overrides: list[str], mode: str, profile: str, r
     with open(log, "w") as fh:
         proc = subprocess.run(argv, env=env, stdout=fh, stderr=subprocess.STDOUT, timeout=opts.timeout)
     if proc.returncode != 0 or not result.is_file():
-        tail = log.read_text(errors="replace")[-3000:]
-        raise RuntimeError(f"{mode} job for {profile} failed (exit {proc.returncode}):\n{tail}")
+        text = log.read_text(errors="replace")
+        start = text.find("Traceback")
+        raise RuntimeError(f"{mode} job for {profile} failed (exit {proc.returncode}):\n"
+                           + (text[start:start + 4000] if start >= 0 else text[-3000:]))
     return json.loads(result.read_text())
 
 
@@ -530,26 +532,46 @@ def run_benchmark(opts: BenchOptions, argv: list[str]) -> int:
     out = Path(opts.out or f"benchmarks/results/throughput_{Path(opts.recipe).stem}.json")
     device = _describe_device(cuda)
     load_before = os.getloadavg()
-    jobs = []
+    jobs, failed, failed_pairs = [], set(), set()
     with tempfile.TemporaryDirectory(prefix="dstrain-bench-") as tmp:
         worker_overrides = overrides + [f"--output.dir={tmp}/run"]  # dataset cache, shared by the jobs
         for n, (mode, profile, pair, order) in enumerate(job_schedule(profiles, opts.plain)):
+            if pair in failed_pairs:
+                failed.add(profile)
+                continue
             print(f"[bench] {profile}: {mode} ({opts.nproc} ranks, {opts.warmup}+{opts.steps} steps)",
                   file=sys.stderr, flush=True)
-            job = _launch(opts, worker_overrides, mode, profile, Path(tmp, f"job{n}.json"),
-                          Path(tmp, f"job{n}.log"))
+            for attempt in (1, 2):  # once more on failure: a port taken meanwhile, a stray signal
+                try:
+                    job = _launch(opts, worker_overrides, mode, profile, Path(tmp, f"job{n}.json"),
+                                  Path(tmp, f"job{n}.log"))
+                    break
+                except (RuntimeError, subprocess.TimeoutExpired) as err:
+                    print(f"[bench] attempt {attempt} failed: {err}", file=sys.stderr, flush=True)
+            else:
+                failed.add(profile)
+                if mode == "plain" or opts.plain == "each":
+                    failed_pairs.add(pair)
+                continue
             job.update(pair=pair, order=order)
             print(f"[bench]   median step {statistics.median(job['step_times_s']):.4f} s",
                   file=sys.stderr, flush=True)
             jobs.append(job)
+    jobs = [j for j in jobs if j["pair"] not in failed_pairs and (j["mode"] == "plain" or j["profile"] not in failed)]
+    if not jobs:
+        print("dstrain bench: every job failed", file=sys.stderr)
+        return 1
     result = assemble(opts, argv, cfg, jobs, device, load_before, os.getloadavg(), note)
+    result["failed_profiles"] = sorted(failed)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     if opts.plot:
         plot(result, out.with_suffix(".png"))
     print(format_table(result))
     print(f"wrote {_portable(str(out.resolve()))}" + (" (+ .png)" if opts.plot else ""))
-    return 0
+    if failed:
+        print(f"dstrain bench: failed profiles: {', '.join(sorted(failed))}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def main(argv: list[str] | None = None) -> int:

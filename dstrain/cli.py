@@ -18,12 +18,13 @@ EXIT_CONFIG = 2
 
 
 def _split_overrides(extra: list[str]) -> tuple[list[str], list[str]]:
-    """Dotted ``--a.b=c`` overrides vs anything else (reported as an error)."""
+    """Config overrides (``--a.b=c``, or ``--trainer=x`` for a top-level key) vs anything else."""
     overrides, unknown = [], []
     for item in extra:
         if item.startswith("--local_rank"):
             continue  # added by `deepspeed` without --no_local_rank; LOCAL_RANK is in the env
-        (overrides if item.startswith("--") and "." in item.split("=", 1)[0] else unknown).append(item)
+        is_override = item.startswith("--") and ("." in item.split("=", 1)[0] or "=" in item)
+        (overrides if is_override else unknown).append(item)
     return overrides, unknown
 
 
@@ -41,8 +42,8 @@ def cmd_train(args, overrides) -> int:
     cfg = _load(args.recipe, overrides, args.resume)
     from dstrain.runtime import use_cpu_accelerator_if_no_gpu
     use_cpu_accelerator_if_no_gpu()
-    from dstrain.trainers.lm import train
-    summary = train(cfg)
+    from dstrain.trainers import get_trainer
+    summary = get_trainer(cfg.trainer).train(cfg)
     if int(os.environ.get("RANK", 0)) == 0:
         print(json.dumps(summary), flush=True)
     return 0

@@ -134,12 +134,16 @@ class OutputConfig:
 class RunConfig:
     """A whole run; see the section classes for the fields."""
 
+    trainer: str = "lm"
+    """Which loop runs (see ``dstrain.trainers.available()``)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    task: dict = field(default_factory=dict)
+    """Trainer-specific settings, typed and checked by the trainer's task config class."""
 
     @property
     def tokens_per_step(self) -> int:
@@ -221,6 +225,17 @@ def _build(cls, data: Mapping[str, Any], source: str, prefix: str):
     return cls(**kwargs)
 
 
+def build_section(cls, data: Mapping[str, Any], source: str, prefix: str):
+    """Typed dataclass ``cls`` from a raw mapping; errors name ``prefix`` + key (e.g. "task.lr")."""
+    try:
+        section = _build(cls, data, source, prefix)
+    except (TypeError, ValueError) as err:
+        if isinstance(err, ConfigError):
+            raise
+        raise ConfigError(source, prefix.rstrip("."), str(err)) from None
+    return section
+
+
 def _parse_override(text: str) -> tuple[str, Any]:
     """``--train.lr=3e-4`` -> ("train.lr", 0.0003); values are JSON, else plain strings."""
     if not text.startswith("--") or "=" not in text:
@@ -239,7 +254,8 @@ def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
     for text in overrides:
         key, value = _parse_override(text)
         parts = key.split(".")
-        if len(parts) < 2:
+        top = _field_types(RunConfig)
+        if len(parts) < 2 and (key not in top or dataclasses.is_dataclass(top[key])):
             raise ConfigError("command line", key, "name a section and a key, e.g. --train.lr=3e-4")
         node = data
         cls: Any = RunConfig
@@ -309,6 +325,21 @@ def validate(cfg: RunConfig, source: str) -> None:
             raise ConfigError(source, "deepspeed.profile", str(err)) from None
     _check(bool(cfg.output.dir), source, "output.dir", "must not be empty")
     _validate_model(cfg, source)
+    _validate_task(cfg, source)
+
+
+def _validate_task(cfg: RunConfig, source: str) -> None:
+    from dstrain import trainers
+    try:
+        cls = trainers.task_config_class(cfg.trainer)
+    except KeyError as err:
+        raise ConfigError(source, "trainer", str(err.args[0])) from None
+    if cls is None:
+        if cfg.task:
+            raise ConfigError(source, "task", f"trainer {cfg.trainer!r} takes no task settings, "
+                                              f"got {', '.join(sorted(cfg.task))}")
+        return
+    build_section(cls, cfg.task, source, "task.")
 
 
 def _validate_model(cfg: RunConfig, source: str) -> None:

@@ -32,6 +32,10 @@ class ModelSpec:
         build: config instance -> ``torch.nn.Module``, created on the current
             default device and initialised from the caller's ``torch.manual_seed``.
         parallelize: ``parallelize(model, activation_checkpointing: bool) -> model``.
+        example_inputs: ``example_inputs(config, micro_batch, seq_len) -> tuple`` of
+            positional arguments for one training forward that returns the loss; the
+            factory traces it to measure activation memory. Default: a language model's
+            ``(input_ids, targets)``, both ``LongTensor[micro_batch, seq_len]``.
     """
 
     name: str
@@ -39,6 +43,14 @@ class ModelSpec:
     sizes: Mapping[str, Mapping[str, Any]]
     build: Callable[[Any], torch.nn.Module]
     parallelize: Callable[..., torch.nn.Module]
+    example_inputs: Callable[[Any, int, int], tuple] | None = None
+
+    def inputs_for_trace(self, config: Any, micro_batch: int, seq_len: int) -> tuple:
+        """Arguments of one loss-returning forward (see ``example_inputs``)."""
+        if self.example_inputs is not None:
+            return self.example_inputs(config, micro_batch, seq_len)
+        ids = torch.zeros(micro_batch, seq_len, dtype=torch.long)
+        return ids, ids
 
 
 def available() -> list[str]:

@@ -76,7 +76,7 @@ def plan_engine(cfg: RunConfig, world_size: int, hw=None, hw_notes: str = "",
                                                 ranks_per_node=ranks_per_node or min(world_size, 8),
                                                 device_type=device_type)
     acts = hardware.trace_activations(
-        build, cfg.data.seq_len, getattr(mcfg, "vocab_size", 0),
+        build, lambda: spec.inputs_for_trace(mcfg, 1, cfg.data.seq_len),
         lambda m, flag: spec.parallelize(m, activation_checkpointing=flag))
     ds = cfg.deepspeed
     plan = choose_plan(stats, hw, acts, world_size, cfg.train.micro_batch,

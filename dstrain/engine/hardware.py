@@ -154,9 +154,9 @@ def _saved_bytes(model: torch.nn.Module, make_batch: Callable[[], tuple]) -> int
     return total
 
 
-def trace_activations(build: Callable[[], torch.nn.Module], seq_len: int, vocab_size: int,
+def trace_activations(build: Callable[[], torch.nn.Module], make_inputs: Callable[[], tuple],
                       set_checkpointing: Callable[[torch.nn.Module, bool], None]) -> Activations:
-    """Activation bytes at micro-batch 1 in fp32, with and without checkpointing.
+    """Activation bytes of one forward on ``make_inputs()`` (micro-batch 1), fp32, with and without checkpointing.
 
     Runs the real model under ``FakeTensorMode``: CPU kernels are chosen as for a
     real run (so attention saves what the fused kernel saves, not an N x N matrix
@@ -168,13 +168,9 @@ def trace_activations(build: Callable[[], torch.nn.Module], seq_len: int, vocab_
         model = build()
         model.train()
 
-        def batch():
-            ids = torch.zeros(1, seq_len, dtype=torch.long)
-            return ids, ids
-
-        plain = _saved_bytes(model, batch)
+        plain = _saved_bytes(model, make_inputs)
         set_checkpointing(model, True)
-        ckpt = _saved_bytes(model, batch)
+        ckpt = _saved_bytes(model, make_inputs)
         set_checkpointing(model, False)
     return Activations(per_sample=plain, per_sample_checkpointed=ckpt)
 

@@ -1,0 +1,48 @@
+"""Trainers by name: a run config's ``trainer`` picks the loop every rank runs.
+
+Each entry maps a name to ``(module, task config)``: the module exposes
+``train(cfg: RunConfig) -> dict``; the task config, written "package.module:Class",
+is the dataclass that types the run config's free-form ``task`` section (None: the
+trainer takes no ``task`` keys). Task configs live in light modules so validating a
+config does not import torch or DeepSpeed.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+TRAINERS: dict[str, tuple[str, str | None]] = {
+    "lm": ("dstrain.trainers.lm", None),
+}
+
+
+def available() -> list[str]:
+    return sorted(TRAINERS)
+
+
+def _check(name: str) -> None:
+    if name not in TRAINERS:
+        raise KeyError(f"unknown trainer {name!r}; available: {', '.join(available())}")
+
+
+def task_config_class(name: str) -> type | None:
+    """The dataclass typing ``task`` for trainer ``name`` (None if it takes no task keys)."""
+    _check(name)
+    target = TRAINERS[name][1]
+    if target is None:
+        return None
+    module, cls = target.split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def get_trainer(name: str) -> Any:
+    """The trainer module (with ``train(cfg)``) registered under ``name``."""
+    _check(name)
+    return importlib.import_module(TRAINERS[name][0])
+
+
+def task_config(cfg) -> Any:
+    """``cfg.task`` as its typed dataclass (already validated when the config loaded)."""
+    from dstrain.config import build_section
+    cls = task_config_class(cfg.trainer)
+    return None if cls is None else build_section(cls, cfg.task, "run config", "task.")

@@ -102,7 +102,7 @@ def test_activation_estimate_matches_measured_memory():
     """The factory's traced estimate vs. real tensors saved and RSS growth of a real forward."""
     spec = registry.get_spec("gpt")
     mcfg = registry.make_model_config("gpt", "tiny", {"n_layer": 4, "n_embd": 256, "block_size": 512})
-    acts = hardware.trace_activations(lambda: spec.build(mcfg), 512, 257,
+    acts = hardware.trace_activations(lambda: spec.build(mcfg), lambda: spec.inputs_for_trace(mcfg, 1, 512),
                                       lambda m, f: spec.parallelize(m, activation_checkpointing=f))
     out = subprocess.run([sys.executable, "-c", MEASURE], cwd=ROOT, capture_output=True, text=True,
                          timeout=120, check=True)
