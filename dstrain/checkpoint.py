@@ -81,10 +81,16 @@ def prepare_tag_dir(root: str | Path, tag: str) -> None:
 
 
 def mark_complete(root: str | Path, tag: str, run_config: dict, ds_config: dict,
-                  trainer_state: dict, keep: int) -> None:
-    """Rank 0, after every rank has saved: write metadata, the marker, then ``latest``."""
+                  trainer_state: dict, keep: int, param_groups: list[list[str]] | None = None) -> None:
+    """Rank 0, after every rank has saved: write metadata, the marker, then ``latest``.
+
+    ``param_groups`` (parameter names per optimizer group, in order) lets export
+    unflatten the fp32 master weights that DeepSpeed keeps for 16-bit ZeRO-0.
+    """
     root = Path(root)
     tag_dir = root / tag
+    if param_groups is not None:
+        (tag_dir / "param_groups.json").write_text(json.dumps(param_groups) + "\n")
     (tag_dir / "run_config.json").write_text(json.dumps(run_config, indent=2) + "\n")
     (tag_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2) + "\n")
     (tag_dir / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2) + "\n")
@@ -149,15 +155,41 @@ def consolidated_state_dict(path: str | Path) -> tuple[dict[str, torch.Tensor], 
     run_cfg = json.loads((tag_dir / "run_config.json").read_text())
     stage = int(ds_cfg.get("zero_optimization", {}).get("stage", 0))
     if stage == 0:
-        files = sorted(tag_dir.glob("mp_rank_*_model_states.pt"))
-        if not files:
-            raise FileNotFoundError(f"{tag_dir}: no model states file")
-        state = torch.load(files[0], map_location="cpu", weights_only=False)["module"]
+        state = _zero0_state_dict(tag_dir)
     else:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
         state = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
     state = {k: v.detach().float().contiguous().clone() for k, v in state.items()}
     return state, run_cfg
+
+
+def _zero0_state_dict(tag_dir: Path) -> dict[str, torch.Tensor]:
+    """Weights of a ZeRO-0 checkpoint: the module's, or the fp32 masters of 16-bit training."""
+    files = sorted(tag_dir.glob("mp_rank_*_model_states.pt"))
+    if not files:
+        raise FileNotFoundError(f"{tag_dir}: no model states file")
+    saved = torch.load(files[0], map_location="cpu", weights_only=False)
+    module = saved["module"]
+    optim = saved.get("optimizer") or {}
+    flats = optim.get("fp32_groups_flat") if isinstance(optim, dict) else None
+    if not flats:
+        return module  # fp32 training: the module's weights are the master weights
+    layout = tag_dir / "param_groups.json"
+    if not layout.is_file():
+        raise FileNotFoundError(f"{layout}: needed to unflatten the fp32 master weights of a 16-bit "
+                                "ZeRO-0 checkpoint")
+    state = dict(module)
+    for names, flat in zip(json.loads(layout.read_text()), flats):
+        offset = 0
+        for name in names:
+            low = module[name]
+            master = flat[offset:offset + low.numel()].view(low.shape)
+            offset += low.numel()
+            if not torch.equal(master.to(low.dtype), low):
+                raise ValueError(f"{tag_dir}: fp32 master of {name} does not match the module's weights; "
+                                 "parameter group layout differs from param_groups.json")
+            state[name] = master
+    return state
 
 
 def export_safetensors(ckpt: str | Path, out: str | Path) -> Path:

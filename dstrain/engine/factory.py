@@ -68,18 +68,23 @@ def run_values(cfg: RunConfig, world_size: int, precision: str, hidden_size: int
 def plan_engine(cfg: RunConfig, world_size: int, hw=None, hw_notes: str = "",
                 ranks_per_node: int | None = None, device_type: str | None = None) -> EnginePlan:
     """Choose profile, precision and activation checkpointing and fill the DeepSpeed JSON."""
+    from dstrain.parallel.dims import ParallelDims
     spec, mcfg = _model_parts(cfg)
+    par = cfg.parallel
+    dims = ParallelDims.from_world(world_size, par.tp, par.sp)
     build = lambda: spec.build(mcfg)  # noqa: E731
     stats = hardware.model_stats(build)
     if hw is None:
         hw, hw_notes = hardware.detect_hardware(cfg.deepspeed.device_memory, cfg.deepspeed.host_memory,
                                                 ranks_per_node=ranks_per_node or min(world_size, 8),
                                                 device_type=device_type)
+    # Sequence parallelism: one rank holds seq_len / sp tokens. ZeRO partitions over the
+    # ranks that hold the same tensor shard (dp x sp); the batch identity counts dp only.
     acts = hardware.trace_activations(
-        build, lambda: spec.inputs_for_trace(mcfg, 1, cfg.data.seq_len),
+        build, lambda: spec.inputs_for_trace(mcfg, 1, cfg.data.seq_len // dims.sp),
         lambda m, flag: spec.parallelize(m, activation_checkpointing=flag))
     ds = cfg.deepspeed
-    plan = choose_plan(stats, hw, acts, world_size, cfg.train.micro_batch,
+    plan = choose_plan(stats, hw, acts, dims.replica_size, cfg.train.micro_batch,
                        precision=ds.precision, activation_checkpointing=ds.activation_checkpointing,
                        margin=ds.margin)
     if ds.profile == "auto":
@@ -94,9 +99,12 @@ def plan_engine(cfg: RunConfig, world_size: int, hw=None, hw_notes: str = "",
         why = f"profile {profile}: named in the run config (the factory would pick {plan.profile})"
     template = dsc.load_ds_json(dsc.resolve_profile_path(profile))
     source = str(dsc.resolve_profile_path(profile))
-    resolved = dsc.fill_ds_config(template, run_values(cfg, world_size, precision, stats.hidden_size), source)
-    table = format_plan(plan, stats, hw, world_size, cfg.train.micro_batch)
-    explanation = "\n".join(x for x in (hw_notes, table, why,
+    resolved = dsc.fill_ds_config(template, run_values(cfg, dims.dp, precision, stats.hidden_size), source)
+    table = format_plan(plan, stats, hw, dims.replica_size, cfg.train.micro_batch)
+    layout = (f"parallel layout: dp {dims.dp} x tp {dims.tp} x sp {dims.sp} = {world_size} ranks; model states "
+              f"planned for the full model partitioned over dp x sp = {dims.replica_size}, activations "
+              f"traced at {cfg.data.seq_len // dims.sp} tokens per rank" if dims.tp * dims.sp > 1 else "")
+    explanation = "\n".join(x for x in (hw_notes, layout, table, why,
                                         f"precision {precision}, activation checkpointing "
                                         f"{'on' if ckpt else 'off'}") if x)
     # A full fp32 copy of the model on every local rank at once must leave half the RAM free.
@@ -152,9 +160,14 @@ def scheduler_factory(train: TrainConfig):
 class Engine:
     """The narrow interface trainers use: forward, backward, step, save, load."""
 
-    def __init__(self, ds_engine, plan: EnginePlan):
+    def __init__(self, ds_engine, plan: EnginePlan, param_group_names: list[list[str]] | None = None,
+                 parallel=None):
         self.ds = ds_engine
         self.plan = plan
+        self.parallel = parallel
+        """dstrain.parallel.dims.ParallelState when tp or sp > 1, else None."""
+        self.param_group_names = param_group_names
+        """Parameter names of each optimizer group, in order (saved beside checkpoints)."""
         # DeepSpeed computes the norm but does not keep it for plain fp32 without ZeRO.
         self._own_norm = plan.zero["stage"] == 0 and plan.precision == "fp32"
         self._norm: float | None = None
@@ -175,11 +188,24 @@ class Engine:
 
     def step(self) -> None:
         if self._own_norm and self.ds.is_gradient_accumulation_boundary():
-            grads = [p.grad for p in self.ds.module.parameters() if p.grad is not None]
-            if grads:
-                norms = torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])
-                self._norm = float(torch.linalg.vector_norm(norms))
+            self._norm = self._grad_norm()
         self.ds.step()
+
+    def _grad_norm(self) -> float | None:
+        """Global 2-norm of the (already averaged) gradients; tensor-parallel shards summed over tp."""
+        params = [p for p in self.ds.module.parameters() if p.grad is not None]
+        if not params:
+            return None
+        sq = lambda ps: sum((torch.linalg.vector_norm(p.grad.float()) ** 2 for p in ps),  # noqa: E731
+                            torch.zeros(()))
+        tp_group = self.parallel.tp_group if self.parallel is not None and self.parallel.dims.tp > 1 else None
+        if tp_group is None:
+            norms = torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in params])
+            return float(torch.linalg.vector_norm(norms))
+        import torch.distributed as dist
+        sharded = sq([p for p in params if getattr(p, "model_parallel", False)])
+        dist.all_reduce(sharded, group=tp_group)
+        return float(torch.sqrt(sharded + sq([p for p in params if not getattr(p, "model_parallel", False)])))
 
     def train(self) -> None:
         self.ds.train()
@@ -234,11 +260,14 @@ def _init_sharded(model: torch.nn.Module) -> None:
 
 def create_engine(build_model: Callable[[], torch.nn.Module],
                   parallelize: Callable[..., Any], plan: EnginePlan,
-                  train: TrainConfig) -> Engine:
+                  train: TrainConfig, parallel=None, sp_mode: str = "auto") -> Engine:
     """Build the model (sharded at construction under ZeRO-3) and start DeepSpeed.
 
     This is the only call of ``deepspeed.initialize`` in dstrain. The learning
     rate follows the JSON's "scheduler" if it has one, else :class:`WarmupCosine`.
+    With ``parallel`` (a ParallelState with tp or sp > 1) the model's parallelize
+    gets it, and DeepSpeed gets an mpu: gradients are averaged over dp x sp, the
+    norm sums tensor-parallel shards (parameters tagged ``model_parallel``).
     """
     import deepspeed
 
@@ -248,9 +277,19 @@ def create_engine(build_model: Callable[[], torch.nn.Module],
         _init_sharded(model)
     else:
         model = build_model()
-    model = parallelize(model, activation_checkpointing=plan.activation_checkpointing)
+    mpu = None
+    if parallel is not None and parallel.dims.tp * parallel.dims.sp > 1:
+        from dstrain.parallel.dims import DeepSpeedMPU
+        model = parallelize(model, activation_checkpointing=plan.activation_checkpointing,
+                            state=parallel, sp_mode=sp_mode)
+        mpu = DeepSpeedMPU(parallel)
+    else:
+        parallel = None
+        model = parallelize(model, activation_checkpointing=plan.activation_checkpointing)
     scheduler = None if "scheduler" in plan.ds_config else scheduler_factory(train)
+    groups = param_groups(model, train.weight_decay)
+    names = {id(p): n for n, p in model.named_parameters()}
+    group_names = [[names[id(p)] for p in g["params"]] for g in groups]
     ds_engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=param_groups(model, train.weight_decay),
-        lr_scheduler=scheduler, config=plan.ds_config)
-    return Engine(ds_engine, plan)
+        model=model, model_parameters=groups, lr_scheduler=scheduler, config=plan.ds_config, mpu=mpu)
+    return Engine(ds_engine, plan, group_names, parallel)

@@ -65,6 +65,7 @@ class LMTrainer:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         self.world = runtime.init_distributed()
+        self.parallel, self.dp_rank, self.dp_world = _parallel_layout(cfg, self.world)
         self.out = Path(cfg.output.dir)
         self.ckpt_root = self.out / "checkpoints"
         resume_tag = self._check_run_folder()
@@ -87,8 +88,9 @@ class LMTrainer:
 
         runtime.seed_everything(cfg.train.seed)  # identical initial weights on every rank
         self.engine = create_engine(lambda: self.spec.build(self.model_cfg), self.spec.parallelize,
-                                    self.plan, cfg.train)
-        runtime.seed_everything(cfg.train.seed + 7919 * (self.world.rank + 1))  # per-rank dropout
+                                    self.plan, cfg.train, parallel=self.parallel, sp_mode=cfg.parallel.sp_mode)
+        # Per-rank dropout; tensor-parallel ranks share a seed (their replicated activations must agree).
+        runtime.seed_everything(cfg.train.seed + 7919 * (self.world.rank // cfg.parallel.tp + 1))
         self.start_step = 0
         if resume_tag is not None:
             self._resume(resume_tag)
@@ -140,18 +142,28 @@ class LMTrainer:
         if self.world.is_main:
             ckpt.mark_complete(self.ckpt_root, tag, self.cfg.to_dict(), self.plan.ds_config,
                                {"step": step, "world_size": self.world.world_size},
-                               keep=self.cfg.checkpoint.keep)
+                               keep=self.cfg.checkpoint.keep,
+                               param_groups=self.engine.param_group_names)
         runtime.barrier()
 
     # ---------------------------------------------------------------- steps
+    def _local(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of a batch: its chunk of the sequence under sequence parallelism."""
+        sp = self.cfg.parallel.sp
+        if sp == 1:
+            return x, y
+        chunk = x.shape[1] // sp
+        start = self.parallel.sp_rank * chunk
+        return x[:, start:start + chunk], y[:, start:start + chunk]
+
     def train_step(self, step: int) -> float:
         """One optimizer step (grad_accum micro-batches); returns this rank's mean loss."""
         t = self.cfg.train
         indices = self.sampler.local_batch_indices(step, t.micro_batch, t.grad_accum,
-                                                   self.world.rank, self.world.world_size)
+                                                   self.dp_rank, self.dp_world)
         total = 0.0
         for micro in indices:
-            x, y = get_batch(self.train_tokens, micro, self.cfg.data.seq_len)
+            x, y = self._local(*get_batch(self.train_tokens, micro, self.cfg.data.seq_len))
             loss = self.engine(x.to(self.engine.device), y.to(self.engine.device))
             self.engine.backward(loss)
             self.engine.step()
@@ -166,8 +178,8 @@ class LMTrainer:
         self.engine.eval()
         losses = []
         for b in range(t.eval_batches):
-            idx = val.local_batch_indices(b, t.micro_batch, 1, self.world.rank, self.world.world_size)[0]
-            x, y = get_batch(self.val_tokens, idx, seq)
+            idx = val.local_batch_indices(b, t.micro_batch, 1, self.dp_rank, self.dp_world)[0]
+            x, y = self._local(*get_batch(self.val_tokens, idx, seq))
             losses.append(self.engine(x.to(self.engine.device), y.to(self.engine.device)).item())
         self.engine.train()
         return reduce_mean({"loss": sum(losses) / len(losses)})["loss"]
@@ -191,8 +203,8 @@ class LMTrainer:
                     stats = reduce_mean({"loss": sum(losses) / len(losses), "stop": float(self.stop.set),
                                          "memory_gb": peak_memory_bytes() / 1e9, **rates})
                     losses = []
-                    stats["tokens_per_s"] *= self.world.world_size  # whole job
-                    stats["flops_per_s"] *= self.world.world_size
+                    stats["tokens_per_s"] *= self.dp_world  # whole job (a replica's ranks share its tokens)
+                    stats["flops_per_s"] *= self.dp_world
                     stats.pop("mfu", None)
                     stop = stats.pop("stop") > 0
                     stats.update(lr=self.engine.lr)
@@ -224,6 +236,20 @@ class LMTrainer:
         if self.world.is_main:
             (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
+
+
+def _parallel_layout(cfg: RunConfig, world: runtime.World):
+    """(ParallelState or None, data-parallel rank, data-parallel world size) of this rank."""
+    par = cfg.parallel
+    if par.tp * par.sp == 1:
+        return None, world.rank, world.world_size
+    from dstrain.parallel.dims import init_parallel
+    try:
+        state = init_parallel(par.tp, par.sp)
+    except ValueError as err:
+        from dstrain.config import ConfigError
+        raise ConfigError("run config", "parallel", str(err)) from None
+    return state, state.dp_rank, state.dims.dp
 
 
 def train(cfg: RunConfig) -> dict:

@@ -6,10 +6,17 @@ import subprocess
 import sys
 import time
 
+import pytest
+import torch
+from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from dstrain.config import load_run_config
+from dstrain.data.sampler import WindowSampler, get_batch
 
 from dstrain import checkpoint as ckpt
 from tests.dist import harness
+from tests.reference import build_model, token_streams
 
 TAGS = {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "train/flops_per_s",
         "train/memory_gb", "val/loss"}
@@ -17,8 +24,9 @@ TAGS = {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "trai
 
 def test_main_job_leaves_events_checkpoints_and_resolved_configs(tmp_path):
     out = tmp_path / "run"
-    proc = harness.launch([f"--output.dir={out}", "--train.steps=20", "--train.log_every=5",
-                           "--checkpoint.every=10", "--data.max_bytes=1000000"])
+    args = [f"--output.dir={out}", "--train.steps=20", "--train.log_every=5", "--checkpoint.every=10",
+            "--data.max_bytes=1000000"]
+    proc = harness.launch(args)
     assert "train" in proc.stderr  # the rank-0 progress bar
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()
@@ -32,6 +40,24 @@ def test_main_job_leaves_events_checkpoints_and_resolved_configs(tmp_path):
     assert "choice:" in (out / "plan.txt").read_text()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["step"] == 20 and summary["val_loss"] < 5.0
+
+    # Export the ZeRO-0 checkpoint (fp32 masters even when the run trained in bf16) and
+    # reproduce the run's validation loss with the plain model.
+    from dstrain.cli import main
+    assert main(["export", str(out), str(tmp_path / "w.safetensors")]) == 0
+    state = load_file(str(tmp_path / "w.safetensors"))
+    assert all(t.dtype == torch.float32 for t in state.values())
+    cfg = load_run_config(harness.RECIPE, args)
+    model = build_model(cfg)
+    model.load_state_dict(state, strict=True)
+    _, val = token_streams(cfg)
+    sampler = WindowSampler(len(val), cfg.data.seq_len, cfg.data.seed)
+    with torch.no_grad():
+        losses = [model(*get_batch(val, sampler.local_batch_indices(b, cfg.train.micro_batch, 1, r, 2)[0],
+                                   cfg.data.seq_len)).item()
+                  for b in range(cfg.train.eval_batches) for r in range(2)]
+    tolerance = 2e-2 if summary["precision"] == "bf16" else 1e-5  # bf16 forward vs fp32 forward
+    assert sum(losses) / len(losses) == pytest.approx(summary["val_loss"], rel=tolerance)
 
 
 def test_sigterm_saves_a_checkpoint_and_resume_finishes(tmp_path):
