@@ -74,6 +74,8 @@ class LMTrainer:
         self.model_cfg = registry.make_model_config(cfg.model.name, cfg.model.size, cfg.model.args)
         self.train_tokens, self.val_tokens = load_token_streams(cfg, self.world)
 
+        if resume_tag is not None:
+            self._pin_plan(resume_tag)
         plan = None
         if self.world.is_main:
             plan = plan_engine(cfg, self.world.world_size, ranks_per_node=self.world.local_world_size,
@@ -119,6 +121,19 @@ class LMTrainer:
             print(f"no complete checkpoint in {self.ckpt_root}: starting from step 0", flush=True)
         return value if kind == "resume" else None
 
+    def _pin_plan(self, tag: str) -> None:
+        """A resumed run keeps the checkpoint's profile, precision and checkpointing.
+
+        The factory's choice depends on measurements (memory, bf16 speed) that may come
+        out differently on the second start; DeepSpeed cannot load optimizer states
+        saved under another precision or stage.
+        """
+        state = json.loads((self.ckpt_root / tag / "trainer_state.json").read_text())
+        ds = self.cfg.deepspeed
+        for key in ("profile", "precision", "activation_checkpointing"):
+            if key in state and getattr(ds, key) in ("auto", state[key]):
+                setattr(ds, key, state[key])
+
     def _resume(self, tag: str) -> None:
         state = json.loads((self.ckpt_root / tag / "trainer_state.json").read_text())
         if state.get("world_size") != self.world.world_size:
@@ -141,7 +156,9 @@ class LMTrainer:
         _fault("DSTRAIN_FAULT_IN_SAVE", step)
         if self.world.is_main:
             ckpt.mark_complete(self.ckpt_root, tag, self.cfg.to_dict(), self.plan.ds_config,
-                               {"step": step, "world_size": self.world.world_size},
+                               {"step": step, "world_size": self.world.world_size,
+                                "profile": self.plan.profile, "precision": self.plan.precision,
+                                "activation_checkpointing": self.plan.activation_checkpointing},
                                keep=self.cfg.checkpoint.keep,
                                param_groups=self.engine.param_group_names)
         runtime.barrier()

@@ -23,7 +23,7 @@ def overrides(out: Path, steps: int, *extra: str) -> list[str]:
     return [*QUICK, f"--train.steps={steps}", f"--output.dir={out}", *extra]
 
 
-def launch(args: list[str], env: dict | None = None, nproc: int = 2, timeout: int = 300,
+def launch(args: list[str], env: dict | None = None, nproc: int = 2, timeout: int = 900,
            check: bool = True) -> subprocess.CompletedProcess:
     """``dstrain launch --nproc N RECIPE args`` in a subprocess."""
     full_env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",

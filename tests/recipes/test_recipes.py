@@ -26,7 +26,7 @@ def run_two_steps(recipe: str, out: Path, *extra: str) -> dict:
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run([sys.executable, "-m", "dstrain.cli", "train", recipe, *QUICK,
                            f"--output.dir={out}", *extra], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads((out / "summary.json").read_text())
 
