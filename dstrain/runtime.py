@@ -85,3 +85,21 @@ def barrier() -> None:
     import torch.distributed as dist
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
+
+
+def prebuild_cpu_ops() -> list[str]:
+    """Compile DeepSpeed's CPU kernels (shared-memory comm, fused and CPU Adam) once, up front.
+
+    DeepSpeed builds them just in time on first use, which takes a minute or two per
+    kernel on a small CPU and happens inside whichever rank first needs one; doing it
+    here (tests, CI) keeps that out of timed runs. Returns the names built or loaded.
+    """
+    use_cpu_accelerator_if_no_gpu()
+    if os.environ.get("DS_ACCELERATOR") != "cpu":
+        return []
+    from deepspeed.ops.op_builder.cpu import CPUAdamBuilder, FusedAdamBuilder, ShareMemCommBuilder
+    built = []
+    for builder in (ShareMemCommBuilder(), FusedAdamBuilder(), CPUAdamBuilder()):
+        builder.load(verbose=False)
+        built.append(builder.name)
+    return built
