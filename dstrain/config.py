@@ -1,7 +1,7 @@
 """Run configuration: JSON file -> typed dataclasses, dotted command-line overrides.
 
-A run config has six sections (``model``, ``data``, ``train``, ``deepspeed``,
-``checkpoint``, ``output``); every field has a default, so a recipe names only
+A run config has seven sections (``model``, ``data``, ``train``, ``deepspeed``,
+``parallel``, ``checkpoint``, ``output``); every field has a default, so a recipe names only
 what it changes. ``load_run_config(path, ["--train.lr=3e-4"])`` reads the file,
 applies the overrides (they win over the file), checks types and values, and
 raises :class:`ConfigError` with one line naming the file and the dotted key.
@@ -110,6 +110,18 @@ class DeepSpeedConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """Model parallelism inside each data-parallel replica (dp = world / (tp * sp))."""
+
+    tp: int = 1
+    """Tensor-parallel degree (fairscale layers; the model's parallelize.py says which)."""
+    sp: int = 1
+    """Sequence-parallel degree: each sample's tokens are split over sp ranks."""
+    sp_mode: str = "auto"
+    """auto | exchange | ulysses: how sequence-parallel attention communicates (see dstrain.parallel.sequence)."""
+
+
+@dataclass
 class CheckpointConfig:
     """When to save and what to keep."""
 
@@ -140,6 +152,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     task: dict = field(default_factory=dict)
@@ -324,8 +337,20 @@ def validate(cfg: RunConfig, source: str) -> None:
         except DSConfigError as err:
             raise ConfigError(source, "deepspeed.profile", str(err)) from None
     _check(bool(cfg.output.dir), source, "output.dir", "must not be empty")
+    _validate_parallel(cfg, source)
     _validate_model(cfg, source)
     _validate_task(cfg, source)
+
+
+def _validate_parallel(cfg: RunConfig, source: str) -> None:
+    par = cfg.parallel
+    for key in ("tp", "sp"):
+        value = getattr(par, key)
+        _check(value >= 1, source, f"parallel.{key}", f"must be at least 1, got {value}")
+    _check(par.sp_mode in ("auto", "exchange", "ulysses"), source, "parallel.sp_mode",
+           f"must be auto, exchange or ulysses, got {par.sp_mode!r}")
+    _check(cfg.data.seq_len % par.sp == 0, source, "data.seq_len",
+           f"{cfg.data.seq_len} is not divisible by parallel.sp = {par.sp}")
 
 
 def _validate_task(cfg: RunConfig, source: str) -> None:

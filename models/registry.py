@@ -17,6 +17,7 @@ import torch
 
 _REGISTRY: dict[str, str] = {
     "gpt": "models.gpt",
+    "dilated_lm": "models.dilated_lm",
 }
 
 

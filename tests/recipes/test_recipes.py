@@ -45,6 +45,8 @@ def test_recipe_validates_and_trains_two_steps(recipe, tmp_path):
     # Shrink the model only where the recipe names a large size; the recipe's own data and
     # schedule settings are what is checked.
     extra = [] if cfg.model.size in ("tiny", "debug") else ["--model.size=tiny"]
+    if cfg.parallel.tp * cfg.parallel.sp > 1:  # one process here: no tensor/sequence split
+        extra += ["--parallel.tp=1", "--parallel.sp=1"]
     summary = run_two_steps(recipe, tmp_path, *extra)
     assert summary["step"] == 2
     assert summary["val_loss"] is not None and summary["val_loss"] > 0

@@ -48,7 +48,7 @@ def test_overrides_win_over_file_and_are_typed(tmp_path):
     ({"deepspeed": {"profile": "zero9"}}, [], "file", "deepspeed.profile", "zero2"),
     ({"deepspeed": {"precision": "fp8"}}, [], "file", "deepspeed.precision", "auto, fp32"),
     ({"deepspeed": {"device_memory": "lots"}}, [], "file", "deepspeed.device_memory", "lots"),
-    ({"model": {"name": "gpt5"}}, [], "file", "model.name", "available: gpt"),
+    ({"model": {"name": "gpt5"}}, [], "file", "model.name", "available: dilated_lm, gpt"),
     ({"model": {"size": "huge"}}, [], "file", "model.size", "tiny"),
     ({"model": {"args": {"n_head": 3}}}, [], "file", "model.args", "divisible"),
     ({"data": {"seq_len": 4096}}, [], "file", "data.seq_len", "block_size"),

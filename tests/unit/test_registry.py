@@ -26,7 +26,7 @@ def test_every_registered_model_builds_its_sizes_on_meta():
 
 
 def test_unknown_model():
-    with pytest.raises(KeyError, match=r"unknown model 'nope'; available: gpt"):
+    with pytest.raises(KeyError, match=r"unknown model 'nope'; available: dilated_lm, gpt"):
         get_spec("nope")
     with pytest.raises(KeyError, match="nope"):
         make_model_config("nope", "tiny")

@@ -1,0 +1,1 @@
+"""Attention kernels shared by models and parallel layers (no model imports here)."""

@@ -1,0 +1,27 @@
+"""LongNet-style dilated-attention LM: model, named sizes and parallelization plug-in."""
+
+import torch
+
+from models.registry import ModelSpec
+
+from .model import DilatedLM, DilatedLMConfig
+from .parallelize import parallelize_dilated_lm
+from .sizes import SIZES
+
+
+def example_inputs(config: DilatedLMConfig, micro_batch: int, seq_len: int) -> tuple:
+    """``(input_ids, targets)`` for activation tracing; ids stay below the real vocabulary."""
+    ids = torch.zeros(micro_batch, seq_len, dtype=torch.long)
+    return ids, ids
+
+
+SPEC = ModelSpec(
+    name="dilated_lm",
+    config_cls=DilatedLMConfig,
+    sizes=SIZES,
+    build=DilatedLM,
+    parallelize=parallelize_dilated_lm,
+    example_inputs=example_inputs,
+)
+
+__all__ = ["DilatedLM", "DilatedLMConfig", "SIZES", "SPEC", "parallelize_dilated_lm"]

@@ -1,0 +1,105 @@
+"""The dilated LM plug-in: sizes, config checks, causality, planner tracing, recipes, entropy baseline."""
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from dstrain.config import load_run_config
+from dstrain.data.stats import unigram_entropy
+from dstrain.engine import hardware
+from models import registry
+from models.dilated_lm import SIZES, SPEC, DilatedLM, DilatedLMConfig, parallelize_dilated_lm
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPES = sorted((ROOT / "models" / "dilated_lm" / "recipes").glob("*.json"))
+
+
+def _debug(**kw):
+    return registry.make_model_config("dilated_lm", "debug", kw)
+
+
+def test_sizes_on_meta_device():
+    counts = {}
+    for size in SIZES:
+        with torch.device("meta"):
+            counts[size] = DilatedLM(registry.make_model_config("dilated_lm", size)).num_params()
+    assert counts["debug"] < 2e6 and counts["tiny"] < 3e6
+    assert 80e6 < counts["small"] < 130e6 and 300e6 < counts["medium"] < 400e6
+    assert 1.2e9 < counts["large"] < 1.4e9
+    assert len(SIZES["medium"]["segment_lengths"]) == 4 and len(SIZES["large"]["segment_lengths"]) == 5
+
+
+@pytest.mark.parametrize("change,match", [({"dilation_rates": [1, 2]}, "same length"),
+                                          ({"n_head": 5}, "divisible"), ({"sparse_keep": 0.0}, "sparse_keep"),
+                                          ({"segment_lengths": [32, 64, 130]}, "multiple")])
+def test_bad_config_is_rejected(change, match):
+    with pytest.raises(ValueError, match=match):
+        _debug(**change)
+
+
+def test_loss_is_causal_and_learnable():
+    torch.manual_seed(0)
+    model = DilatedLM(_debug())
+    x = torch.randint(0, 257, (2, 128))
+    logits = model(x)
+    assert logits.shape == (2, 128, 320)
+    x2 = x.clone()
+    x2[:, 100:] = (x2[:, 100:] + 1) % 257  # change the future only
+    torch.testing.assert_close(model(x2)[:, :100], logits[:, :100])
+    loss = model(x, x)
+    assert abs(loss.item() - math.log(320)) < 0.5  # near uniform at init
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    torch.manual_seed(0)
+    a = DilatedLM(_debug())
+    b = DilatedLM(_debug())
+    b.load_state_dict(a.state_dict())
+    parallelize_dilated_lm(b, activation_checkpointing=True)
+    x = torch.randint(0, 257, (2, 64))
+    a(x, x).backward()
+    b(x, x).backward()
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(pa.grad, pb.grad)
+
+
+def test_planner_traces_it_under_fake_tensors():
+    cfg = _debug()
+    acts = hardware.trace_activations(lambda: SPEC.build(cfg), lambda: SPEC.inputs_for_trace(cfg, 1, 128),
+                                      lambda m, f: SPEC.parallelize(m, activation_checkpointing=f))
+    assert 0 < acts.per_sample_checkpointed < acts.per_sample
+
+
+def test_flops_count_attention_per_branch():
+    with torch.device("meta"):
+        m = DilatedLM(_debug())
+    c = m.config
+    keys = 32 / 1 + 64 / 2 + 128 / 4
+    matmul = sum(p.numel() for mod in m.modules() if isinstance(mod, torch.nn.Linear) for p in mod.parameters())
+    assert m.flops_per_token(128) == int(6 * matmul + 12 * c.n_layer * c.n_embd * keys)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+def test_recipes_load(recipe):
+    cfg = load_run_config(recipe)
+    assert cfg.model.name == "dilated_lm" and cfg.model.size == recipe.stem
+    mcfg = registry.make_model_config("dilated_lm", cfg.model.size, cfg.model.args)
+    assert cfg.data.seq_len <= mcfg.block_size
+
+
+def test_debug_recipe_is_sequence_parallel():
+    cfg = json.loads((ROOT / "models/dilated_lm/recipes/debug.json").read_text())
+    assert cfg["parallel"]["sp"] == 2
+
+
+def test_unigram_entropy():
+    assert unigram_entropy(torch.tensor([0, 1, 2, 3] * 5)) == pytest.approx(math.log(4))
+    assert unigram_entropy(torch.tensor([7, 7, 7])) == pytest.approx(0.0)
+    p = torch.tensor([0.75, 0.25])
+    assert unigram_entropy(torch.tensor([0, 0, 0, 1])) == pytest.approx(float(-(p * p.log()).sum()))
+    with pytest.raises(ValueError):
+        unigram_entropy(torch.tensor([], dtype=torch.long))

@@ -1,0 +1,55 @@
+"""dp x tp x sp layout: validation, coordinates and the groups' rank lists (pure, no processes)."""
+import pytest
+
+from dstrain.parallel.dims import ParallelDims
+from dstrain.parallel.sequence import choose_mode, exchange_plan
+from dstrain.ops.dilated import make_branches
+
+
+def test_from_world_derives_dp():
+    d = ParallelDims.from_world(8, tp=2, sp=2)
+    assert (d.dp, d.tp, d.sp, d.world_size, d.replica_size) == (2, 2, 2, 8, 4)
+
+
+@pytest.mark.parametrize("world,tp,sp,match", [(6, 4, 1, "6 is not divisible by tp x sp = 4 x 1 = 4"),
+                                               (4, 0, 1, "tp must be a positive integer"),
+                                               (4, 1, 3, "4 is not divisible")])
+def test_bad_degrees_name_the_numbers(world, tp, sp, match):
+    with pytest.raises(ValueError, match=match):
+        ParallelDims.from_world(world, tp=tp, sp=sp)
+
+
+def test_check_world():
+    with pytest.raises(ValueError, match="2 x 2 x 1 = 4 does not match the world size 8"):
+        ParallelDims(dp=2, tp=2, sp=1).check_world(8)
+
+
+def test_layout_tp_innermost():
+    d = ParallelDims(dp=2, tp=2, sp=2)
+    assert d.tp_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert d.sp_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert d.dp_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert d.replica_groups() == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    for r in range(8):
+        assert d.rank_of(*d.coords(r)) == r
+
+
+def test_every_rank_in_exactly_one_group_of_each_kind():
+    d = ParallelDims(dp=3, tp=2, sp=2)
+    for groups in (d.tp_groups(), d.sp_groups(), d.dp_groups(), d.replica_groups()):
+        flat = sorted(r for g in groups for r in g)
+        assert flat == list(range(12))
+
+
+def test_exchange_traffic_and_auto_mode():
+    br = make_branches([8, 32], [1, 4])
+    ok, traffic, _ = exchange_plan(br, n=32, sp=2)          # segment 32 spans 2 ranks: 2 * 1 / 4
+    assert ok and traffic == pytest.approx(0.5)
+    assert choose_mode("auto", br, 32, 2, heads=4, sparse=False) == "exchange"
+    wide = make_branches([64], [1])                          # one dense segment over 8 ranks: 14 > 4 * 7 / 8
+    assert choose_mode("auto", wide, 64, 8, heads=8, sparse=False) == "ulysses"
+    assert choose_mode("auto", wide, 64, 8, heads=4, sparse=False) == "exchange"  # ulysses needs heads % sp
+    with pytest.raises(ValueError, match="ulysses impossible"):
+        choose_mode("ulysses", br, 32, 2, heads=3, sparse=False)
+    with pytest.raises(ValueError, match="block-sparse"):
+        choose_mode("exchange", br, 32, 2, heads=4, sparse=True)
