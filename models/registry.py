@@ -18,6 +18,7 @@ import torch
 _REGISTRY: dict[str, str] = {
     "gpt": "models.gpt",
     "dilated_lm": "models.dilated_lm",
+    "hrm": "models.hrm",
 }
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 TRAINERS: dict[str, tuple[str, str | None]] = {
     "lm": ("dstrain.trainers.lm", None),
+    "hrm": ("dstrain.trainers.hrm", "dstrain.trainers.hrm_config:HRMTaskConfig"),
 }
 
 

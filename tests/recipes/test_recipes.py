@@ -39,8 +39,16 @@ def test_ds_profile_validates_and_trains_two_steps(profile, tmp_path):
     assert summary["step"] == 2 and summary["profile"] == profile
 
 
+def needs_missing_data(recipe: str) -> bool:
+    """Recipes that read the team's shared public data, when that folder is absent here."""
+    text = (ROOT / recipe).read_text()
+    return "shared/data" in text and not (ROOT.parent / "shared" / "data").is_dir()
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_validates_and_trains_two_steps(recipe, tmp_path):
+    if needs_missing_data(recipe):
+        pytest.skip(f"{recipe} reads ../shared/data, which this machine does not have")
     cfg = load_run_config(ROOT / recipe)
     # Shrink the model only where the recipe names a large size; the recipe's own data and
     # schedule settings are what is checked.

@@ -1,0 +1,1 @@
+"""Optimizers that run beside the DeepSpeed engine (for parameters the engine does not own)."""

@@ -1,0 +1,350 @@
+"""HRM on Sudoku: the stateful ACT training loop every rank runs for ``dstrain train``.
+
+Each rank holds ``global_batch / ranks`` rows. A row keeps its ACT carry (H and L
+states, step count) from one optimizer step to the next; only the rows that halted
+take a new puzzle, from the same row of this step's batch (the batch of step ``s`` is
+a pure function of the data seed and ``s``, see :class:`SudokuGroups`). The dense
+parameters train in the DeepSpeed engine; the puzzle-embedding table trains beside it
+with :class:`SparseSignSGD`, whose learning rate follows the engine's schedule.
+
+A checkpoint holds the engine's files, every rank's random state, the puzzle table and
+every rank's carry (``hrm/``), so a resumed run continues the same rows.
+Evaluation runs every held-out puzzle for ``halt_max_steps`` segments.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dstrain import checkpoint as ckpt
+from dstrain import runtime
+from dstrain.config import ConfigError, RunConfig, RunFolderError, save_run_config
+from dstrain.data import sudoku
+from dstrain.engine.factory import create_engine, plan_engine
+from dstrain.metrics import RunLogger, reduce_mean
+from dstrain.optim.sparse_sign_sgd import SparseEmbedding, SparseSignSGD
+from dstrain.trainers import task_config
+from dstrain.trainers.hrm_config import HRMTaskConfig
+from dstrain.trainers.lm import _fault, _StopFlag
+
+RATIO_KEYS = ("accuracy", "exact_accuracy", "q_halt_accuracy", "steps")
+"""Metrics averaged over the rows that halted; the rest are averaged over all rows."""
+
+
+def load_sudoku(task: HRMTaskConfig, seed: int):
+    """(train puzzles, train solutions, eval puzzles, eval solutions) as the task says."""
+    if task.source == "generate":
+        train = sudoku.generate_many(task.train_puzzles, task.blanks, seed)
+        held = sudoku.generate_many(task.eval_puzzles, task.blanks, seed + 1_000_003)
+        return (*train, *held)
+    if task.eval_file:
+        held = sudoku.read_puzzle_file(task.eval_file, limit=task.eval_puzzles)
+        train = sudoku.read_puzzle_file(task.train_file, limit=task.train_puzzles)
+    else:
+        held = sudoku.read_puzzle_file(task.train_file, limit=task.eval_puzzles)
+        train = sudoku.read_puzzle_file(task.train_file, limit=task.train_puzzles, skip=task.eval_puzzles)
+    return (*train, *held)
+
+
+def summarise(sums: dict[str, float]) -> dict[str, float]:
+    """Metric sums (already reduced over ranks) -> means: per halted row or per row."""
+    out = {}
+    rows, count = max(sums.get("rows", 0.0), 1e-9), sums.get("count", 0.0)
+    for key, value in sums.items():
+        if key in ("rows", "count"):
+            continue
+        if key in RATIO_KEYS:
+            if count > 0:
+                out[key] = value / count
+        else:
+            out[key] = value / rows
+    out["halted_fraction"] = count / rows
+    return out
+
+
+class HRMTrainer:
+    """Owns the engine, the puzzle table, the data and the carries of one HRM run."""
+
+    def __init__(self, cfg: RunConfig):
+        self.world = runtime.init_distributed()
+        self.task: HRMTaskConfig = task_config(cfg)
+        ws = self.world.world_size
+        if cfg.train.grad_accum != 1:
+            raise ConfigError("run config", "train.grad_accum",
+                              f"the HRM trainer steps once per ACT segment: must be 1, got {cfg.train.grad_accum}")
+        self.global_batch = self.task.global_batch or cfg.train.micro_batch * ws
+        if self.global_batch % ws:
+            raise ConfigError("run config", "task.global_batch",
+                              f"{self.global_batch} puzzles do not split evenly over {ws} ranks")
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch=self.global_batch // ws))
+        self.cfg, self.local_batch = cfg, self.global_batch // ws
+        self.out = Path(cfg.output.dir)
+        self.ckpt_root = self.out / "checkpoints"
+        resume_tag = self._check_run_folder()
+        from models import registry
+        self.spec = registry.get_spec(cfg.model.name)
+        self.model_cfg = registry.make_model_config(cfg.model.name, cfg.model.size, cfg.model.args)
+        if getattr(self.model_cfg, "seq_len", sudoku.SEQ_LEN) != sudoku.SEQ_LEN or \
+                getattr(self.model_cfg, "vocab_size", sudoku.VOCAB_SIZE) != sudoku.VOCAB_SIZE:
+            raise ConfigError("run config", "model.args", "Sudoku needs seq_len 81 and vocab_size 11")
+
+        if resume_tag is not None:
+            self._pin_plan(resume_tag)
+        tp, ts, ep, es = load_sudoku(self.task, cfg.data.seed)
+        self.train_set = sudoku.SudokuGroups(tp, ts, self.task.augmentations, cfg.data.seed, self.task.mask_givens)
+        self.eval_inputs, self.eval_labels = sudoku.encode(ep, es, self.task.mask_givens)
+
+        plan = None
+        if self.world.is_main:
+            plan = plan_engine(cfg, ws, ranks_per_node=self.world.local_world_size,
+                               device_type=self.world.device.type)
+        self.plan = runtime.broadcast_object(plan)
+        if self.world.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            save_run_config(cfg, self.out / "run_config.json")
+            (self.out / "ds_config.json").write_text(json.dumps(self.plan.ds_config, indent=2) + "\n")
+            (self.out / "plan.txt").write_text(self.plan.explanation + "\n")
+            print(self.plan.explanation, flush=True)
+
+        runtime.seed_everything(cfg.train.seed)
+        self.engine = create_engine(lambda: self.spec.build(self.model_cfg), self.spec.parallelize,
+                                    self.plan, cfg.train)
+        self.device = self.engine.device
+        emb_len = getattr(self.model_cfg, "puzzle_emb_len", 0)
+        self.puzzle_emb = self.sparse_opt = None
+        if emb_len:
+            rows = 1 if self.task.puzzle_ids == "shared" else len(self.train_set) + 1
+            self.puzzle_emb = SparseEmbedding(rows, emb_len * self.model_cfg.hidden_size, device=self.device)
+            self.sparse_opt = SparseSignSGD(self.puzzle_emb, self.task.puzzle_emb_lr,
+                                            self.task.puzzle_emb_weight_decay)
+        runtime.seed_everything(cfg.train.seed + 7919 * (self.world.rank + 1))  # per-rank exploration
+        self.carry: dict | None = None
+        self.start_step = 0
+        if resume_tag is not None:
+            self._resume(resume_tag)
+        self.stop = _StopFlag()
+
+    # ---------------------------------------------------------------- folder, save, resume
+    def _check_run_folder(self) -> str | None:
+        decision = None
+        if self.world.is_main:
+            latest = ckpt.find_latest(self.ckpt_root)
+            if self.cfg.checkpoint.resume:
+                decision = ("resume", latest)
+            elif latest is not None:
+                decision = ("error", f"{self.out} already holds checkpoint {latest}; "
+                                     "pass --resume to continue it or choose another output.dir")
+            else:
+                decision = ("fresh", None)
+        kind, value = runtime.broadcast_object(decision)
+        if kind == "error":
+            raise RunFolderError(value)
+        return value if kind == "resume" else None
+
+    def _pin_plan(self, tag: str) -> None:
+        """A resumed run keeps the checkpoint's profile, precision and activation checkpointing
+        (DeepSpeed cannot load optimizer states saved under another stage or precision)."""
+        state = json.loads((self.ckpt_root / tag / "trainer_state.json").read_text())
+        ds = self.cfg.deepspeed
+        for key in ("profile", "precision", "activation_checkpointing"):
+            if key in state and getattr(ds, key) in ("auto", state[key]):
+                setattr(ds, key, state[key])
+
+    def save(self, step: int) -> None:
+        tag = ckpt.tag_for(step)
+        if self.world.is_main:
+            ckpt.prepare_tag_dir(self.ckpt_root, tag)
+        runtime.barrier()
+        self.engine.save(str(self.ckpt_root), tag, client_state={"step": step})
+        ckpt.save_rng(self.ckpt_root, tag, self.world.rank)
+        state_dir = self.ckpt_root / tag / "hrm"
+        state_dir.mkdir(parents=True, exist_ok=True)
+        torch.save(self.carry, state_dir / f"carry_rank_{self.world.rank}.pt")
+        if self.world.is_main and self.puzzle_emb is not None:
+            torch.save(self.puzzle_emb.state_dict(), state_dir / "puzzle_emb.pt")
+        runtime.barrier()
+        _fault("DSTRAIN_FAULT_IN_SAVE", step)
+        if self.world.is_main:
+            names = getattr(self.engine, "param_group_names", None)
+            extra = {"param_groups": names} if names is not None else {}
+            ckpt.mark_complete(self.ckpt_root, tag, self.cfg.to_dict(), self.plan.ds_config,
+                               {"step": step, "world_size": self.world.world_size,
+                                "global_batch": self.global_batch, "profile": self.plan.profile,
+                                "precision": self.plan.precision,
+                                "activation_checkpointing": self.plan.activation_checkpointing},
+                               keep=self.cfg.checkpoint.keep, **extra)
+        runtime.barrier()
+
+    def _resume(self, tag: str) -> None:
+        state = json.loads((self.ckpt_root / tag / "trainer_state.json").read_text())
+        if state.get("world_size") != self.world.world_size:
+            raise RunFolderError(f"checkpoint {tag} was written by {state.get('world_size')} ranks, "
+                                 f"this run has {self.world.world_size}")
+        self.engine.load(str(self.ckpt_root), tag)
+        ckpt.load_rng(self.ckpt_root, tag, self.world.rank)
+        state_dir = self.ckpt_root / tag / "hrm"
+        if self.puzzle_emb is not None:
+            self.puzzle_emb.load_state_dict(torch.load(state_dir / "puzzle_emb.pt", weights_only=True,
+                                                       map_location=self.device))
+        self.carry = torch.load(state_dir / f"carry_rank_{self.world.rank}.pt", weights_only=True,
+                                map_location=self.device)
+        self.start_step = int(state["step"])
+        if self.world.is_main:
+            print(f"resumed from {self.ckpt_root / tag} at step {self.start_step}", flush=True)
+
+    # ---------------------------------------------------------------- steps
+    def _ids(self, groups: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(groups) if self.task.puzzle_ids == "shared" else groups + 1
+
+    def _next_rows(self, step: int) -> dict:
+        """This step's rows: halted rows take this step's new puzzles, the others keep theirs."""
+        b = self.train_set.local_batch(step, self.global_batch, self.world.rank, self.world.world_size)
+        new = {"inputs": torch.from_numpy(b.inputs), "labels": torch.from_numpy(b.labels),
+               "groups": torch.from_numpy(b.groups)}
+        if self.carry is None:
+            return {**new, "reset": torch.ones(self.local_batch, dtype=torch.bool)}
+        reset = self.carry["halted"].cpu()
+        rows = {k: torch.where(reset.view(-1, *[1] * (v.dim() - 1)), v, self.carry[k].cpu())
+                for k, v in new.items()}
+        return {**rows, "reset": reset}
+
+    def train_step(self, step: int) -> tuple[float, dict]:
+        """One ACT segment and one optimizer step; returns this rank's loss and metric sums."""
+        rows = self._next_rows(step)
+        dev = self.device
+        emb = None
+        if self.puzzle_emb is not None:
+            emb = self.puzzle_emb.lookup(self._ids(rows["groups"]).to(dev))
+        carry = self.carry or {}
+        loss, out = self.engine(rows["inputs"].to(dev), rows["labels"].to(dev), emb,
+                                carry.get("z_H"), carry.get("z_L"), carry.get("steps"),
+                                rows["reset"].to(dev))
+        self.engine.backward(loss)
+        lr_factor = self.engine.lr / self.cfg.train.lr if self.cfg.train.lr > 0 else 1.0
+        self.engine.step()
+        if self.sparse_opt is not None:
+            self.sparse_opt.step(self.task.puzzle_emb_lr * lr_factor)
+        self.carry = {"z_H": out["z_H"], "z_L": out["z_L"], "steps": out["steps"],
+                      "halted": out["halted"], "inputs": rows["inputs"], "labels": rows["labels"],
+                      "groups": rows["groups"]}
+        return float(loss.item()), {k: float(v) for k, v in out["metrics"].items()}
+
+    @torch.no_grad()
+    def evaluate(self, inputs: np.ndarray | None = None, labels: np.ndarray | None = None) -> dict:
+        """Metrics over held-out puzzles (split over ranks), every row run ``halt_max_steps`` segments."""
+        inputs = self.eval_inputs if inputs is None else inputs
+        labels = self.eval_labels if labels is None else labels
+        emb = None if self.puzzle_emb is None else self.puzzle_emb.weight[0]  # held-out puzzles: id 0
+        return evaluate_rows(self.engine, self.model_cfg.halt_max_steps, inputs, labels,
+                             self.local_batch, self.world.rank, self.world.world_size, self.device, emb)
+
+    def run(self) -> dict:
+        cfg, t = self.cfg, self.cfg.train
+        log = RunLogger(self.out, self.world.rank, t.steps, self.start_step,
+                        tensorboard=cfg.output.tensorboard, progress=cfg.output.progress)
+        sums: dict[str, float] = {}
+        losses, step, last_saved, stopped, val, val_step = [], self.start_step, None, False, None, None
+        self.engine.train()
+        start = window = time.perf_counter()
+        try:
+            for step in range(self.start_step + 1, t.steps + 1):
+                loss, metrics = self.train_step(step - 1)
+                losses.append(loss)
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                log.advance()
+                if step % t.log_every == 0 or step == t.steps:
+                    now = time.perf_counter()
+                    limit = self.task.time_limit_s
+                    out_of_time = bool(limit) and now - start > limit
+                    reduced = reduce_mean({**sums, "step_loss": sum(losses) / len(losses),
+                                           "stop": float(self.stop.set), "out_of_time": float(out_of_time)})
+                    out_of_time = reduced.pop("out_of_time") > 0
+                    stats = summarise({k: v for k, v in reduced.items() if k not in ("step_loss", "stop")})
+                    stats.update(loss=reduced["step_loss"], lr=self.engine.lr,
+                                 segments_per_s=len(losses) * self.global_batch / max(now - window, 1e-9))
+                    if self.sparse_opt is not None:
+                        stats["puzzle_emb_lr"] = self.task.puzzle_emb_lr * self.engine.lr / max(t.lr, 1e-30)
+                    norm = self.engine.grad_norm
+                    if norm is not None:
+                        stats["grad_norm"] = norm
+                    log.log(step, stats)
+                    sums, losses, window = {}, [], now
+                    if reduced["stop"] > 0:
+                        log.message(f"stop requested: saving step {step} and leaving")
+                        self.save(step)
+                        last_saved, stopped = step, True
+                        break
+                    if out_of_time:
+                        log.message(f"time limit of {limit:.0f} s reached at step {step}")
+                        break
+                if t.eval_every and step % t.eval_every == 0:
+                    val, val_step = self.evaluate(), step
+                    log.log(step, val, prefix="val")
+                    self.engine.train()
+                if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
+                    self.save(step)
+                    last_saved = step
+                _fault("DSTRAIN_FAULT_AFTER_STEP", step)
+            if not stopped and last_saved != step and step > self.start_step:
+                self.save(step)
+            if stopped:
+                val = None
+            elif val_step != step:
+                val = self.evaluate()
+                log.log(step, val, prefix="val")
+        finally:
+            log.close()
+        summary = {"step": step, "val_loss": val["loss"] if val else None,
+                   "val_exact_accuracy": val.get("exact_accuracy") if val else None,
+                   "val_accuracy": val.get("accuracy") if val else None, "stopped": stopped,
+                   "seconds": time.perf_counter() - start, "profile": self.plan.profile,
+                   "precision": self.plan.precision, "world_size": self.world.world_size,
+                   "global_batch": self.global_batch}
+        if self.world.is_main:
+            (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        return summary
+
+
+@torch.no_grad()
+def evaluate_rows(model, halt_max_steps: int, inputs: np.ndarray, labels: np.ndarray, batch: int,
+                  rank: int = 0, world_size: int = 1, device="cpu", puzzle_emb=None) -> dict:
+    """Run rows ``rank::world_size`` of ``(inputs, labels)`` for ``halt_max_steps`` segments each.
+
+    ``model`` is the engine (or a bare HRM); ``puzzle_emb`` one row ``[dim]`` used for every
+    puzzle (default zeros: the shared identifier's start). Metrics are reduced over ranks;
+    ``loss`` is that of the last segment.
+    """
+    model.eval()
+    mine = np.arange(rank, len(inputs), world_size)
+    sums: dict[str, float] = {}
+    for lo in range(0, len(mine), batch):
+        idx = mine[lo:lo + batch]
+        x = torch.from_numpy(inputs[idx]).to(device)
+        y = torch.from_numpy(labels[idx]).to(device)
+        emb = None if puzzle_emb is None else puzzle_emb.to(device).expand(len(idx), -1)
+        z_H = z_L = steps = None
+        for _ in range(halt_max_steps):
+            loss, out = model(x, y, emb, z_H, z_L, steps, None)
+            z_H, z_L, steps = out["z_H"], out["z_L"], out["steps"]
+        for k, v in out["metrics"].items():
+            sums[k] = sums.get(k, 0.0) + float(v)
+        sums["loss_sum"] = sums.get("loss_sum", 0.0) + float(loss) * len(idx)
+    reduced = reduce_mean({k: sums.get(k, 0.0) for k in
+                           ("rows", "count", "accuracy", "exact_accuracy", "q_halt_accuracy", "steps",
+                            "lm_loss", "q_halt_loss", "q_continue_loss", "loss_sum")})
+    loss_sum = reduced.pop("loss_sum")
+    stats = summarise(reduced)
+    stats["loss"] = loss_sum / max(reduced["rows"], 1e-9)
+    stats.pop("q_continue_loss", None)
+    stats.pop("halted_fraction", None)
+    return stats
+
+
+def train(cfg: RunConfig) -> dict:
+    return HRMTrainer(cfg).run()

@@ -1,0 +1,60 @@
+"""The ``task`` section of an HRM run config (light: no torch import, so configs validate fast)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class HRMTaskConfig:
+    """Sudoku data, batching and puzzle-embedding optimizer of the HRM trainer.
+
+    The data order and the generated puzzles follow ``data.seed``; ``train.*`` sets the
+    dense optimizer (AdamW in the DeepSpeed engine) and its schedule, which the
+    puzzle-embedding learning rate follows too.
+    """
+
+    source: str = "generate"
+    """generate (puzzles made by the generator) | file (puzzles read from ``train_file``)."""
+    train_file: str = ""
+    """Puzzle file for ``source=file`` (one 81-digit puzzle per line), relative to the working dir."""
+    eval_file: str = ""
+    """Held-out puzzles; empty: the first ``eval_puzzles`` of ``train_file`` (generate: a second seed)."""
+    train_puzzles: int = 1000
+    """Training groups (original puzzles)."""
+    eval_puzzles: int = 200
+    """Held-out puzzles evaluated every ``train.eval_every`` steps and at the end."""
+    blanks: int = 8
+    """Blank cells of each generated puzzle (generate only)."""
+    augmentations: int = 0
+    """Transformed copies per group; an epoch takes one member (original or copy) of each group."""
+    mask_givens: bool = False
+    """Ignore the labels of given cells (the loss then sees only the blanks)."""
+    global_batch: int = 0
+    """Puzzles per step over all ranks (0: ``train.micro_batch`` x ranks); must divide by the ranks."""
+    puzzle_ids: str = "shared"
+    """shared (one identifier for every puzzle, as the paper's Sudoku data) | group (one per group;
+    held-out puzzles use the shared identifier 0)."""
+    puzzle_emb_lr: float = 1e-2
+    """Peak learning rate of the sparse sign-SGD on the puzzle-embedding table."""
+    puzzle_emb_weight_decay: float = 0.1
+    time_limit_s: float = 0.0
+    """Stop (checkpoint, evaluate, leave) at the first log step after this many seconds of
+    training (0: no limit); with ``train.min_lr_ratio = 1`` the schedule does not depend on it."""
+
+    def __post_init__(self) -> None:
+        if self.source not in ("generate", "file"):
+            raise ValueError(f"task.source must be generate or file, got {self.source!r}")
+        if self.source == "file" and not self.train_file:
+            raise ValueError("task.train_file must name a puzzle file when task.source is file")
+        if self.puzzle_ids not in ("shared", "group"):
+            raise ValueError(f"task.puzzle_ids must be shared or group, got {self.puzzle_ids!r}")
+        for name in ("train_puzzles", "eval_puzzles"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"task.{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("augmentations", "global_batch", "puzzle_emb_lr", "puzzle_emb_weight_decay",
+                     "time_limit_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"task.{name} must not be negative, got {getattr(self, name)}")
+        if not 0 <= self.blanks <= 64:
+            raise ValueError(f"task.blanks must be within [0, 64] (a unique Sudoku needs 17 clues), "
+                             f"got {self.blanks}")

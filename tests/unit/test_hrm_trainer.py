@@ -1,0 +1,63 @@
+"""HRM run configs: the task section is typed and checked; shipped recipes validate; eval helper."""
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dstrain import trainers
+from dstrain.config import ConfigError, load_run_config, run_config_from_dict
+from dstrain.data import sudoku
+from dstrain.trainers.hrm_config import HRMTaskConfig
+from models import registry
+
+ROOT = Path(__file__).resolve().parents[2]
+DEBUG = ROOT / "models" / "hrm" / "recipes" / "sudoku_debug.json"
+
+
+def test_trainer_registered_with_its_task_config():
+    assert "hrm" in trainers.available()
+    assert trainers.task_config_class("hrm") is HRMTaskConfig
+
+
+@pytest.mark.parametrize("recipe", sorted((ROOT / "models" / "hrm" / "recipes").glob("*.json")))
+def test_shipped_recipes_validate(recipe):
+    cfg = load_run_config(recipe)
+    task = trainers.task_config(cfg)
+    assert cfg.trainer == "hrm" and isinstance(task, HRMTaskConfig)
+    assert task.global_batch % 2 == 0
+
+
+@pytest.mark.parametrize("override, key, message", [
+    ("--task.source=web", "task", "source must be generate or file"),
+    ("--task.blanks=70", "task", "blanks must be within"),
+    ("--task.puzzle_ids=each", "task", "puzzle_ids must be shared or group"),
+    ("--task.train_puzzle=3", "task.train_puzzle", "did you mean 'train_puzzles'"),
+    ("--task.mask_givens=1", "task.mask_givens", "expected true or false"),
+    ("--task.global_batch=-4", "task", "global_batch must not be negative"),
+])
+def test_bad_task_settings_name_the_key(override, key, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        load_run_config(DEBUG, [override])
+    assert err.value.key == key
+
+
+def test_file_source_needs_a_file():
+    data = json.loads(DEBUG.read_text())
+    data["task"]["source"] = "file"
+    with pytest.raises(ConfigError, match="train_file must name a puzzle file"):
+        run_config_from_dict(data, "recipe")
+
+
+def test_evaluate_rows_runs_every_puzzle_to_the_step_limit():
+    from dstrain.trainers.hrm import evaluate_rows, summarise
+    cfg = registry.make_model_config("hrm", "tiny", {"halt_max_steps": 3})
+    torch.manual_seed(0)
+    model = registry.get_spec("hrm").build(cfg)
+    inputs, labels = sudoku.encode(*sudoku.generate_many(5, 4, seed=0), mask_givens=True)
+    stats = evaluate_rows(model, 3, inputs, labels, batch=2)
+    assert stats["steps"] == 3.0 and 0.0 <= stats["exact_accuracy"] <= 1.0 and stats["loss"] > 0
+    assert summarise({"rows": 4, "count": 2, "exact_accuracy": 1, "lm_loss": 8}) == \
+        {"exact_accuracy": 0.5, "lm_loss": 2.0, "halted_fraction": 0.5}
+    assert not model.training and np.isfinite(stats["accuracy"])
