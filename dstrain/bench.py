@@ -134,7 +134,8 @@ def rates(step_s: float, tokens_per_step: int, world: int, flops_per_token: floa
 
 def job_metrics(job: dict, tokens_per_step: int, world: int, flops_per_token, peak) -> dict:
     step = summarize(job["step_times_s"])
-    return {"step_time_s": step, **rates(step["median"], tokens_per_step, world, flops_per_token, peak),
+    return {"step_time_s": step, "cpu_time_s": summarize(job["cpu_times_s"]),
+            **rates(step["median"], tokens_per_step, world, flops_per_token, peak),
             "peak_memory_bytes": job["peak_memory_bytes"], "start_memory_bytes": job["start_memory_bytes"],
             "final_loss": job["losses"][-1], "step_times_s": job["step_times_s"]}
 
@@ -152,6 +153,8 @@ def build_profiles(jobs: list[dict], tokens_per_step: int, world: int, flops_per
         out[job["profile"]] = {"stage": job["zero"]["stage"], "zero": job["zero"], "order": job["order"],
                                "ds_optimizer": job.get("optimizer"), "plain_optimizer": plain.get("optimizer"),
                                **compare(d["step_time_s"]["median"], b["step_time_s"]["median"], goal),
+                               "min_ratio": d["step_time_s"]["min"] / b["step_time_s"]["min"],
+                               "cpu_time_ratio": d["cpu_time_s"]["median"] / b["cpu_time_s"]["median"],
                                "dstrain": d, "plain": b}
     return out
 
@@ -172,14 +175,17 @@ def check_result(result: dict) -> list[str]:
 
 
 def format_table(result: dict) -> str:
-    head = ("profile", "plain s", "dstrain s", "ratio", "goal", "met", "tok/s", "GFLOP/s", "MFU",
+    head = ("profile", "plain s", "dstrain s", "ratio", "goal", "met", "min ratio", "cpu ratio", "tok/s",
+            "GFLOP/s", "MFU",
             "mem plain", "mem dstrain")
     rows = [head]
     for name, p in result["profiles"].items():
         d, b = p["dstrain"], p["plain"]
         rows.append((name, f"{b['step_time_s']['median']:.4f}", f"{d['step_time_s']['median']:.4f}",
                      f"{p['ratio']:.3f}", "-" if p["goal"] is None else f"{p['goal']:.2f}",
-                     {True: "yes", False: "NO", None: "-"}[p["goal_met"]], f"{d['tokens_per_s']:.0f}",
+                     {True: "yes", False: "NO", None: "-"}[p["goal_met"]], f"{p['min_ratio']:.3f}",
+                     f"{p['cpu_time_ratio']:.3f}",
+                     f"{d['tokens_per_s']:.0f}",
                      "-" if d["flops_per_s"] is None else f"{d['flops_per_s'] / 1e9:.2f}",
                      "-" if d["mfu"] is None else f"{100 * d['mfu']:.1f}%",
                      f"{b['peak_memory_bytes'] / 2**20:.0f} MiB", f"{d['peak_memory_bytes'] / 2**20:.0f} MiB"))
@@ -306,7 +312,7 @@ def run_worker(opts: BenchOptions) -> int:
         step, optimizer = _dstrain_step_fn(engine)
     runtime.seed_everything(t.seed + 7919 * (world.rank + 1))
 
-    times, losses = [], []
+    times, cpu_times, losses = [], [], []
     prof_dir = os.environ.get("DSTRAIN_BENCH_CPROFILE")  # where the time goes: one .pstats per rank
     prof = None
     for s in range(total):
@@ -316,15 +322,17 @@ def run_worker(opts: BenchOptions) -> int:
             prof.enable()
         runtime.barrier()
         _device_sync(world.device)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         losses.append(step(batches[s]))
         _device_sync(world.device)
         times.append(time.perf_counter() - t0)
+        cpu_times.append(time.process_time() - c0)
     if prof is not None:
         prof.disable()
         prof.dump_stats(os.path.join(prof_dir, f"{opts.mode}_{opts.profile}_rank{world.rank}.pstats"))
 
-    stats = torch.tensor(times[opts.warmup:] + [float(peak_memory_bytes()), float(start_memory)],
+    stats = torch.tensor(times[opts.warmup:] + cpu_times[opts.warmup:]
+                         + [float(peak_memory_bytes()), float(start_memory)],
                          dtype=torch.float64, device=world.device)
     mean_losses = torch.tensor(losses, dtype=torch.float64, device=world.device)
     if world.world_size > 1:
@@ -338,7 +346,8 @@ def run_worker(opts: BenchOptions) -> int:
         values = stats.tolist()
         job = {"mode": opts.mode, "profile": opts.profile, "zero": plan.zero, "precision": plan.precision,
                "activation_checkpointing": plan.activation_checkpointing, "optimizer": optimizer,
-               "step_times_s": values[:-2], "peak_memory_bytes": int(values[-2]),
+               "step_times_s": values[:opts.steps], "cpu_times_s": values[opts.steps:-2],
+               "peak_memory_bytes": int(values[-2]),
                "start_memory_bytes": int(values[-1]), "losses": mean_losses.tolist(),
                "peak_flops": {"per_rank": peaks, "how": how}, "threads_per_rank": torch.get_num_threads(),
                "flops_per_token": fpt, "params": sum(p.numel() for p in meta_model.parameters()),
@@ -482,6 +491,8 @@ def assemble(opts: BenchOptions, argv: list[str], cfg, jobs: list[dict], device:
                       else "one plain job, run first, compared with every profile"),
             "timing": ("perf_counter around each optimizer step (all micro-batches), after a barrier, batches "
                        "already on the device; per step the max over ranks; median over timed steps"),
+            "cpu_time": ("process CPU seconds (all threads of a rank, gloo's included) per step, max over "
+                         "ranks: less sensitive than wall time to other load on a shared CPU, blind to waiting"),
             "memory": ("peak RSS (ru_maxrss) of each rank, max over ranks; plain and dstrain in separate "
                        "processes; both include the Python/torch/deepspeed imports"
                        if device["type"] == "cpu" else "torch.cuda.max_memory_allocated, max over ranks"),
@@ -508,7 +519,9 @@ def plot(result: dict, path: Path) -> None:
     ax.set_ylabel("median step time (s)")
     b = result["batch"]
     ax.set_title(f"{result['model']['name']}-{result['model']['size']}, {result['world_size']} ranks, "
-                 f"micro-batch {b['micro_batch']} x seq {b['seq_len']}, {result['precision']}", fontsize=9)
+                 f"micro-batch {b['micro_batch']} x seq {b['seq_len']}, {result['precision']}; load average "
+                 f"{result['load_average']['before'][0]:.1f} before, {result['load_average']['after'][0]:.1f} after",
+                 fontsize=9)
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -94,7 +94,8 @@ def _job(mode, profile, pair, times, stage, mem=500 * 2**20, offload=False):
     return {"mode": mode, "profile": profile, "pair": pair, "order": "plain first",
             "zero": {"stage": stage, "offload_optimizer": offload, "offload_param": False},
             "precision": "fp32", "activation_checkpointing": False, "optimizer": f"{mode} adam",
-            "step_times_s": times, "peak_memory_bytes": mem, "start_memory_bytes": 300 * 2**20,
+            "step_times_s": times, "cpu_times_s": [x * 0.9 for x in times], "peak_memory_bytes": mem,
+            "start_memory_bytes": 300 * 2**20,
             "losses": [5.6, 5.5, 5.4], "peak_flops": {"per_rank": [4e10, 6e10], "how": "measured matmul"},
             "threads_per_rank": 1, "flops_per_token": 5e6, "params": 886144, "tokens_per_step": 2048,
             "world_size": 2}
@@ -129,6 +130,9 @@ def test_assembled_result_schema_and_numbers(tmp_path, monkeypatch):
     assert z1["ratio"] == pytest.approx(0.515 / 0.51) and z1["goal"] == 1.05 and z1["goal_met"] is True
     assert z3["ratio"] == pytest.approx(1.5) and z3["goal"] == 1.25 and z3["goal_met"] is False
     assert z3["plain"]["step_time_s"]["median"] == 0.5  # paired with its own plain job
+    assert z1["cpu_time_ratio"] == pytest.approx(0.515 / 0.51)
+    assert z1["min_ratio"] == pytest.approx(0.50 / 0.48) and z3["min_ratio"] == pytest.approx(1.4)
+    assert z1["dstrain"]["cpu_time_s"]["median"] == pytest.approx(0.9 * 0.515)
     d = z1["dstrain"]
     assert d["tokens_per_s"] == pytest.approx(2048 / 0.515)
     assert d["flops_per_s"] == pytest.approx(2048 / 0.515 * 5e6)
