@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+from dstrain.bench_report import format_table, plot  # noqa: F401 (re-exported)
+
 GOALS = {0: 1.05, 1: 1.05, 2: 1.05, 3: 1.25}
 """Largest acceptable dstrain/plain step-time ratio per ZeRO stage (offload profiles have none)."""
 RESULT_FIELDS = ("benchmark", "command", "git_commit", "date", "device", "world_size", "model",
@@ -172,25 +174,6 @@ def check_result(result: dict) -> list[str]:
         if not isinstance(prof.get("ratio"), float) or "goal_met" not in prof:
             problems.append(f"{name}: no ratio/goal")
     return problems
-
-
-def format_table(result: dict) -> str:
-    head = ("profile", "plain s", "dstrain s", "ratio", "goal", "met", "min ratio", "cpu ratio", "tok/s",
-            "GFLOP/s", "MFU",
-            "mem plain", "mem dstrain")
-    rows = [head]
-    for name, p in result["profiles"].items():
-        d, b = p["dstrain"], p["plain"]
-        rows.append((name, f"{b['step_time_s']['median']:.4f}", f"{d['step_time_s']['median']:.4f}",
-                     f"{p['ratio']:.3f}", "-" if p["goal"] is None else f"{p['goal']:.2f}",
-                     {True: "yes", False: "NO", None: "-"}[p["goal_met"]], f"{p['min_ratio']:.3f}",
-                     f"{p['cpu_time_ratio']:.3f}",
-                     f"{d['tokens_per_s']:.0f}",
-                     "-" if d["flops_per_s"] is None else f"{d['flops_per_s'] / 1e9:.2f}",
-                     "-" if d["mfu"] is None else f"{100 * d['mfu']:.1f}%",
-                     f"{b['peak_memory_bytes'] / 2**20:.0f} MiB", f"{d['peak_memory_bytes'] / 2**20:.0f} MiB"))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows)
 
 
 # ---------------------------------------------------------------- worker (one rank of one job)
@@ -500,32 +483,6 @@ def assemble(opts: BenchOptions, argv: list[str], cfg, jobs: list[dict], device:
         },
         "profiles": build_profiles(jobs, tokens, first["world_size"], first["flops_per_token"], peak),
     }
-
-
-def plot(result: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    names = list(result["profiles"])
-    plain = [result["profiles"][n]["plain"]["step_time_s"]["median"] for n in names]
-    ds = [result["profiles"][n]["dstrain"]["step_time_s"]["median"] for n in names]
-    xs = range(len(names))
-    fig, ax = plt.subplots(figsize=(1.8 * len(names) + 2.5, 4))
-    ax.bar([x - 0.2 for x in xs], plain, 0.4, label="plain PyTorch (DDP)")
-    ax.bar([x + 0.2 for x in xs], ds, 0.4, label="dstrain (DeepSpeed)")
-    for x, n, d in zip(xs, names, ds):
-        ax.annotate(f"{result['profiles'][n]['ratio']:.2f}x", (x + 0.2, d), ha="center", va="bottom")
-    ax.set_xticks(list(xs), names)
-    ax.set_ylabel("median step time (s)")
-    b = result["batch"]
-    ax.set_title(f"{result['model']['name']}-{result['model']['size']}, {result['world_size']} ranks, "
-                 f"micro-batch {b['micro_batch']} x seq {b['seq_len']}, {result['precision']}; load average "
-                 f"{result['load_average']['before'][0]:.1f} before, {result['load_average']['after'][0]:.1f} after",
-                 fontsize=9)
-    ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def run_benchmark(opts: BenchOptions, argv: list[str]) -> int:
