@@ -23,6 +23,7 @@ import torch
 
 from dstrain import checkpoint as ckpt
 from dstrain import runtime
+from dstrain.trainers.common import decide_resume, pin_plan
 from dstrain.config import ConfigError, RunConfig, RunFolderError, save_run_config
 from dstrain.data import sudoku
 from dstrain.engine.factory import create_engine, plan_engine
@@ -85,7 +86,7 @@ class HRMTrainer:
         self.cfg, self.local_batch = cfg, self.global_batch // ws
         self.out = Path(cfg.output.dir)
         self.ckpt_root = self.out / "checkpoints"
-        resume_tag = self._check_run_folder()
+        resume_tag = decide_resume(self.cfg, self.world, self.out, self.ckpt_root)
         from models import registry
         self.spec = registry.get_spec(cfg.model.name)
         self.model_cfg = registry.make_model_config(cfg.model.name, cfg.model.size, cfg.model.args)
@@ -94,7 +95,7 @@ class HRMTrainer:
             raise ConfigError("run config", "model.args", "Sudoku needs seq_len 81 and vocab_size 11")
 
         if resume_tag is not None:
-            self._pin_plan(resume_tag)
+            pin_plan(self.cfg, self.ckpt_root, resume_tag)
         tp, ts, ep, es = load_sudoku(self.task, cfg.data.seed)
         self.train_set = sudoku.SudokuGroups(tp, ts, self.task.augmentations, cfg.data.seed, self.task.mask_givens)
         self.eval_inputs, self.eval_labels = sudoku.encode(ep, es, self.task.mask_givens)
@@ -130,31 +131,6 @@ class HRMTrainer:
         self.stop = _StopFlag()
 
     # ---------------------------------------------------------------- folder, save, resume
-    def _check_run_folder(self) -> str | None:
-        decision = None
-        if self.world.is_main:
-            latest = ckpt.find_latest(self.ckpt_root)
-            if self.cfg.checkpoint.resume:
-                decision = ("resume", latest)
-            elif latest is not None:
-                decision = ("error", f"{self.out} already holds checkpoint {latest}; "
-                                     "pass --resume to continue it or choose another output.dir")
-            else:
-                decision = ("fresh", None)
-        kind, value = runtime.broadcast_object(decision)
-        if kind == "error":
-            raise RunFolderError(value)
-        return value if kind == "resume" else None
-
-    def _pin_plan(self, tag: str) -> None:
-        """A resumed run keeps the checkpoint's profile, precision and activation checkpointing
-        (DeepSpeed cannot load optimizer states saved under another stage or precision)."""
-        state = json.loads((self.ckpt_root / tag / "trainer_state.json").read_text())
-        ds = self.cfg.deepspeed
-        for key in ("profile", "precision", "activation_checkpointing"):
-            if key in state and getattr(ds, key) in ("auto", state[key]):
-                setattr(ds, key, state[key])
-
     def save(self, step: int) -> None:
         tag = ckpt.tag_for(step)
         if self.world.is_main:

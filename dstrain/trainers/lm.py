@@ -21,6 +21,7 @@ import torch
 
 from dstrain import checkpoint as ckpt
 from dstrain import runtime
+from dstrain.trainers.common import decide_resume, pin_plan
 from dstrain.config import RunConfig, RunFolderError, save_run_config
 from dstrain.data.corpus import ByteTokenizer, build_token_streams, load_documents
 from dstrain.data.sampler import WindowSampler, get_batch
@@ -68,14 +69,14 @@ class LMTrainer:
         self.parallel, self.dp_rank, self.dp_world = _parallel_layout(cfg, self.world)
         self.out = Path(cfg.output.dir)
         self.ckpt_root = self.out / "checkpoints"
-        resume_tag = self._check_run_folder()
+        resume_tag = decide_resume(self.cfg, self.world, self.out, self.ckpt_root)
         from models import registry
         self.spec = registry.get_spec(cfg.model.name)
         self.model_cfg = registry.make_model_config(cfg.model.name, cfg.model.size, cfg.model.args)
         self.train_tokens, self.val_tokens = load_token_streams(cfg, self.world)
 
         if resume_tag is not None:
-            self._pin_plan(resume_tag)
+            pin_plan(self.cfg, self.ckpt_root, resume_tag)
         plan = None
         if self.world.is_main:
             plan = plan_engine(cfg, self.world.world_size, ranks_per_node=self.world.local_world_size,
@@ -102,38 +103,6 @@ class LMTrainer:
         self.stop = _StopFlag()
 
     # ---------------------------------------------------------------- folder and resume
-    def _check_run_folder(self) -> str | None:
-        """Decide on rank 0 whether to resume and from which tag; share it."""
-        decision = None
-        if self.world.is_main:
-            latest = ckpt.find_latest(self.ckpt_root)
-            if self.cfg.checkpoint.resume:
-                decision = ("resume", latest)
-            elif latest is not None:
-                decision = ("error", f"{self.out} already holds checkpoint {latest}; "
-                                     "pass --resume to continue it or choose another output.dir")
-            else:
-                decision = ("fresh", None)
-        kind, value = runtime.broadcast_object(decision)
-        if kind == "error":
-            raise RunFolderError(value)
-        if kind == "resume" and value is None and self.world.is_main:
-            print(f"no complete checkpoint in {self.ckpt_root}: starting from step 0", flush=True)
-        return value if kind == "resume" else None
-
-    def _pin_plan(self, tag: str) -> None:
-        """A resumed run keeps the checkpoint's profile, precision and checkpointing.
-
-        The factory's choice depends on measurements (memory, bf16 speed) that may come
-        out differently on the second start; DeepSpeed cannot load optimizer states
-        saved under another precision or stage.
-        """
-        state = json.loads((self.ckpt_root / tag / "trainer_state.json").read_text())
-        ds = self.cfg.deepspeed
-        for key in ("profile", "precision", "activation_checkpointing"):
-            if key in state and getattr(ds, key) in ("auto", state[key]):
-                setattr(ds, key, state[key])
-
     def _resume(self, tag: str) -> None:
         state = json.loads((self.ckpt_root / tag / "trainer_state.json").read_text())
         if state.get("world_size") != self.world.world_size:
