@@ -337,6 +337,8 @@ def run_worker(opts: BenchOptions) -> int:
                "tokens_per_step": cfg.tokens_per_step * world.world_size, "world_size": world.world_size}
         Path(opts.result).write_text(json.dumps(job))
     runtime.barrier()
+    if world.device.type == "cpu":
+        runtime.release_cpu_comm_buffer(world.rank)
     return 0
 
 

@@ -103,3 +103,17 @@ def prebuild_cpu_ops() -> list[str]:
         builder.load(verbose=False)
         built.append(builder.name)
     return built
+
+
+def release_cpu_comm_buffer(rank: int) -> None:
+    """Remove this rank's /dev/shm buffer of DeepSpeed's CPU shared-memory allreduce.
+
+    DeepSpeed 0.19 creates ``deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>``
+    (about 69 MB) in every CPU job and never unlinks it; /dev/shm is RAM, so every
+    run would leave it behind. Existing mappings stay valid until the process exits.
+    """
+    import contextlib
+    name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+            f"{os.environ.get('MASTER_PORT', '')}_{rank}")
+    with contextlib.suppress(OSError):
+        os.unlink(os.path.join("/dev/shm", name))
