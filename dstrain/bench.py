@@ -339,6 +339,7 @@ def run_worker(opts: BenchOptions) -> int:
     runtime.barrier()
     if world.device.type == "cpu":
         runtime.release_cpu_comm_buffer(world.rank)
+    runtime.shutdown_distributed()
     return 0
 
 

@@ -87,6 +87,21 @@ def barrier() -> None:
         dist.barrier()
 
 
+def shutdown_distributed() -> None:
+    """Leave the process group cleanly at the end of a run.
+
+    Exiting with a live gloo group lets the interpreter tear down its worker threads
+    in arbitrary order, which now and then aborts the process ("terminate called
+    without an active exception", exit -6) after the run has finished. A barrier
+    first makes sure no peer is still talking to us.
+    """
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        return
+    barrier()
+    dist.destroy_process_group()
+
+
 def prebuild_cpu_ops() -> list[str]:
     """Compile DeepSpeed's CPU kernels (shared-memory comm, fused and CPU Adam) once, up front.
 
