@@ -19,6 +19,7 @@ _REGISTRY: dict[str, str] = {
     "gpt": "models.gpt",
     "dilated_lm": "models.dilated_lm",
     "hrm": "models.hrm",
+    "policy": "models.policy",
 }
 
 
@@ -38,6 +39,9 @@ class ModelSpec:
             positional arguments for one training forward that returns the loss; the
             factory traces it to measure activation memory. Default: a language model's
             ``(input_ids, targets)``, both ``LongTensor[micro_batch, seq_len]``.
+        rl: policy families only: the toolkit RL trainers use (``build(config, ds_config=None)``,
+            ``load_tokenizer``, ``generate``, ``pack``, ``token_logprobs``, ``token_entropy``,
+            ``reference(config, placement, train_ds_config=None)``); None for other models.
     """
 
     name: str
@@ -46,6 +50,7 @@ class ModelSpec:
     build: Callable[[Any], torch.nn.Module]
     parallelize: Callable[..., torch.nn.Module]
     example_inputs: Callable[[Any, int, int], tuple] | None = None
+    rl: Any = None
 
     def inputs_for_trace(self, config: Any, micro_batch: int, seq_len: int) -> tuple:
         """Arguments of one loss-returning forward (see ``example_inputs``)."""

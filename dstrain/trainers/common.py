@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
+from typing import Callable
 
 from dstrain import checkpoint as ckpt
 from dstrain import runtime
@@ -45,3 +48,57 @@ def pin_plan(cfg: RunConfig, ckpt_root: Path, tag: str) -> None:
     for key in ("profile", "precision", "activation_checkpointing"):
         if key in state and getattr(ds, key) in ("auto", state[key]):
             setattr(ds, key, state[key])
+
+
+def fault(name: str, step: int) -> None:
+    """Test hook: rank 0 dies when the environment variable ``name`` equals ``step``."""
+    if os.environ.get(name) == str(step) and int(os.environ.get("RANK", 0)) == 0:
+        os._exit(17)
+
+
+def save_checkpoint(engine, ckpt_root: Path, step: int, world: runtime.World, cfg: RunConfig, plan,
+                    state: dict | None = None, write_extra: Callable[[Path], None] | None = None) -> None:
+    """Write checkpoint ``step``: DeepSpeed's files, every rank's RNG, ``write_extra(tag_dir)``
+    (each rank), then rank 0's COMPLETE marker with the trainer state once all ranks are done."""
+    tag = ckpt.tag_for(step)
+    if world.is_main:
+        ckpt.prepare_tag_dir(ckpt_root, tag)
+    runtime.barrier()
+    engine.save(str(ckpt_root), tag, client_state={"step": step})
+    ckpt.save_rng(ckpt_root, tag, world.rank)
+    if write_extra is not None:
+        write_extra(ckpt_root / tag)
+    runtime.barrier()
+    fault("DSTRAIN_FAULT_IN_SAVE", step)
+    if world.is_main:
+        ckpt.mark_complete(ckpt_root, tag, cfg.to_dict(), plan.ds_config,
+                           {"step": step, "world_size": world.world_size, "profile": plan.profile,
+                            "precision": plan.precision,
+                            "activation_checkpointing": plan.activation_checkpointing, **(state or {})},
+                           keep=cfg.checkpoint.keep, param_groups=engine.param_group_names)
+    runtime.barrier()
+
+
+def load_checkpoint(engine, ckpt_root: Path, tag: str, world: runtime.World) -> dict:
+    """Load DeepSpeed's state and this rank's RNG from ``tag``; return the trainer state."""
+    state = json.loads((ckpt_root / tag / "trainer_state.json").read_text())
+    if state.get("world_size") != world.world_size:
+        raise RunFolderError(f"checkpoint {tag} was written by {state.get('world_size')} ranks, "
+                             f"this run has {world.world_size}")
+    engine.load(str(ckpt_root), tag)
+    ckpt.load_rng(ckpt_root, tag, world.rank)
+    if world.is_main:
+        print(f"resumed from {ckpt_root / tag} at step {state['step']}", flush=True)
+    return state
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT; the loop checkpoints and leaves at the next log step."""
+
+    def __init__(self):
+        self.set = False
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, *_):
+        self.set = True

@@ -21,17 +21,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dstrain import checkpoint as ckpt
 from dstrain import runtime
-from dstrain.trainers.common import decide_resume, pin_plan
-from dstrain.config import ConfigError, RunConfig, RunFolderError, save_run_config
+from dstrain.trainers.common import (StopFlag, decide_resume, fault, load_checkpoint, pin_plan,
+                                      save_checkpoint)
+from dstrain.config import ConfigError, RunConfig, save_run_config
 from dstrain.data import sudoku
 from dstrain.engine.factory import create_engine, plan_engine
 from dstrain.metrics import RunLogger, reduce_mean
 from dstrain.optim.sparse_sign_sgd import SparseEmbedding, SparseSignSGD
 from dstrain.trainers import task_config
 from dstrain.trainers.hrm_config import HRMTaskConfig
-from dstrain.trainers.lm import _fault, _StopFlag
 
 RATIO_KEYS = ("accuracy", "exact_accuracy", "q_halt_accuracy", "steps")
 """Metrics averaged over the rows that halted; the rest are averaged over all rows."""
@@ -128,41 +127,21 @@ class HRMTrainer:
         self.start_step = 0
         if resume_tag is not None:
             self._resume(resume_tag)
-        self.stop = _StopFlag()
+        self.stop = StopFlag()
 
     # ---------------------------------------------------------------- folder, save, resume
     def save(self, step: int) -> None:
-        tag = ckpt.tag_for(step)
-        if self.world.is_main:
-            ckpt.prepare_tag_dir(self.ckpt_root, tag)
-        runtime.barrier()
-        self.engine.save(str(self.ckpt_root), tag, client_state={"step": step})
-        ckpt.save_rng(self.ckpt_root, tag, self.world.rank)
-        state_dir = self.ckpt_root / tag / "hrm"
-        state_dir.mkdir(parents=True, exist_ok=True)
-        torch.save(self.carry, state_dir / f"carry_rank_{self.world.rank}.pt")
-        if self.world.is_main and self.puzzle_emb is not None:
-            torch.save(self.puzzle_emb.state_dict(), state_dir / "puzzle_emb.pt")
-        runtime.barrier()
-        _fault("DSTRAIN_FAULT_IN_SAVE", step)
-        if self.world.is_main:
-            names = getattr(self.engine, "param_group_names", None)
-            extra = {"param_groups": names} if names is not None else {}
-            ckpt.mark_complete(self.ckpt_root, tag, self.cfg.to_dict(), self.plan.ds_config,
-                               {"step": step, "world_size": self.world.world_size,
-                                "global_batch": self.global_batch, "profile": self.plan.profile,
-                                "precision": self.plan.precision,
-                                "activation_checkpointing": self.plan.activation_checkpointing},
-                               keep=self.cfg.checkpoint.keep, **extra)
-        runtime.barrier()
+        def write_state(tag_dir: Path) -> None:
+            state_dir = tag_dir / "hrm"
+            state_dir.mkdir(parents=True, exist_ok=True)
+            torch.save(self.carry, state_dir / f"carry_rank_{self.world.rank}.pt")
+            if self.world.is_main and self.puzzle_emb is not None:
+                torch.save(self.puzzle_emb.state_dict(), state_dir / "puzzle_emb.pt")
+        save_checkpoint(self.engine, self.ckpt_root, step, self.world, self.cfg, self.plan,
+                        {"global_batch": self.global_batch}, write_state)
 
     def _resume(self, tag: str) -> None:
-        state = json.loads((self.ckpt_root / tag / "trainer_state.json").read_text())
-        if state.get("world_size") != self.world.world_size:
-            raise RunFolderError(f"checkpoint {tag} was written by {state.get('world_size')} ranks, "
-                                 f"this run has {self.world.world_size}")
-        self.engine.load(str(self.ckpt_root), tag)
-        ckpt.load_rng(self.ckpt_root, tag, self.world.rank)
+        state = load_checkpoint(self.engine, self.ckpt_root, tag, self.world)
         state_dir = self.ckpt_root / tag / "hrm"
         if self.puzzle_emb is not None:
             self.puzzle_emb.load_state_dict(torch.load(state_dir / "puzzle_emb.pt", weights_only=True,
@@ -170,8 +149,6 @@ class HRMTrainer:
         self.carry = torch.load(state_dir / f"carry_rank_{self.world.rank}.pt", weights_only=True,
                                 map_location=self.device)
         self.start_step = int(state["step"])
-        if self.world.is_main:
-            print(f"resumed from {self.ckpt_root / tag} at step {self.start_step}", flush=True)
 
     # ---------------------------------------------------------------- steps
     def _ids(self, groups: torch.Tensor) -> torch.Tensor:
@@ -266,7 +243,7 @@ class HRMTrainer:
                 if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
                     self.save(step)
                     last_saved = step
-                _fault("DSTRAIN_FAULT_AFTER_STEP", step)
+                fault("DSTRAIN_FAULT_AFTER_STEP", step)
             if not stopped and last_saved != step and step > self.start_step:
                 self.save(step)
             if stopped:

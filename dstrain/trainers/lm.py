@@ -12,17 +12,14 @@ step n; ``DSTRAIN_FAULT_IN_SAVE=n`` kills rank 0 while checkpoint n is being wri
 from __future__ import annotations
 
 import json
-import os
-import signal
 import time
 from pathlib import Path
 
 import torch
 
-from dstrain import checkpoint as ckpt
 from dstrain import runtime
-from dstrain.trainers.common import decide_resume, pin_plan
-from dstrain.config import RunConfig, RunFolderError, save_run_config
+from dstrain.trainers.common import StopFlag, decide_resume, fault, load_checkpoint, pin_plan, save_checkpoint
+from dstrain.config import RunConfig, save_run_config
 from dstrain.data.corpus import ByteTokenizer, build_token_streams, load_documents
 from dstrain.data.sampler import WindowSampler, get_batch
 from dstrain.engine.factory import create_engine, plan_engine
@@ -41,23 +38,6 @@ def load_token_streams(cfg: RunConfig, world: runtime.World) -> tuple[torch.Tens
         docs = load_documents(cfg.data.corpus, cache_dir=cache, max_bytes=cfg.data.max_bytes)
         streams = build_token_streams(docs, ByteTokenizer(), val_every=cfg.data.val_every)
     return streams
-
-
-class _StopFlag:
-    """Set by SIGTERM/SIGINT; the loop checkpoints and leaves at the next log step."""
-
-    def __init__(self):
-        self.set = False
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, *_):
-        self.set = True
-
-
-def _fault(name: str, step: int) -> None:
-    if os.environ.get(name) == str(step) and int(os.environ.get("RANK", 0)) == 0:
-        os._exit(17)
 
 
 class LMTrainer:
@@ -100,37 +80,14 @@ class LMTrainer:
         with torch.device("meta"):
             self.flops_per_token = self.spec.build(self.model_cfg).flops_per_token(cfg.data.seq_len)
         self.sampler = WindowSampler(len(self.train_tokens), cfg.data.seq_len, cfg.data.seed)
-        self.stop = _StopFlag()
+        self.stop = StopFlag()
 
     # ---------------------------------------------------------------- folder and resume
     def _resume(self, tag: str) -> None:
-        state = json.loads((self.ckpt_root / tag / "trainer_state.json").read_text())
-        if state.get("world_size") != self.world.world_size:
-            raise RunFolderError(f"checkpoint {tag} was written by {state.get('world_size')} ranks, "
-                                 f"this run has {self.world.world_size}")
-        self.engine.load(str(self.ckpt_root), tag)
-        ckpt.load_rng(self.ckpt_root, tag, self.world.rank)
-        self.start_step = int(state["step"])
-        if self.world.is_main:
-            print(f"resumed from {self.ckpt_root / tag} at step {self.start_step}", flush=True)
+        self.start_step = int(load_checkpoint(self.engine, self.ckpt_root, tag, self.world)["step"])
 
     def save(self, step: int) -> None:
-        tag = ckpt.tag_for(step)
-        if self.world.is_main:
-            ckpt.prepare_tag_dir(self.ckpt_root, tag)
-        runtime.barrier()
-        self.engine.save(str(self.ckpt_root), tag, client_state={"step": step})
-        ckpt.save_rng(self.ckpt_root, tag, self.world.rank)
-        runtime.barrier()
-        _fault("DSTRAIN_FAULT_IN_SAVE", step)
-        if self.world.is_main:
-            ckpt.mark_complete(self.ckpt_root, tag, self.cfg.to_dict(), self.plan.ds_config,
-                               {"step": step, "world_size": self.world.world_size,
-                                "profile": self.plan.profile, "precision": self.plan.precision,
-                                "activation_checkpointing": self.plan.activation_checkpointing},
-                               keep=self.cfg.checkpoint.keep,
-                               param_groups=self.engine.param_group_names)
-        runtime.barrier()
+        save_checkpoint(self.engine, self.ckpt_root, step, self.world, self.cfg, self.plan)
 
     # ---------------------------------------------------------------- steps
     def _local(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,7 +165,7 @@ class LMTrainer:
                 if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
                     self.save(step)
                     last_saved = step
-                _fault("DSTRAIN_FAULT_AFTER_STEP", step)
+                fault("DSTRAIN_FAULT_AFTER_STEP", step)
             if not stopped and last_saved != step and step > self.start_step:
                 self.save(step)
             val_loss = self.evaluate() if not stopped else None
