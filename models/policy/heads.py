@@ -1,0 +1,78 @@
+"""A scalar head on a causal-LM backbone: the critic Q(s, a) and the value V(s) of BiLevel SCoRe.
+
+``ValueHead(backbone)`` reads the backbone's final hidden states (after its final norm)
+and maps them through ``Linear(hidden, 1)``:
+
+* per sequence (default): the value at each row's last real token, found from
+  ``attention_mask`` (the last position where it is 1, so right padding, and left
+  padding too, index correctly);
+* per token (``per_token=True``): ``[B, T]``, every position.
+
+The critic reads "prompt + action" text, the value function the state text alone.
+
+Backbone: a Hugging Face ``AutoModelForCausalLM`` (or anything whose
+``forward(input_ids, attention_mask=..., output_hidden_states=True)`` returns an object
+with ``.hidden_states``). When it has a separate ``base_model`` (LlamaForCausalLM's
+``.model``), that is called instead and its ``last_hidden_state`` used: the same tensor
+as ``hidden_states[-1]``, without computing the ``[B, T, vocab]`` logits nor keeping
+every layer's hidden states.
+
+Initialisation: ``init="normal"`` (default) draws the head's weight from
+N(0, 1 / (hidden + 1)) with zero bias, as reward heads are commonly initialised
+(Stiennon et al., 2020), so outputs start O(1) and gradients reach the backbone from the
+first step; ``init="zero"`` starts every output at exactly 0 (the backbone then gets no
+gradient until the head has moved).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
+    """``[B]``: index of each row's last position with mask 1 (0 for a row with none)."""
+    t = attention_mask.shape[-1]
+    positions = torch.arange(1, t + 1, device=attention_mask.device)
+    return ((attention_mask != 0).long() * positions).argmax(dim=-1)
+
+
+class ValueHead(nn.Module):
+    """Backbone + ``Linear(hidden, 1)``: one scalar per sequence (or per token)."""
+
+    def __init__(self, backbone: nn.Module, hidden_size: int | None = None, init: str = "normal"):
+        super().__init__()
+        if hidden_size is None:
+            hidden_size = getattr(getattr(backbone, "config", None), "hidden_size", None)
+        if not hidden_size:
+            raise ValueError("ValueHead needs hidden_size when the backbone has no config.hidden_size")
+        if init not in ("normal", "zero"):
+            raise ValueError(f"init must be 'normal' or 'zero', got {init!r}")
+        self.backbone = backbone
+        self.head = nn.Linear(hidden_size, 1)
+        with torch.no_grad():
+            if init == "zero":
+                self.head.weight.zero_()
+            else:
+                self.head.weight.normal_(0.0, 1.0 / math.sqrt(hidden_size + 1))
+            self.head.bias.zero_()
+
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``[B, T, hidden]``: the backbone's final hidden states."""
+        body = getattr(self.backbone, "base_model", None)
+        if isinstance(body, nn.Module) and body is not self.backbone:
+            return body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        out = self.backbone(input_ids, attention_mask=attention_mask, output_hidden_states=True)
+        return out.hidden_states[-1]
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                per_token: bool = False) -> torch.Tensor:
+        """``[B]`` values at each row's last real token, or ``[B, T]`` with ``per_token=True``."""
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        h = self.hidden_states(input_ids, attention_mask)
+        if not per_token:
+            idx = last_token_index(attention_mask)
+            h = h[torch.arange(h.shape[0], device=h.device), idx]
+        return self.head(h.to(self.head.weight.dtype)).squeeze(-1)
