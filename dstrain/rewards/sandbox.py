@@ -1,0 +1,394 @@
+"""Run untrusted generated programs and their tests in a separate, locked-down process.
+
+Nothing generated ever runs in the trainer's process. :func:`run_program` starts, for
+each program, ``python -I -B`` (:data:`sys.executable`) in a fresh temporary directory
+(removed afterwards), in a new session, with an environment of four variables
+(``PATH``, ``LANG``, ``HOME`` and ``TMPDIR``, the last two pointing at that directory),
+writes the job to its stdin, and collects stdout/stderr (at most
+``SandboxLimits.output_bytes`` kept; more output kills the run) and a result line on a
+separate pipe. A wall-clock deadline kills the whole process group with ``SIGKILL``.
+
+Layers, from the kernel up (see ``_child.py`` for the child side):
+
+* resource limits set in the child before the program's interpreter starts:
+  ``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_FSIZE``, ``RLIMIT_NPROC``, ``RLIMIT_NOFILE``,
+  ``RLIMIT_CORE=0``;
+* a new network namespace (no interfaces but a down loopback) and a new PID namespace
+  (the trainer's pid does not exist there) when ``unshare`` is permitted; silently
+  skipped when it is not;
+* when the trainer runs as root: an empty capability bounding set (no ``mknod``,
+  ``mount``, raw sockets, raising limits), ``no_new_privs``, and, when the interpreter
+  is readable by ``nobody``, the uid/gid of ``nobody``;
+* an audit hook installed before the program runs, which cannot be removed, refusing
+  process creation (fork, exec, spawn, system, ``subprocess``), signals (``os.kill``,
+  ``os.killpg``), sockets, ``ctypes``, garbage-collector and frame introspection,
+  tracing, writes outside the temporary directory (``/dev/null`` excepted), links,
+  and reads outside the interpreter's own directories (so ``/proc/<pid>/environ`` and
+  the trainer's home are out of reach). Every refusal except frame access makes the run
+  ``"error"`` with reward 0, even when the program catches the exception.
+
+The result line carries a random nonce passed on stdin, which the child reads before
+any untrusted code runs and keeps only in the frame of its main thread, while the
+program runs in another thread; frame access is refused, so the program cannot print
+a forged "all passed" line. Tests are checked so that an ``assert x == y`` cannot be
+won by returning an object of the program's own class whose ``__eq__`` says yes.
+
+Consequences for programs: no ``ctypes`` and therefore no ``numpy``; no subprocesses,
+threads must have ended when the tests finish, ``sys._getframe``/``traceback`` frame
+access raises, and only the temporary directory is writable.
+
+Not protected against: a determined attacker with a CPython memory-corruption bug;
+denial of service within the limits (CPU, memory, disk up to ``file_size_bytes`` per
+file inside the temporary directory); a program that shadows names the tests use
+(e.g. defines ``set``) or monkeypatches modules the tests call; classes built from
+code compiled under a forged file name; reading world-readable files under the
+interpreter's prefix. Without namespaces and without root, network isolation rests on
+the audit hook alone.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import secrets
+import selectors
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from dstrain.rewards import _child
+
+STATUSES = ("passed", "failed", "timeout", "error", "crash")
+_CHILD_SOURCE = Path(_child.__file__).read_text()
+_RESULT_CAP = 1 << 16
+
+
+@dataclass
+class SandboxLimits:
+    """Limits for one sandboxed run.
+
+    ``cpu_seconds`` is the CPU-time limit (``RLIMIT_CPU``); ``wall_seconds`` the
+    wall-clock deadline after which the process group is killed; ``memory_bytes`` the
+    address-space limit; ``file_size_bytes`` the largest file the program may write;
+    ``max_processes`` ``RLIMIT_NPROC`` (not enforced by Linux for root; the audit hook
+    refuses process creation anyway); ``open_files`` ``RLIMIT_NOFILE``;
+    ``output_bytes`` how much stdout and stderr may be written in total before the run
+    is killed (and how much of each is kept). ``namespaces`` tries network and PID
+    namespaces; ``drop_root`` runs as ``nobody`` when the trainer is root and the
+    interpreter allows it; ``tmp_root`` is where temporary directories are made
+    (default: the system's).
+    """
+
+    cpu_seconds: int = 5
+    wall_seconds: float = 10.0
+    memory_bytes: int = 1 << 30
+    file_size_bytes: int = 1 << 20
+    max_processes: int = 64
+    open_files: int = 64
+    output_bytes: int = 1 << 16
+    namespaces: bool = True
+    drop_root: bool = True
+    tmp_root: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("cpu_seconds", "wall_seconds", "memory_bytes", "file_size_bytes",
+                     "max_processes", "open_files", "output_bytes"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"SandboxLimits.{name} must be positive, got {getattr(self, name)!r}")
+        if self.open_files < 16:
+            raise ValueError(f"SandboxLimits.open_files must be at least 16 (the interpreter needs some), "
+                             f"got {self.open_files}")
+
+
+@dataclass
+class ExecResult:
+    """Outcome of one sandboxed run.
+
+    ``status``: ``"passed"`` (every test passed), ``"failed"`` (the program ran, some test
+    failed), ``"timeout"`` (wall or CPU limit), ``"error"`` (syntax error, exception in the
+    program or setup, refused operation, output limit) or ``"crash"`` (the process died
+    without reporting: a signal, ``os._exit``, a broken interpreter). ``passed``/``total``
+    count tests; ``seconds`` is the wall time of the run; ``detail`` says why in one line.
+    ``stdout``/``stderr`` are the (capped) captured streams; ``isolation`` lists the
+    kernel-level layers that were in force (e.g. ``"netns,pidns,nocaps,nonewprivs"``).
+    """
+
+    status: str
+    passed: int
+    total: int
+    seconds: float
+    detail: str = ""
+    stdout: str = ""
+    stderr: str = ""
+    isolation: str = ""
+
+    def reward(self, partial_credit: bool = False) -> float:
+        """1.0 when every test passed; with ``partial_credit`` a failed run earns
+        ``passed / total``; 0.0 for timeouts, errors and crashes."""
+        if self.status == "passed":
+            return 1.0
+        if partial_credit and self.status == "failed" and self.total > 0:
+            return self.passed / self.total
+        return 0.0
+
+
+_uid_lock = threading.Lock()
+_uid_cache: dict[str, tuple[int, int] | None] = {}
+
+
+def _unprivileged_ids() -> tuple[int, int] | None:
+    """(uid, gid) of ``nobody`` when we are root and the interpreter runs as that user."""
+    if os.geteuid() != 0:
+        return None
+    with _uid_lock:
+        if "ids" not in _uid_cache:
+            try:
+                entry = pwd.getpwnam("nobody")
+                ids = (entry.pw_uid, entry.pw_gid)
+            except KeyError:
+                ids = (65534, 65534)
+            try:
+                probe = subprocess.run([sys.executable, "-I", "-B", "-c", "import json, ast, resource"],
+                                       user=ids[0], group=ids[1], extra_groups=[], cwd="/", env=_base_env("/"),
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
+                _uid_cache["ids"] = ids if probe.returncode == 0 else None
+            except (OSError, subprocess.SubprocessError):
+                _uid_cache["ids"] = None
+        return _uid_cache["ids"]
+
+
+def _base_env(home: str) -> dict[str, str]:
+    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": home, "TMPDIR": home}
+
+
+def _remove_tree(path: str) -> None:
+    def fix(func, target, _exc):
+        try:
+            os.chmod(os.path.dirname(target) or target, stat.S_IRWXU)
+            os.chmod(target, stat.S_IRWXU)
+            func(target)
+        except OSError:
+            pass
+
+    shutil.rmtree(path, onerror=fix)
+
+
+class _Collector:
+    """Drains a child's stdout, stderr and result pipes without blocking and without
+    holding more than the caps, and feeds its stdin."""
+
+    def __init__(self, proc: subprocess.Popen, result_fd: int, job: bytes, cap: int) -> None:
+        self.sel = selectors.DefaultSelector()
+        self.cap = cap
+        self.out = {"stdout": bytearray(), "stderr": bytearray(), "result": bytearray()}
+        self.written = 0  # stdout + stderr bytes the child produced
+        self.job, self.pos = memoryview(job), 0
+        self.proc = proc
+        for name, fd in (("stdout", proc.stdout.fileno()), ("stderr", proc.stderr.fileno()), ("result", result_fd)):
+            os.set_blocking(fd, False)
+            self.sel.register(fd, selectors.EVENT_READ, name)
+        stdin = proc.stdin.fileno()
+        os.set_blocking(stdin, False)
+        self.sel.register(stdin, selectors.EVENT_WRITE, "stdin")
+
+    def _drop(self, fd: int) -> None:
+        self.sel.unregister(fd)
+
+    def pump(self, deadline: float) -> str:
+        """Runs until every pipe is closed (``"done"``), the deadline (``"timeout"``) or
+        too much output (``"overflow"``)."""
+        while self.sel.get_map():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return "timeout"
+            for key, _ in self.sel.select(min(remaining, 1.0)):
+                fd, name = key.fd, key.data
+                if name == "stdin":
+                    try:
+                        self.pos += os.write(fd, self.job[self.pos:self.pos + (1 << 16)])
+                    except BlockingIOError:
+                        continue
+                    except OSError:  # the child is gone or closed its stdin
+                        self.pos = len(self.job)
+                    if self.pos >= len(self.job):
+                        self._drop(fd)
+                        self._close_stdin()
+                    continue
+                try:
+                    data = os.read(fd, 1 << 16)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    data = b""
+                if not data:
+                    self._drop(fd)
+                    continue
+                buf = self.out[name]
+                if name == "result":  # keep the tail: the real line comes last
+                    buf += data
+                    del buf[:-_RESULT_CAP]
+                    continue
+                self.written += len(data)
+                if len(buf) < self.cap:
+                    buf += data[: self.cap - len(buf)]
+                if self.written > self.cap:
+                    return "overflow"
+        return "done"
+
+    def _close_stdin(self) -> None:
+        try:
+            self.proc.stdin.close()
+        except OSError:  # a failed flush of nothing on a broken pipe
+            pass
+
+    def close(self) -> None:
+        """Closes the selector and the child's pipes (not the result pipe)."""
+        self.sel.close()
+        self._close_stdin()
+        self.proc.stdout.close()
+        self.proc.stderr.close()
+
+
+def _parse_result(data: bytes, nonce: bytes) -> tuple | None:
+    marker = b"\n" + nonce + b" "
+    at = data.rfind(marker)
+    if at < 0:
+        return None
+    line = data[at + len(marker):].split(b"\n", 1)[0].decode("utf-8", "replace")
+    try:
+        head, detail = line.split("\t", 1)
+        passed, total, phase, violations, isolation = head.split(" ")
+        return int(passed), int(total), phase, int(violations), isolation, detail
+    except ValueError:
+        return None
+
+
+def run_program(program: str, tests: Sequence[str], setup: str = "",
+                limits: SandboxLimits | None = None) -> ExecResult:
+    """Runs ``program``, then ``setup``, then each test statement in a fresh sandboxed
+    interpreter and reports how many tests passed (see the module docstring).
+
+    ``setup`` runs after the program and before the tests, in the same namespace (MBPP's
+    ``test_setup_code`` builds objects from the program's classes).
+    """
+    limits = limits or SandboxLimits()
+    tests = [str(t) for t in tests]
+    start = time.monotonic()
+    tmp = tempfile.mkdtemp(prefix="dstrain-sbx-", dir=limits.tmp_root)
+    proc = collector = None
+    read_fd = write_fd = -1
+    try:
+        ids = _unprivileged_ids() if limits.drop_root else None
+        if ids is not None:
+            os.chown(tmp, *ids)
+        nonce = secrets.token_hex(16)
+        job = json.dumps({"nonce": nonce, "program": str(program), "setup": str(setup or ""),
+                          "tests": tests}).encode()
+        read_fd, write_fd = os.pipe()
+        cfg = {"cpu": int(limits.cpu_seconds), "mem": int(limits.memory_bytes), "fsize": int(limits.file_size_bytes),
+               "nproc": int(limits.max_processes), "nofile": int(limits.open_files),
+               "namespaces": bool(limits.namespaces), "uid": ids[0] if ids else None, "gid": ids[1] if ids else None}
+        argv = [sys.executable, "-I", "-B", "-c", _child.STUB, _CHILD_SOURCE, "launch", json.dumps(cfg), str(write_fd)]
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                cwd=tmp, env=_base_env(tmp), pass_fds=(write_fd,), start_new_session=True)
+        os.close(write_fd)
+        write_fd = -1
+        collector = _Collector(proc, read_fd, job, limits.output_bytes)
+        ending = collector.pump(start + limits.wall_seconds)
+        try:  # kill the group before reaping, so that its id cannot have been reused
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        seconds = time.monotonic() - start
+        out = collector.out
+        return _interpret(ending, proc.returncode, usage.ru_utime + usage.ru_stime, _parse_result(
+            bytes(out["result"]), nonce.encode()), len(tests), seconds, limits,
+            bytes(out["stdout"]).decode("utf-8", "replace"), bytes(out["stderr"]).decode("utf-8", "replace"))
+    finally:
+        if collector is not None:
+            collector.close()
+        elif proc is not None:
+            for stream in (proc.stdin, proc.stdout, proc.stderr):
+                try:
+                    stream.close()
+                except OSError:
+                    pass
+        if proc is not None and proc.returncode is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            proc.wait()
+        for fd in (read_fd, write_fd):
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        _remove_tree(tmp)
+
+
+def _interpret(ending: str, returncode: int, cpu: float, record: tuple | None, n_tests: int, seconds: float,
+               limits: SandboxLimits, stdout: str, stderr: str) -> ExecResult:
+    def result(status: str, detail: str, passed: int = 0, isolation: str = "") -> ExecResult:
+        return ExecResult(status, passed, n_tests, seconds, detail, stdout, stderr, isolation)
+
+    if ending == "overflow":
+        return result("error", f"output limit exceeded (more than {limits.output_bytes} bytes)")
+    if record is not None:
+        passed, total, phase, violations, isolation, detail = record
+        if violations:
+            return result("error", f"sandbox violation: {detail}", isolation=isolation)
+        if phase == "ok":
+            status = "passed" if passed == total else "failed"
+            return result(status, detail, passed, isolation)
+        return result("error", f"{phase}: {detail}", isolation=isolation)
+    if ending == "timeout":
+        return result("timeout", f"wall-clock limit of {limits.wall_seconds:g} s")
+    sig = -returncode if returncode < 0 else (returncode - 128 if returncode > 128 else 0)
+    if sig in (signal.SIGXCPU, signal.SIGKILL) and cpu >= limits.cpu_seconds - 0.05:
+        return result("timeout", f"CPU limit of {limits.cpu_seconds} s")
+    tail = stderr.strip().splitlines()[-1:] or [""]
+    how = f"killed by {signal.Signals(sig).name}" if sig in signal.valid_signals() else f"exit code {returncode}"
+    return result("crash", f"{how} without a result; {tail[0][:200]}".rstrip("; "))
+
+
+class SandboxPool:
+    """Runs several sandboxed programs at once: ``workers`` threads, each managing one
+    child process at a time. Use as a context manager or call :meth:`close`."""
+
+    def __init__(self, workers: int = 4, limits: SandboxLimits | None = None) -> None:
+        if workers < 1:
+            raise ValueError(f"SandboxPool needs at least one worker, got {workers}")
+        self.workers = workers
+        self.limits = limits or SandboxLimits()
+        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dstrain-sandbox")
+
+    def run(self, program: str, tests: Sequence[str], setup: str = "") -> ExecResult:
+        return self._executor.submit(run_program, program, tests, setup, self.limits).result()
+
+    def run_many(self, jobs: Sequence[tuple[str, Sequence[str], str]]) -> list[ExecResult]:
+        """Runs ``(program, tests, setup)`` jobs concurrently; results in job order."""
+        futures = [self._executor.submit(run_program, program, tests, setup, self.limits)
+                   for program, tests, setup in jobs]
+        return [f.result() for f in futures]
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+    def __enter__(self) -> "SandboxPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
