@@ -12,6 +12,7 @@ setup(
         "deepspeed>=0.19,<0.20",
         "fairscale==0.4.13",
         "transformers",
+        "accelerate",  # transformers' DeepSpeed ZeRO-3 integration (HfDeepSpeedConfig) needs it
         "datasets",
         "tensorboard",
         "tqdm",
