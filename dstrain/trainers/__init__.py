@@ -14,6 +14,8 @@ from typing import Any
 TRAINERS: dict[str, tuple[str, str | None]] = {
     "lm": ("dstrain.trainers.lm", None),
     "hrm": ("dstrain.trainers.hrm", "dstrain.trainers.hrm_config:HRMTaskConfig"),
+    "grpo": ("dstrain.trainers.grpo", "dstrain.trainers.grpo_config:PolicyTaskConfig"),
+    "score": ("dstrain.trainers.score", "dstrain.trainers.score_config:ScoreTaskConfig"),
 }
 
 

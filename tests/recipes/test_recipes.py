@@ -14,6 +14,7 @@ from dstrain.engine.ds_config import list_profiles
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("models/*/recipes/*.json"))
 PROFILES = list_profiles()
+POLICY_RL = ("grpo", "score")
 QUICK = ["--train.steps=2", "--train.log_every=1", "--train.eval_batches=1", "--data.max_bytes=1000000",
          "--output.progress=false", "--output.tensorboard=false", "--checkpoint.every=0"]
 
@@ -55,6 +56,12 @@ def test_recipe_validates_and_trains_two_steps(recipe, tmp_path):
     extra = [] if cfg.model.size in ("tiny", "debug") else ["--model.size=tiny"]
     if cfg.parallel.tp * cfg.parallel.sp > 1:  # one process here: no tensor/sequence split
         extra += ["--parallel.tp=1", "--parallel.sp=1"]
+    if cfg.trainer in POLICY_RL:  # small rollouts: two prompts of two samples, a short warm start
+        extra += ["--task.warm_start_steps=2", "--task.num_generations=2", "--train.micro_batch=4",
+                  "--task.n_eval=2", "--task.eval_samples=2", "--task.eval_k=2"]
     summary = run_two_steps(recipe, tmp_path, *extra)
     assert summary["step"] == 2
-    assert summary["val_loss"] is not None and summary["val_loss"] > 0
+    if cfg.trainer in POLICY_RL:
+        assert 0.0 <= summary["eval_after"]["pass@1"] <= 1.0 and summary["eval_after"]["tasks"] == 2
+    else:
+        assert summary["val_loss"] is not None and summary["val_loss"] > 0

@@ -1,0 +1,105 @@
+"""The ``task`` section of a GRPO run config (light: no torch import, so configs validate fast)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SOURCES = ("program", "arithmetic", "mbpp", "gsm8k")
+LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
+
+
+@dataclass
+class PolicyTaskConfig:
+    """Tasks, sampling, verifier sandbox, warm start and evaluation of a policy-RL run.
+
+    Shared by the GRPO and SCoRe trainers. ``train.micro_batch`` counts sampled
+    completions per micro-batch; one optimizer step consumes
+    ``micro_batch x grad_accum x ranks`` completions, ``num_generations`` per prompt.
+    """
+
+    source: str = "program"
+    """program (generated Python tasks, embedded) | arithmetic (generated maths, embedded) |
+    mbpp | gsm8k (read from ``path``: a local file, or a hub name when no such file exists)."""
+    path: str = ""
+    """MBPP/GSM8K file (``mbpp.jsonl``, ``sanitized-mbpp.json``, ``gsm8k_train.jsonl``) or hub name."""
+    eval_path: str = ""
+    """GSM8K's held-out file (``gsm8k_test.jsonl``); empty: the tail of ``path``. MBPP uses its split ids."""
+    train_split: str = "train"
+    eval_split: str = "test"
+    n_train: int = 0
+    """Training tasks to use (0: all of the file; the embedded sources then generate 256)."""
+    n_eval: int = 64
+    """Held-out tasks evaluated (pass@1 greedy, pass@k sampled)."""
+    num_generations: int = 4
+    """Completions sampled per prompt (the group of GRPO's advantage)."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 32
+    epsilon: float = 0.2
+    """Lower clip range of the importance ratio: ratio >= 1 - epsilon."""
+    epsilon_high: float = 0.0
+    """Upper clip range (ratio <= 1 + epsilon_high); 0: same as ``epsilon``."""
+    beta: float = 0.0
+    """KL coefficient against the frozen reference (0: no reference is loaded)."""
+    loss_type: str = "grpo"
+    """grpo (per-sequence mean) | bnpo (token mean over the micro-batch) | dapo (token mean
+    over the global batch) | dr_grpo (sum / (sequences x max_new_tokens))."""
+    scale_rewards: bool = True
+    """Divide advantages by the group's reward std (False: Dr. GRPO's centred rewards)."""
+    num_iterations: int = 1
+    """Optimisation passes over each generated batch (>1 stores the sampling policy's log-probs)."""
+    reference: str = "cpu"
+    """Where the reference lives: cpu (plain frozen module) | engine (DeepSpeed inference engine)."""
+    partial_credit: bool = False
+    """Code reward = fraction of tests passed instead of all-or-nothing."""
+    sandbox_workers: int = 2
+    sandbox_wall_s: float = 5.0
+    sandbox_cpu_s: int = 4
+    sandbox_memory_mb: int = 1024
+    eval_k: int = 4
+    """k of pass@k; ``eval_samples`` completions per held-out task estimate it (0: no pass@k)."""
+    eval_samples: int = 8
+    warm_start_steps: int = 0
+    """Supervised steps on the tasks' reference completions before RL (the tiny embedded policy
+    needs them: a random byte model almost never writes a valid expression). Run once, on
+    rank 0 with plain AdamW; the result is saved as ``warm_start/`` and is also the reference."""
+    warm_start_lr: float = 3e-3
+    warm_start_batch: int = 32
+    time_limit_s: float = 0.0
+    """Stop (checkpoint, evaluate, leave) at the first log step after this many seconds (0: none)."""
+
+    def __post_init__(self) -> None:
+        if self.source not in SOURCES:
+            raise ValueError(f"task.source must be one of {', '.join(SOURCES)}, got {self.source!r}")
+        if self.source in ("mbpp", "gsm8k") and not self.path:
+            raise ValueError(f"task.path must name the {self.source} file (or hub name) for source {self.source}")
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"task.loss_type must be one of {', '.join(LOSS_TYPES)}, got {self.loss_type!r}")
+        if self.reference not in ("cpu", "engine"):
+            raise ValueError(f"task.reference must be cpu or engine, got {self.reference!r}")
+        if self.num_generations < 2:
+            raise ValueError(f"task.num_generations must be at least 2 (a group needs a spread), "
+                             f"got {self.num_generations}")
+        for name in ("max_new_tokens", "num_iterations", "sandbox_workers", "sandbox_cpu_s",
+                     "sandbox_memory_mb", "n_eval", "warm_start_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"task.{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("n_train", "beta", "epsilon_high", "eval_k", "warm_start_steps", "warm_start_lr",
+                     "time_limit_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"task.{name} must not be negative, got {getattr(self, name)}")
+        if not 0 < self.epsilon < 1:
+            raise ValueError(f"task.epsilon must be within (0, 1), got {self.epsilon}")
+        if self.temperature <= 0:
+            raise ValueError(f"task.temperature must be positive (greedy decoding is used for pass@1), "
+                             f"got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"task.top_p must be within (0, 1], got {self.top_p}")
+        if self.sandbox_wall_s <= 0:
+            raise ValueError(f"task.sandbox_wall_s must be positive, got {self.sandbox_wall_s}")
+        if self.eval_k and self.eval_samples < self.eval_k:
+            raise ValueError(f"task.eval_samples ({self.eval_samples}) must be at least task.eval_k "
+                             f"({self.eval_k})")
+
+    @property
+    def clip_high(self) -> float:
+        return self.epsilon_high or self.epsilon

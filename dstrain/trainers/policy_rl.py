@@ -1,0 +1,197 @@
+"""Pieces every policy-RL trainer (GRPO, SCoRe) shares: tasks, schedule, warm start,
+rollouts scored by the verifiers, and pass@k evaluation.
+
+The policy model family is looked up in ``models.registry``; its ``SPEC.rl`` toolkit
+(generate, pack, token_logprobs, token_entropy, build, load_tokenizer, reference)
+is all a trainer uses, so any causal-LM family that provides one plugs in.
+"""
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dstrain import runtime
+from dstrain.config import ConfigError, RunConfig
+from dstrain.rl.grpo_math import pass_at_k
+from dstrain.trainers.grpo_config import PolicyTaskConfig
+
+WARM_START_DIR = "warm_start"
+WARM_START_DONE = "WARM_START_COMPLETE"
+
+
+def policy_toolkit(cfg: RunConfig):
+    """(spec, model config, toolkit) of the run's policy model; a ConfigError if it is no policy."""
+    from models import registry
+    spec = registry.get_spec(cfg.model.name)
+    if getattr(spec, "rl", None) is None:
+        raise ConfigError("run config", "model.name",
+                          f"model {cfg.model.name!r} is not a policy (no RL toolkit); use a policy model such "
+                          f"as 'policy'")
+    return spec, registry.make_model_config(cfg.model.name, cfg.model.size, cfg.model.args), spec.rl
+
+
+def load_task_sets(task: PolicyTaskConfig, seed: int) -> tuple[list, list]:
+    """(train tasks, held-out tasks) as the task section names them."""
+    from dstrain.data import tasks as T
+    try:
+        spec = {"source": task.source, "split": task.train_split, "eval_split": task.eval_split,
+                "n_train": task.n_train or None, "n_eval": task.n_eval, "seed": seed}
+        spec.update({k: v for k, v in (("path", task.path), ("eval_path", task.eval_path)) if v})
+        return T.load_tasks(spec)
+    except FileNotFoundError as err:
+        raise ConfigError("run config", "task.path", str(err)) from None
+
+
+def step_prompts(n_tasks: int, step: int, prompts_per_step: int, seed: int) -> list[int]:
+    """Task indices of ``step``: consecutive slices of per-epoch permutations (pure; resume-exact)."""
+    out: list[int] = []
+    start = step * prompts_per_step
+    while len(out) < prompts_per_step:
+        epoch, offset = divmod(start + len(out), n_tasks)
+        order = list(range(n_tasks))
+        random.Random(seed * 1_000_003 + epoch).shuffle(order)
+        out.extend(order[offset:offset + prompts_per_step - len(out)])
+    return out
+
+
+def completion_target(task) -> str:
+    """The reference completion, ending with the task's first stop string (so stopping is learnt)."""
+    ref = task.reference
+    if task.stop and not any(ref.endswith(s) for s in task.stop):
+        ref += task.stop[0]
+    return ref
+
+
+def supervised_batch(tokenizer, prompts: list[str], targets: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, labels): prompt + target, right-padded; labels are -100 except on target tokens."""
+    rows = []
+    for p, t in zip(prompts, targets):
+        pi = tokenizer(p, add_special_tokens=False)["input_ids"]
+        ti = tokenizer(t, add_special_tokens=False)["input_ids"]
+        rows.append((pi + ti, [-100] * len(pi) + ti))
+    width = max(len(ids) for ids, _ in rows)
+    pad = tokenizer.pad_token_id
+    ids = torch.tensor([x + [pad] * (width - len(x)) for x, _ in rows])
+    labels = torch.tensor([y + [-100] * (width - len(y)) for _, y in rows])
+    return ids[:, :-1].contiguous(), labels[:, 1:].contiguous()
+
+
+def warm_start(cfg: RunConfig, task: PolicyTaskConfig, tasks: list, world: runtime.World, out: Path,
+               log=print) -> str | None:
+    """Supervised phase on the tasks' references, once (rank 0, plain AdamW); returns the
+    checkpoint folder every rank then loads (None when ``warm_start_steps`` is 0).
+
+    A folder that already holds a finished warm start (resume, or a second run into the same
+    output folder) is reused as is.
+    """
+    if not task.warm_start_steps:
+        return None
+    folder = out / WARM_START_DIR
+    if world.is_main and not (folder / WARM_START_DONE).is_file():
+        _, mcfg, rl = policy_toolkit(cfg)
+        runtime.seed_everything(cfg.train.seed)
+        model = rl.build(mcfg)
+        tokenizer = rl.load_tokenizer(mcfg)
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=task.warm_start_lr, weight_decay=0.0)
+        rng = random.Random(cfg.data.seed + 17)
+        start, losses = time.perf_counter(), []
+        for step in range(task.warm_start_steps):
+            batch = [tasks[rng.randrange(len(tasks))] for _ in range(task.warm_start_batch)]
+            x, y = supervised_batch(tokenizer, [t.prompt for t in batch], [completion_target(t) for t in batch])
+            loss = model(x, y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            losses.append(loss.item())
+            if (step + 1) % max(1, task.warm_start_steps // 5) == 0:
+                log(f"warm start {step + 1}/{task.warm_start_steps}: loss {sum(losses) / len(losses):.3f}")
+                losses = []
+        folder.mkdir(parents=True, exist_ok=True)
+        rl.save_pretrained(model, str(folder), tokenizer)
+        (folder / WARM_START_DONE).write_text(f"{task.warm_start_steps} steps, "
+                                              f"{time.perf_counter() - start:.1f} s\n")
+    runtime.barrier()
+    return str(folder)
+
+
+def with_model_path(cfg: RunConfig, path: str) -> RunConfig:
+    """``cfg`` with the policy loaded from ``path`` (the warm-started weights)."""
+    model = dataclasses.replace(cfg.model, args={**cfg.model.args, "path": path})
+    return dataclasses.replace(cfg, model=model)
+
+
+@dataclass
+class Rollout:
+    """One rank's sampled completions, packed for training, and their rewards."""
+
+    completions: list
+    batch: dict
+    rewards: torch.Tensor
+    statuses: list[str]
+    gen_seconds: float
+    gen_tokens: int
+
+
+def score(tasks: list, texts: list[str], pool, partial_credit: bool) -> tuple[list[float], list[str]]:
+    """(reward, verifier status) of each completion; code runs in the sandbox ``pool``."""
+    from dstrain.rewards.code import evaluate_tasks
+    results = evaluate_tasks(tasks, texts, pool)
+    return [r.reward(partial_credit) for r in results], [r.status for r in results]
+
+
+def rollout(model, tokenizer, rl, tasks: list, task: PolicyTaskConfig, pool, seed: int,
+            prompts: list[str] | None = None) -> Rollout:
+    """Sample one completion per entry of ``tasks`` (their prompts, or ``prompts``) and score it."""
+    stops = tuple(dict.fromkeys(s for t in tasks for s in t.stop))
+    start = time.perf_counter()
+    completions = rl.generate(model, tokenizer, prompts or [t.prompt for t in tasks], num_samples=1,
+                              temperature=task.temperature, top_p=task.top_p,
+                              max_new_tokens=task.max_new_tokens, stop=stops, seed=seed)
+    gen_seconds = time.perf_counter() - start
+    rewards, statuses = score(tasks, [c.text for c in completions], pool, task.partial_credit)
+    return Rollout(completions, rl.pack(completions, tokenizer.pad_token_id),
+                   torch.tensor(rewards, dtype=torch.float32), statuses, gen_seconds,
+                   sum(len(c.completion_ids) for c in completions))
+
+
+@torch.no_grad()
+def evaluate_pass_at_k(model, tokenizer, rl, tasks: list, task: PolicyTaskConfig, pool,
+                       world: runtime.World, seed: int) -> dict[str, float]:
+    """pass@1 (greedy) and pass@k (``eval_samples`` sampled, unbiased estimator) over ``tasks``,
+    split over ranks and summed; also the mean sampled reward."""
+    mine = tasks[world.rank::world.world_size]
+    sums = torch.zeros(4, dtype=torch.float64)  # tasks, greedy passes, pass@k sum, sampled reward sum
+    # Every rank calls generate, even with no tasks: under ZeRO-3 it gathers parameters collectively.
+    stops = tuple(dict.fromkeys(s for t in tasks for s in t.stop))
+    greedy = rl.generate(model, tokenizer, [t.prompt for t in mine], greedy=True,
+                         max_new_tokens=task.max_new_tokens, stop=stops)
+    rewards, _ = score(mine, [c.text for c in greedy], pool, False) if mine else ([], [])
+    sums[0] += len(mine)
+    sums[1] += sum(r == 1.0 for r in rewards)
+    if task.eval_k:
+        n = task.eval_samples
+        sampled = rl.generate(model, tokenizer, [t.prompt for t in mine], num_samples=n,
+                              temperature=task.temperature, top_p=task.top_p,
+                              max_new_tokens=task.max_new_tokens, stop=stops, seed=seed)
+        if mine:
+            rewards, _ = score([t for t in mine for _ in range(n)], [c.text for c in sampled], pool, False)
+            for i in range(len(mine)):
+                got = rewards[i * n:(i + 1) * n]
+                sums[2] += pass_at_k(n, sum(r == 1.0 for r in got), task.eval_k)
+                sums[3] += sum(got) / n
+    if world.world_size > 1:
+        import torch.distributed as dist
+        dist.all_reduce(sums)
+    count = max(sums[0].item(), 1.0)
+    stats = {"pass@1": sums[1].item() / count, "tasks": sums[0].item()}
+    if task.eval_k:
+        stats[f"pass@{task.eval_k}"] = sums[2].item() / count
+        stats["sampled_reward"] = sums[3].item() / count
+    return stats
