@@ -127,6 +127,14 @@ def cmd_plan(args, overrides) -> int:
     print(plan.explanation)
     if args.show_json:
         print(json.dumps(plan.ds_config, indent=2))
+    from dstrain.trainers import get_trainer
+    report = getattr(get_trainer(cfg.trainer), "plan_report", None)  # trainers with several models
+    if report is not None:
+        table, problem = report(cfg, plan, world, min(world, args.gpus_per_node), device, args.gpus_per_node)
+        print(table)
+        if problem:
+            print(f"dstrain: error: {problem}", file=sys.stderr)
+            return EXIT_CONFIG
     return 0
 
 

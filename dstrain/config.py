@@ -1,8 +1,9 @@
 """Run configuration: JSON file -> typed dataclasses, dotted command-line overrides.
 
 A run config has seven sections (``model``, ``data``, ``train``, ``deepspeed``,
-``parallel``, ``checkpoint``, ``output``); every field has a default, so a recipe names only
-what it changes. ``load_run_config(path, ["--train.lr=3e-4"])`` reads the file,
+``parallel``, ``checkpoint``, ``output``) plus two free-form ones typed by the trainer
+(``task``, and ``placement`` for trainers with several models); every field has a default,
+so a recipe names only what it changes. ``load_run_config(path, ["--train.lr=3e-4"])`` reads the file,
 applies the overrides (they win over the file), checks types and values, and
 raises :class:`ConfigError` with one line naming the file and the dotted key.
 
@@ -157,6 +158,9 @@ class RunConfig:
     output: OutputConfig = field(default_factory=OutputConfig)
     task: dict = field(default_factory=dict)
     """Trainer-specific settings, typed and checked by the trainer's task config class."""
+    placement: dict = field(default_factory=dict)
+    """Where each model of a multi-model trainer lives (``dstrain.rl.placement``); only
+    trainers whose task config sets ``uses_placement`` take it."""
 
     @property
     def tokens_per_step(self) -> int:
@@ -340,6 +344,7 @@ def validate(cfg: RunConfig, source: str) -> None:
     _validate_parallel(cfg, source)
     _validate_model(cfg, source)
     _validate_task(cfg, source)
+    _validate_placement(cfg, source)
 
 
 def _validate_parallel(cfg: RunConfig, source: str) -> None:
@@ -365,6 +370,18 @@ def _validate_task(cfg: RunConfig, source: str) -> None:
                                               f"got {', '.join(sorted(cfg.task))}")
         return
     build_section(cls, cfg.task, source, "task.")
+
+
+def _validate_placement(cfg: RunConfig, source: str) -> None:
+    from dstrain import trainers
+    cls = trainers.task_config_class(cfg.trainer)
+    if getattr(cls, "uses_placement", False):
+        from dstrain.rl.placement import placement_from_dict
+        section = getattr(cls, "placement_section", lambda task, placement: placement)(cfg.task, cfg.placement)
+        placement_from_dict(section, source, "placement.")
+    elif cfg.placement:
+        raise ConfigError(source, "placement", f"trainer {cfg.trainer!r} takes no placement section (it trains "
+                                               f"one model), got {', '.join(sorted(cfg.placement))}")
 
 
 def _validate_model(cfg: RunConfig, source: str) -> None:

@@ -13,6 +13,7 @@ from models.registry import ModelSpec
 
 from .config import SIZES, PolicyConfig
 from .generation import Completion, generate, pack
+from .heads import ValueHead
 from .model import PolicyModel, build_policy, is_partitioned, is_zero3, token_entropy, token_logprobs
 from .reference import (ReferencePolicy, full_state_dict, load_full_state_dict, reference_ds_config,
                         save_pretrained)
@@ -49,6 +50,7 @@ RL = SimpleNamespace(
     reference=ReferencePolicy.from_policy_config,     # (config, placement, train_ds_config=None, *, state_dict, seed)
     full_state_dict=full_state_dict,                  # (model) -> CPU state dict (gathered under ZeRO-3)
     save_pretrained=save_pretrained,                  # (model, directory, tokenizer=None): HF checkpoint
+    value_head=ValueHead,                             # (backbone, hidden_size=None, init="normal"): critic / value
 )
 """The toolkit dstrain's RL trainers use (``ModelSpec.rl``)."""
 
@@ -63,7 +65,7 @@ SPEC = ModelSpec(
 )
 
 __all__ = ["BOS_ID", "EOS_ID", "PAD_ID", "RL", "SIZES", "SPEC", "VOCAB_SIZE", "Completion",
-           "PolicyConfig", "PolicyModel", "ReferencePolicy", "build_policy", "byte_tokenizer",
+           "PolicyConfig", "PolicyModel", "ReferencePolicy", "ValueHead", "build_policy", "byte_tokenizer",
            "example_inputs", "full_state_dict", "generate", "is_partitioned", "is_zero3",
            "load_full_state_dict", "load_tokenizer", "pack", "parallelize_policy",
            "reference_ds_config", "save_pretrained", "token_entropy", "token_logprobs"]

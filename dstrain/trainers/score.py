@@ -1,0 +1,262 @@
+"""BiLevel SCoRe: two-turn self-correction RL with a guidance model, critics and a value function.
+
+Start-up (this module): tasks, warm start (``score_warm``), the engine plan of the policy
+and of every trained model, the placement memory check (``score_models``; the same table
+``dstrain plan`` prints), then the models: the policy, the guidance model, the critic and
+the value function are DeepSpeed engines (``create_engine``, one per model, each with its
+own plan and learning rate); the reference and the target critic are plain frozen modules
+on their placement device (CPU by default), or frozen inference engines where the
+placement asks for them. The step itself is ``score_step.ScoreStep``.
+
+Layout as GRPO: a step has ``micro_batch x grad_accum x ranks`` episodes,
+``num_generations`` per prompt, prompts a pure function of the step (resume-exact).
+
+Checkpoints: the policy engine under the step's tag (``common.save_checkpoint``), every
+other trained engine under ``<tag>/<role>/``, the target critic as ``<tag>/critic_target.pt``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from dstrain import runtime
+from dstrain.config import ConfigError, RunConfig, save_run_config
+from dstrain.engine.factory import create_engine, plan_engine
+from dstrain.engine.profiles import PlanError
+from dstrain.metrics import RunLogger, peak_memory_bytes, reduce_mean
+from dstrain.trainers import policy_rl as prl
+from dstrain.trainers import score_models as sc
+from dstrain.trainers import score_warm, task_config
+from dstrain.trainers.common import (StopFlag, decide_resume, fault, load_checkpoint, pin_plan,
+                                     save_checkpoint)
+from dstrain.trainers.score_config import ScoreTaskConfig
+from dstrain.trainers.score_step import ScoreModels, ScoreStep
+
+plan_report = sc.plan_report  # ``dstrain plan``'s hook: the placement table, and why it does not fit
+
+
+class ScoreTrainer:
+    def __init__(self, cfg: RunConfig):
+        self.world = w = runtime.init_distributed()
+        self.task: ScoreTaskConfig = task_config(cfg)
+        t, G = cfg.train, self.task.num_generations
+        self.samples_per_step = t.micro_batch * t.grad_accum * w.world_size
+        if self.samples_per_step % G:
+            raise ConfigError("run config", "train.micro_batch",
+                              f"micro_batch x grad_accum x ranks = {self.samples_per_step} episodes per step "
+                              f"must be a multiple of task.num_generations = {G}")
+        self.prompts_per_step = self.samples_per_step // G
+        self.out = Path(cfg.output.dir)
+        self.ckpt_root = self.out / "checkpoints"
+        resume_tag = decide_resume(cfg, w, self.out, self.ckpt_root)
+        self.spec, _, self.rl = prl.policy_toolkit(cfg)
+        self.cuda_count = torch.cuda.device_count() if w.device.type == "cuda" else 0
+        self.placement = sc.resolve_placement(cfg, self.task, self.cuda_count, w.local_world_size)
+        cfg = self._policy_profile(cfg)
+        self.train_tasks, self.eval_tasks = prl.load_task_sets(self.task, cfg.data.seed)
+        if not self.train_tasks:
+            raise ConfigError("run config", "task", "the task source gave no training tasks")
+        warm, guidance_warm = self._warm_start(cfg)
+        if warm is not None:
+            cfg = prl.with_model_path(cfg, warm)
+        self.cfg = cfg
+        from models import registry
+        self.model_cfg = registry.make_model_config(cfg.model.name, cfg.model.size, cfg.model.args)
+        self.guidance_cfg = self.model_cfg if guidance_warm is None else registry.make_model_config(
+            cfg.model.name, cfg.model.size, {**cfg.model.args, "path": guidance_warm})
+        if resume_tag is not None:
+            pin_plan(cfg, self.ckpt_root, resume_tag)
+        decided = None
+        if w.is_main:
+            plan = plan_engine(cfg, w.world_size, ranks_per_node=w.local_world_size, device_type=w.device.type)
+            decided = (plan, sc.plan_report(cfg, plan, w.world_size, w.local_world_size, w.device.type,
+                                            max(self.cuda_count, 1)))
+        self.plan, (table, problem) = runtime.broadcast_object(decided)
+        if problem:
+            raise PlanError(problem)
+        if w.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            save_run_config(cfg, self.out / "run_config.json")
+            (self.out / "ds_config.json").write_text(json.dumps(self.plan.ds_config, indent=2) + "\n")
+            (self.out / "plan.txt").write_text(self.plan.explanation + "\n" + table + "\n")
+            print(self.plan.explanation + "\n" + table, flush=True)
+
+        runtime.seed_everything(cfg.train.seed)
+        self.models, self.devices, self.profiles = self._build_models()
+        self.tokenizer = self.rl.load_tokenizer(self.model_cfg)
+        from dstrain.rewards import SandboxLimits, SandboxPool
+        self.pool = SandboxPool(self.task.sandbox_workers, SandboxLimits(
+            cpu_seconds=self.task.sandbox_cpu_s, wall_seconds=self.task.sandbox_wall_s,
+            memory_bytes=self.task.sandbox_memory_mb << 20))
+        self.runner = ScoreStep(self.models, self.rl, self.tokenizer, self.task, self.pool, w.rank,
+                                t.micro_batch, t.grad_accum, cfg.train.seed)
+        self.start_step = 0
+        if resume_tag is not None:
+            self.start_step = int(load_checkpoint(self.models.policy, self.ckpt_root, resume_tag, w)["step"])
+            sc.load_extra(self.ckpt_root / resume_tag, self._extra_engines(), self.models.critic_target)
+        self.stop = StopFlag()
+
+    def _print(self, msg: str) -> None:
+        if self.world.is_main:
+            print(msg, flush=True)
+
+    def _policy_profile(self, cfg: RunConfig) -> RunConfig:
+        """``placement.policy.profile`` (when named) is the policy's ZeRO profile."""
+        named = self.placement.policy.profile
+        if named == "auto":
+            return cfg
+        if cfg.deepspeed.profile not in ("auto", named):
+            raise ConfigError("run config", "placement.policy.profile",
+                              f"{named} contradicts deepspeed.profile {cfg.deepspeed.profile}; name one of them")
+        return dataclasses.replace(cfg, deepspeed=dataclasses.replace(cfg.deepspeed, profile=named))
+
+    def _warm_start(self, cfg: RunConfig) -> tuple[str | None, str | None]:
+        """Warm-start folders of the policy and of the guidance model (None: no warm start)."""
+        if not self.task.warm_start_steps:
+            return None, None
+        seed = cfg.data.seed
+        policy = prl.warm_start(cfg, self.task, score_warm.policy_examples(self.train_tasks, seed), self.world,
+                                self.out, log=lambda m: self._print(f"policy {m}"))
+        guidance = prl.warm_start(cfg, self.task, score_warm.guidance_examples(self.train_tasks, seed), self.world,
+                                  self.out / "guidance", log=lambda m: self._print(f"guidance {m}"))
+        return policy, guidance
+
+    # ---------------------------------------------------------------- models
+    def _frozen(self, model_cfg, role: str):
+        """(token_logprobs provider, what generate takes) of a frozen policy-family model."""
+        r = self.placement.role(role)
+        seed = None if model_cfg.path else self.cfg.train.seed
+        if r.engine:
+            ref = self.rl.reference(model_cfg, "engine", seed=seed,
+                                    train_ds_config=sc.frozen_engine_ds(self.plan.ds_config, r.profile))
+            return ref, ref.engine
+        ref = self.rl.reference(model_cfg, "cpu", seed=seed)
+        device = sc.torch_device(r.device, self.world)
+        if device.type != "cpu":
+            ref = sc.PlacedFrozen(ref.module, device, self.rl)
+        return ref, ref.module
+
+    def _engine(self, build, parallelize, plan, train):
+        zero3 = plan.zero["stage"] == 3
+        return create_engine(lambda: build(plan.ds_config if zero3 else None), parallelize, plan, train)
+
+    def _build_models(self) -> tuple[ScoreModels, dict, dict]:
+        cfg, task, p, w = self.cfg, self.task, self.placement, self.world
+        present = sc.present_roles(task)
+        profiles = sc.role_profiles(p, task, self.plan.profile)
+        self.plan.shard_at_build = False  # policies shard themselves at load under ZeRO-3
+        build = lambda c: (lambda ds: self.rl.build(c, ds_config=ds))  # noqa: E731
+        policy = self._engine(build(self.model_cfg), self.spec.parallelize, self.plan, cfg.train)
+        m = ScoreModels(policy=policy, guidance=None)
+        if "reference" in present:
+            m.reference, _ = self._frozen(self.model_cfg, "reference")
+        if "guidance" in profiles:
+            gplan = sc.role_plan(self.plan, cfg, w, profiles["guidance"], task.guidance_lr)
+            gtrain = dataclasses.replace(cfg.train, steps=max(1, math.ceil(cfg.train.steps / task.guidance_every)))
+            m.guidance_engine = self._engine(build(self.guidance_cfg), self.spec.parallelize, gplan, gtrain)
+            m.guidance = m.guidance_engine.module
+        else:
+            _, m.guidance = self._frozen(self.guidance_cfg, "guidance")
+        if task.advantage == "critic":
+            head = lambda ds: sc.build_value_model(self.spec, self.model_cfg, ds)  # noqa: E731
+            for role in ("critic", "value"):
+                rplan = sc.role_plan(self.plan, cfg, w, profiles[role], getattr(task, sc.LR_FIELD[role]))
+                setattr(m, role, self._engine(head, sc.value_parallelize, rplan, cfg.train))
+            state = self.rl.full_state_dict(m.critic.module)  # collective under ZeRO-3
+            m.critic_target = sc.frozen_copy(head(None), state, sc.torch_device(p.critic_target.device, w))
+        devices = {"policy": str(policy.device)}
+        for role, obj in (("guidance", m.guidance), ("reference", getattr(m.reference, "module", None)),
+                          ("critic", m.critic), ("value", m.value), ("critic_target", m.critic_target)):
+            if obj is not None:
+                dev = obj.device if hasattr(obj, "ds") else next(obj.parameters()).device
+                devices[role] = str(dev)
+        return m, devices, profiles
+
+    def _extra_engines(self) -> dict:
+        m = self.models
+        return {k: v for k, v in (("guidance", m.guidance_engine), ("critic", m.critic), ("value", m.value))
+                if v is not None}
+
+    # ---------------------------------------------------------------- loop
+    def step_tasks(self, step: int) -> list:
+        """This rank's tasks of ``step`` (episode ``s`` of the step answers prompt ``s // G``)."""
+        G, n, r = self.task.num_generations, self.runner.n, self.world.rank
+        prompts = prl.step_prompts(len(self.train_tasks), step, self.prompts_per_step, self.cfg.data.seed)
+        return [self.train_tasks[prompts[s // G]] for s in range(r * n, (r + 1) * n)]
+
+    def save(self, step: int) -> None:
+        engines = self._extra_engines()
+        save_checkpoint(self.models.policy, self.ckpt_root, step, self.world, self.cfg, self.plan,
+                        {"samples_per_step": self.samples_per_step, "engines": sorted(engines)},
+                        write_extra=lambda d: sc.save_extra(d, engines, self.models.critic_target,
+                                                            self.world.is_main))
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        stats = self.runner.evaluate(self.eval_tasks, self.world)
+        for engine in (self.models.policy, *self._extra_engines().values()):
+            engine.train()
+        return stats
+
+    def run(self) -> dict:
+        cfg, t = self.cfg, self.cfg.train
+        log = RunLogger(self.out, self.world.rank, t.steps, self.start_step,
+                        tensorboard=cfg.output.tensorboard, progress=cfg.output.progress)
+        window: list[dict] = []
+        step, last_saved, stopped = self.start_step, None, False
+        before = after = None
+        start = time.perf_counter()
+        try:
+            if t.eval_every and self.start_step == 0:
+                before = self.evaluate(0)
+                log.log(0, before, prefix="val")
+            for step in range(self.start_step + 1, t.steps + 1):
+                window.append(self.runner.train_step(step - 1, self.step_tasks(step - 1)))
+                log.advance()
+                if step % t.log_every == 0 or step == t.steps:
+                    keys = set().union(*window)  # the guidance's keys only on its update steps
+                    local = {k: sum(x[k] for x in window if k in x) / sum(k in x for x in window) for k in keys}
+                    limit = self.task.time_limit_s
+                    out_of_time = float(bool(limit) and time.perf_counter() - start > limit)
+                    stats = reduce_mean({**local, "stop": float(self.stop.set), "out_of_time": out_of_time,
+                                         "memory_gb": peak_memory_bytes() / 1e9})
+                    stop, out_of_time = stats.pop("stop") > 0, stats.pop("out_of_time") > 0
+                    stats["lr"] = self.models.policy.lr
+                    log.log(step, stats)
+                    window = []
+                    if stop or out_of_time:
+                        log.message("stop requested" if stop else f"time limit of {limit:.0f} s reached"
+                                    f": saving step {step} and leaving")
+                        self.save(step)
+                        last_saved, stopped = step, stop
+                        break
+                if t.eval_every and step % t.eval_every == 0 and step != t.steps:
+                    log.log(step, self.evaluate(step), prefix="val")
+                if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
+                    self.save(step)
+                    last_saved = step
+                fault("DSTRAIN_FAULT_AFTER_STEP", step)
+            if not stopped and last_saved != step and step > self.start_step:
+                self.save(step)
+            if not stopped:
+                after = self.evaluate(step)
+                log.log(step, after, prefix="val")
+        finally:
+            log.close()
+            self.pool.close()
+        summary = {"step": step, "stopped": stopped, "seconds": time.perf_counter() - start,
+                   "eval_before": before, "eval_after": after, "profile": self.plan.profile,
+                   "precision": self.plan.precision, "world_size": self.world.world_size,
+                   "samples_per_step": self.samples_per_step, "devices": self.devices,
+                   "engine_profiles": self.profiles}
+        if self.world.is_main:
+            (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        return summary
+
+
+def train(cfg: RunConfig) -> dict:
+    return ScoreTrainer(cfg).run()
