@@ -235,4 +235,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if sys.argv[1:2] == ["train"]:  # a rank started by the launcher: skip the native teardown
+        from dstrain.runtime import exit_rank
+        exit_rank(code)
+    sys.exit(code)

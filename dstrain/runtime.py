@@ -102,6 +102,21 @@ def shutdown_distributed() -> None:
     dist.destroy_process_group()
 
 
+def exit_rank(code: int) -> None:
+    """End a rank process now, once its work is done and its files are closed.
+
+    Even after :func:`shutdown_distributed`, a finished rank sometimes aborts while the
+    interpreter tears down native threads of torch and DeepSpeed in arbitrary order
+    ("terminate called without an active exception", exit -6), and the launcher then
+    reports the whole job failed. ``os._exit`` skips that teardown: call it only from a
+    rank's entry point, after everything it writes is flushed and closed.
+    """
+    import sys
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def prebuild_cpu_ops() -> list[str]:
     """Compile DeepSpeed's CPU kernels (shared-memory comm, fused and CPU Adam) once, up front.
 
