@@ -81,6 +81,16 @@ def broadcast_object(obj, src: int = 0):
     return box[0]
 
 
+def all_gather_1d(values: torch.Tensor) -> torch.Tensor:
+    """Every rank's equal-length 1-D tensor, concatenated in rank order."""
+    import torch.distributed as dist
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return values
+    parts = [torch.empty_like(values) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, values.contiguous())
+    return torch.cat(parts)
+
+
 def barrier() -> None:
     import torch.distributed as dist
     if dist.is_initialized() and dist.get_world_size() > 1:

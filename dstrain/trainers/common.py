@@ -50,6 +50,26 @@ def pin_plan(cfg: RunConfig, ckpt_root: Path, tag: str) -> None:
             setattr(ds, key, state[key])
 
 
+def plan_and_record(cfg: RunConfig, world: runtime.World, out: Path, extra_text: str = ""):
+    """Rank 0 plans the engine (``plan_engine``); every rank gets the plan. Rank 0 writes
+    ``run_config.json``, ``ds_config.json`` and ``plan.txt`` (plus ``extra_text``) and prints the plan."""
+    from dstrain.config import save_run_config
+    from dstrain.engine.factory import plan_engine
+    plan = None
+    if world.is_main:
+        plan = plan_engine(cfg, world.world_size, ranks_per_node=world.local_world_size,
+                           device_type=world.device.type)
+    plan = runtime.broadcast_object(plan)
+    if world.is_main:
+        text = plan.explanation + (f"\n{extra_text}" if extra_text else "")
+        out.mkdir(parents=True, exist_ok=True)
+        save_run_config(cfg, out / "run_config.json")
+        (out / "ds_config.json").write_text(json.dumps(plan.ds_config, indent=2) + "\n")
+        (out / "plan.txt").write_text(text + "\n")
+        print(text, flush=True)
+    return plan
+
+
 def fault(name: str, step: int) -> None:
     """Test hook: rank 0 dies when the environment variable ``name`` equals ``step``."""
     if os.environ.get(name) == str(step) and int(os.environ.get("RANK", 0)) == 0:

@@ -15,32 +15,21 @@ stored log-probabilities.
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from pathlib import Path
 
 import torch
 
 from dstrain import runtime
-from dstrain.config import ConfigError, RunConfig, save_run_config
-from dstrain.engine.factory import create_engine, plan_engine
-from dstrain.metrics import RunLogger, peak_memory_bytes, reduce_mean
+from dstrain.config import ConfigError, RunConfig
+from dstrain.engine.factory import create_engine
 from dstrain.rl import grpo_math as gm
 from dstrain.trainers import policy_rl as prl
 from dstrain.trainers import task_config
-from dstrain.trainers.common import (StopFlag, decide_resume, fault, load_checkpoint, pin_plan,
+from dstrain.trainers.common import (StopFlag, decide_resume, load_checkpoint, pin_plan, plan_and_record,
                                      save_checkpoint)
 from dstrain.trainers.grpo_config import PolicyTaskConfig
-
-
-def _gather(values: torch.Tensor) -> torch.Tensor:
-    """Every rank's equal-length 1-D tensor, concatenated in rank order."""
-    import torch.distributed as dist
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return values
-    parts = [torch.empty_like(values) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, values.contiguous())
-    return torch.cat(parts)
+from dstrain.trainers.rl_loop import RLLoop, batch_layout, sandbox_pool
 
 
 def _sum_all(value: float) -> float:
@@ -51,17 +40,14 @@ def _sum_all(value: float) -> float:
     return t.item()
 
 
-class GRPOTrainer:
+class GRPOTrainer(RLLoop):
+    RATE_KEYS = ("gen_tokens_per_s", "train_tokens_per_s")  # every rank generates and trains its share
+
     def __init__(self, cfg: RunConfig):
         self.world = runtime.init_distributed()
         self.task: PolicyTaskConfig = task_config(cfg)
-        t, ws, G = cfg.train, self.world.world_size, self.task.num_generations
-        self.samples_per_step = t.micro_batch * t.grad_accum * ws
-        if self.samples_per_step % G:
-            raise ConfigError("run config", "train.micro_batch",
-                              f"micro_batch x grad_accum x ranks = {self.samples_per_step} completions per step "
-                              f"must be a multiple of task.num_generations = {G}")
-        self.prompts_per_step = self.samples_per_step // G
+        t, ws = cfg.train, self.world.world_size
+        self.samples_per_step, self.prompts_per_step = batch_layout(t, self.task.num_generations, ws)
         self.local_samples = t.micro_batch * t.grad_accum
         self.out = Path(cfg.output.dir)
         self.ckpt_root = self.out / "checkpoints"
@@ -78,17 +64,7 @@ class GRPOTrainer:
         self.model_cfg = registry.make_model_config(cfg.model.name, cfg.model.size, cfg.model.args)
         if resume_tag is not None:
             pin_plan(cfg, self.ckpt_root, resume_tag)
-        plan = None
-        if self.world.is_main:
-            plan = plan_engine(cfg, ws, ranks_per_node=self.world.local_world_size,
-                               device_type=self.world.device.type)
-        self.plan = runtime.broadcast_object(plan)
-        if self.world.is_main:
-            self.out.mkdir(parents=True, exist_ok=True)
-            save_run_config(cfg, self.out / "run_config.json")
-            (self.out / "ds_config.json").write_text(json.dumps(self.plan.ds_config, indent=2) + "\n")
-            (self.out / "plan.txt").write_text(self.plan.explanation + "\n")
-            print(self.plan.explanation, flush=True)
+        self.plan = plan_and_record(cfg, self.world, self.out)
 
         runtime.seed_everything(cfg.train.seed)
         stage3 = self.plan.zero["stage"] == 3
@@ -103,10 +79,7 @@ class GRPOTrainer:
         if self.task.beta > 0:
             self.reference = self.rl.reference(self.model_cfg, self.task.reference,
                                                train_ds_config=self.plan.ds_config, seed=cfg.train.seed)
-        from dstrain.rewards import SandboxLimits, SandboxPool
-        self.pool = SandboxPool(self.task.sandbox_workers, SandboxLimits(
-            cpu_seconds=self.task.sandbox_cpu_s, wall_seconds=self.task.sandbox_wall_s,
-            memory_bytes=self.task.sandbox_memory_mb << 20))
+        self.pool = sandbox_pool(self.task)
         self.loss_cfg = gm.GRPOLossConfig(eps_low=self.task.epsilon, eps_high=self.task.clip_high,
                                           beta=self.task.beta, loss_type=self.task.loss_type,
                                           max_completion_length=self.task.max_new_tokens)
@@ -131,7 +104,7 @@ class GRPOTrainer:
         mine = [self.train_tasks[prompts[s // G]] for s in range(r * n, (r + 1) * n)]
         seed = (self.cfg.train.seed * 1_000_003 + step) * 4099 + r
         roll = prl.rollout(self.policy, self.tokenizer, self.rl, mine, self.task, self.pool, seed)
-        rewards = _gather(roll.rewards)
+        rewards = runtime.all_gather_1d(roll.rewards)
         adv = gm.group_advantages(rewards, G, scale=self.task.scale_rewards)
         return roll, adv[r * n:(r + 1) * n], rewards
 
@@ -201,65 +174,15 @@ class GRPOTrainer:
         self.engine.train()
         return stats
 
-    def run(self) -> dict:
-        cfg, t = self.cfg, self.cfg.train
-        log = RunLogger(self.out, self.world.rank, t.steps, self.start_step,
-                        tensorboard=cfg.output.tensorboard, progress=cfg.output.progress)
-        rates = {"gen_tokens_per_s", "train_tokens_per_s"}
-        window: list[dict] = []
-        step, last_saved, stopped = self.start_step, None, False
-        before = after = None
-        start = time.perf_counter()
-        try:
-            if t.eval_every and self.start_step == 0:
-                before = self.evaluate(0)
-                log.log(0, before, prefix="val")
-            self.engine.train()
-            for step in range(self.start_step + 1, t.steps + 1):
-                window.append(self.train_step(step - 1))
-                log.advance()
-                if step % t.log_every == 0 or step == t.steps:
-                    local = {k: sum(w[k] for w in window) / len(window) for k in window[0]}
-                    limit = self.task.time_limit_s
-                    out_of_time = float(bool(limit) and time.perf_counter() - start > limit)
-                    stats = reduce_mean({**local, "stop": float(self.stop.set), "out_of_time": out_of_time,
-                                         "memory_gb": peak_memory_bytes() / 1e9})
-                    for k in rates:  # whole-job rates: every rank generates and trains its own share
-                        stats[k] *= self.world.world_size
-                    stop, out_of_time = stats.pop("stop") > 0, stats.pop("out_of_time") > 0
-                    stats["lr"] = self.engine.lr
-                    norm = self.engine.grad_norm
-                    if norm is not None:
-                        stats["grad_norm"] = norm
-                    log.log(step, stats)
-                    window = []
-                    if stop or out_of_time:
-                        log.message("stop requested" if stop else f"time limit of {limit:.0f} s reached"
-                                    f": saving step {step} and leaving")
-                        self.save(step)
-                        last_saved, stopped = step, stop
-                        break
-                if t.eval_every and step % t.eval_every == 0 and step != t.steps:
-                    log.log(step, self.evaluate(step), prefix="val")
-                if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
-                    self.save(step)
-                    last_saved = step
-                fault("DSTRAIN_FAULT_AFTER_STEP", step)
-            if not stopped and last_saved != step and step > self.start_step:
-                self.save(step)
-            if not stopped:
-                after = self.evaluate(step)
-                log.log(step, after, prefix="val")
-        finally:
-            log.close()
-            self.pool.close()
-        summary = {"step": step, "stopped": stopped, "seconds": time.perf_counter() - start,
-                   "eval_before": before, "eval_after": after, "profile": self.plan.profile,
-                   "precision": self.plan.precision, "world_size": self.world.world_size,
-                   "samples_per_step": self.samples_per_step}
-        if self.world.is_main:
-            (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        return summary
+    def one_step(self, step: int) -> dict[str, float]:
+        return self.train_step(step)
+
+    def log_extras(self) -> dict[str, float]:
+        norm = self.engine.grad_norm
+        return {"lr": self.engine.lr, **({"grad_norm": norm} if norm is not None else {})}
+
+    def summary_extras(self) -> dict:
+        return {}
 
 
 def train(cfg: RunConfig) -> dict:

@@ -23,10 +23,10 @@ import torch
 
 from dstrain import runtime
 from dstrain.trainers.common import (StopFlag, decide_resume, fault, load_checkpoint, pin_plan,
-                                      save_checkpoint)
-from dstrain.config import ConfigError, RunConfig, save_run_config
+                                      plan_and_record, save_checkpoint)
+from dstrain.config import ConfigError, RunConfig
 from dstrain.data import sudoku
-from dstrain.engine.factory import create_engine, plan_engine
+from dstrain.engine.factory import create_engine
 from dstrain.metrics import RunLogger, reduce_mean
 from dstrain.optim.sparse_sign_sgd import SparseEmbedding, SparseSignSGD
 from dstrain.trainers import task_config
@@ -99,17 +99,7 @@ class HRMTrainer:
         self.train_set = sudoku.SudokuGroups(tp, ts, self.task.augmentations, cfg.data.seed, self.task.mask_givens)
         self.eval_inputs, self.eval_labels = sudoku.encode(ep, es, self.task.mask_givens)
 
-        plan = None
-        if self.world.is_main:
-            plan = plan_engine(cfg, ws, ranks_per_node=self.world.local_world_size,
-                               device_type=self.world.device.type)
-        self.plan = runtime.broadcast_object(plan)
-        if self.world.is_main:
-            self.out.mkdir(parents=True, exist_ok=True)
-            save_run_config(cfg, self.out / "run_config.json")
-            (self.out / "ds_config.json").write_text(json.dumps(self.plan.ds_config, indent=2) + "\n")
-            (self.out / "plan.txt").write_text(self.plan.explanation + "\n")
-            print(self.plan.explanation, flush=True)
+        self.plan = plan_and_record(cfg, self.world, self.out)
 
         runtime.seed_everything(cfg.train.seed)
         self.engine = create_engine(lambda: self.spec.build(self.model_cfg), self.spec.parallelize,

@@ -18,11 +18,12 @@ from pathlib import Path
 import torch
 
 from dstrain import runtime
-from dstrain.trainers.common import StopFlag, decide_resume, fault, load_checkpoint, pin_plan, save_checkpoint
-from dstrain.config import RunConfig, save_run_config
+from dstrain.trainers.common import (StopFlag, decide_resume, fault, load_checkpoint, pin_plan, plan_and_record,
+                                     save_checkpoint)
+from dstrain.config import RunConfig
 from dstrain.data.corpus import ByteTokenizer, build_token_streams, load_documents
 from dstrain.data.sampler import WindowSampler, get_batch
-from dstrain.engine.factory import create_engine, plan_engine
+from dstrain.engine.factory import create_engine
 from dstrain.metrics import RunLogger, Throughput, peak_memory_bytes, reduce_mean
 
 
@@ -57,17 +58,7 @@ class LMTrainer:
 
         if resume_tag is not None:
             pin_plan(self.cfg, self.ckpt_root, resume_tag)
-        plan = None
-        if self.world.is_main:
-            plan = plan_engine(cfg, self.world.world_size, ranks_per_node=self.world.local_world_size,
-                               device_type=self.world.device.type)
-        self.plan = runtime.broadcast_object(plan)
-        if self.world.is_main:
-            self.out.mkdir(parents=True, exist_ok=True)
-            save_run_config(cfg, self.out / "run_config.json")
-            (self.out / "ds_config.json").write_text(json.dumps(self.plan.ds_config, indent=2) + "\n")
-            (self.out / "plan.txt").write_text(self.plan.explanation + "\n")
-            print(self.plan.explanation, flush=True)
+        self.plan = plan_and_record(cfg, self.world, self.out)
 
         runtime.seed_everything(cfg.train.seed)  # identical initial weights on every rank
         self.engine = create_engine(lambda: self.spec.build(self.model_cfg), self.spec.parallelize,

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import time
 from pathlib import Path
 
 import torch
@@ -28,29 +27,24 @@ from dstrain import runtime
 from dstrain.config import ConfigError, RunConfig, save_run_config
 from dstrain.engine.factory import create_engine, plan_engine
 from dstrain.engine.profiles import PlanError
-from dstrain.metrics import RunLogger, peak_memory_bytes, reduce_mean
 from dstrain.trainers import policy_rl as prl
 from dstrain.trainers import score_models as sc
 from dstrain.trainers import score_warm, task_config
-from dstrain.trainers.common import (StopFlag, decide_resume, fault, load_checkpoint, pin_plan,
-                                     save_checkpoint)
+from dstrain.trainers.common import StopFlag, decide_resume, load_checkpoint, pin_plan, save_checkpoint
+from dstrain.trainers.rl_loop import RLLoop, batch_layout, sandbox_pool
 from dstrain.trainers.score_config import ScoreTaskConfig
 from dstrain.trainers.score_step import ScoreModels, ScoreStep
 
 plan_report = sc.plan_report  # ``dstrain plan``'s hook: the placement table, and why it does not fit
 
 
-class ScoreTrainer:
+class ScoreTrainer(RLLoop):
     def __init__(self, cfg: RunConfig):
         self.world = w = runtime.init_distributed()
         self.task: ScoreTaskConfig = task_config(cfg)
-        t, G = cfg.train, self.task.num_generations
-        self.samples_per_step = t.micro_batch * t.grad_accum * w.world_size
-        if self.samples_per_step % G:
-            raise ConfigError("run config", "train.micro_batch",
-                              f"micro_batch x grad_accum x ranks = {self.samples_per_step} episodes per step "
-                              f"must be a multiple of task.num_generations = {G}")
-        self.prompts_per_step = self.samples_per_step // G
+        t = cfg.train
+        self.samples_per_step, self.prompts_per_step = batch_layout(t, self.task.num_generations, w.world_size,
+                                                                    "episodes")
         self.out = Path(cfg.output.dir)
         self.ckpt_root = self.out / "checkpoints"
         resume_tag = decide_resume(cfg, w, self.out, self.ckpt_root)
@@ -89,10 +83,7 @@ class ScoreTrainer:
         runtime.seed_everything(cfg.train.seed)
         self.models, self.devices, self.profiles = self._build_models()
         self.tokenizer = self.rl.load_tokenizer(self.model_cfg)
-        from dstrain.rewards import SandboxLimits, SandboxPool
-        self.pool = SandboxPool(self.task.sandbox_workers, SandboxLimits(
-            cpu_seconds=self.task.sandbox_cpu_s, wall_seconds=self.task.sandbox_wall_s,
-            memory_bytes=self.task.sandbox_memory_mb << 20))
+        self.pool = sandbox_pool(self.task)
         self.runner = ScoreStep(self.models, self.rl, self.tokenizer, self.task, self.pool, w.rank,
                                 t.micro_batch, t.grad_accum, cfg.train.seed)
         self.start_step = 0
@@ -202,60 +193,14 @@ class ScoreTrainer:
             engine.train()
         return stats
 
-    def run(self) -> dict:
-        cfg, t = self.cfg, self.cfg.train
-        log = RunLogger(self.out, self.world.rank, t.steps, self.start_step,
-                        tensorboard=cfg.output.tensorboard, progress=cfg.output.progress)
-        window: list[dict] = []
-        step, last_saved, stopped = self.start_step, None, False
-        before = after = None
-        start = time.perf_counter()
-        try:
-            if t.eval_every and self.start_step == 0:
-                before = self.evaluate(0)
-                log.log(0, before, prefix="val")
-            for step in range(self.start_step + 1, t.steps + 1):
-                window.append(self.runner.train_step(step - 1, self.step_tasks(step - 1)))
-                log.advance()
-                if step % t.log_every == 0 or step == t.steps:
-                    keys = set().union(*window)  # the guidance's keys only on its update steps
-                    local = {k: sum(x[k] for x in window if k in x) / sum(k in x for x in window) for k in keys}
-                    limit = self.task.time_limit_s
-                    out_of_time = float(bool(limit) and time.perf_counter() - start > limit)
-                    stats = reduce_mean({**local, "stop": float(self.stop.set), "out_of_time": out_of_time,
-                                         "memory_gb": peak_memory_bytes() / 1e9})
-                    stop, out_of_time = stats.pop("stop") > 0, stats.pop("out_of_time") > 0
-                    stats["lr"] = self.models.policy.lr
-                    log.log(step, stats)
-                    window = []
-                    if stop or out_of_time:
-                        log.message("stop requested" if stop else f"time limit of {limit:.0f} s reached"
-                                    f": saving step {step} and leaving")
-                        self.save(step)
-                        last_saved, stopped = step, stop
-                        break
-                if t.eval_every and step % t.eval_every == 0 and step != t.steps:
-                    log.log(step, self.evaluate(step), prefix="val")
-                if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
-                    self.save(step)
-                    last_saved = step
-                fault("DSTRAIN_FAULT_AFTER_STEP", step)
-            if not stopped and last_saved != step and step > self.start_step:
-                self.save(step)
-            if not stopped:
-                after = self.evaluate(step)
-                log.log(step, after, prefix="val")
-        finally:
-            log.close()
-            self.pool.close()
-        summary = {"step": step, "stopped": stopped, "seconds": time.perf_counter() - start,
-                   "eval_before": before, "eval_after": after, "profile": self.plan.profile,
-                   "precision": self.plan.precision, "world_size": self.world.world_size,
-                   "samples_per_step": self.samples_per_step, "devices": self.devices,
-                   "engine_profiles": self.profiles}
-        if self.world.is_main:
-            (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        return summary
+    def one_step(self, step: int) -> dict[str, float]:
+        return self.runner.train_step(step, self.step_tasks(step))
+
+    def log_extras(self) -> dict[str, float]:
+        return {"lr": self.models.policy.lr}
+
+    def summary_extras(self) -> dict:
+        return {"devices": self.devices, "engine_profiles": self.profiles}
 
 
 def train(cfg: RunConfig) -> dict:

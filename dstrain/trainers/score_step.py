@@ -36,6 +36,7 @@ import torch
 from dstrain.rl import episode as ep
 from dstrain.rl import score_math as sm
 from dstrain.rl.polyak import polyak_update_
+from dstrain.runtime import all_gather_1d
 from dstrain.trainers import policy_rl as prl
 from dstrain.trainers.score_warm import HINT_STOP
 
@@ -71,16 +72,6 @@ class Episodes:
     seconds: dict = field(default_factory=dict)
 
 
-def gather(values: torch.Tensor) -> torch.Tensor:
-    """Every rank's equal-length 1-D tensor, concatenated in rank order."""
-    import torch.distributed as dist
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return values
-    parts = [torch.empty_like(values) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, values.contiguous())
-    return torch.cat(parts)
-
-
 class ScoreStep:
     """Runs episodes and updates on ``models`` (see the module docstring)."""
 
@@ -113,7 +104,7 @@ class ScoreStep:
         turn2 = prl.rollout(self.m.policy.module, self.tok, self.rl, tasks, self.task, self.pool, base + 2,
                             prompts=prompts2)
         seconds["generate_policy"] = time.perf_counter() - start - seconds["generate_guidance"]
-        return Episodes(tasks, turn1, hints, turn2, gather(turn1.rewards), gather(turn2.rewards), seconds)
+        return Episodes(tasks, turn1, hints, turn2, all_gather_1d(turn1.rewards), all_gather_1d(turn2.rewards), seconds)
 
     # ---------------------------------------------------------------- helpers
     def _micro(self) -> list[slice]:

@@ -1,0 +1,100 @@
+"""The outer loop every policy-RL trainer (GRPO, SCoRe) runs: steps, logging, stop, checkpoints, eval.
+
+A trainer subclasses :class:`RLLoop` and provides ``one_step(step) -> dict`` (this rank's
+metrics of step ``step``, 0-based), ``evaluate(step) -> dict``, ``save(step)``,
+``log_extras() -> dict`` (learning rate, gradient norm) and ``summary_extras() -> dict``,
+plus the attributes set in its ``__init__``: ``cfg``, ``task``, ``world``, ``out``,
+``start_step``, ``stop`` (a StopFlag), ``pool`` (the sandbox), ``samples_per_step``, ``plan``.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+from dstrain.config import ConfigError
+from dstrain.metrics import RunLogger, peak_memory_bytes, reduce_mean
+from dstrain.trainers.common import fault
+
+
+def batch_layout(train, num_generations: int, world_size: int, what: str = "completions") -> tuple[int, int]:
+    """(samples per step, prompts per step); a ConfigError unless the groups fill the step exactly."""
+    samples = train.micro_batch * train.grad_accum * world_size
+    if samples % num_generations:
+        raise ConfigError("run config", "train.micro_batch",
+                          f"micro_batch x grad_accum x ranks = {samples} {what} per step "
+                          f"must be a multiple of task.num_generations = {num_generations}")
+    return samples, samples // num_generations
+
+
+def sandbox_pool(task):
+    """The pool of sandboxed code runners the task section asks for."""
+    from dstrain.rewards import SandboxLimits, SandboxPool
+    return SandboxPool(task.sandbox_workers, SandboxLimits(
+        cpu_seconds=task.sandbox_cpu_s, wall_seconds=task.sandbox_wall_s,
+        memory_bytes=task.sandbox_memory_mb << 20))
+
+
+def window_mean(window: list[dict]) -> dict[str, float]:
+    """Mean of each key over the steps of a log window that have it (some keys appear every k steps)."""
+    keys = set().union(*window)
+    return {k: sum(x[k] for x in window if k in x) / sum(k in x for x in window) for k in keys}
+
+
+class RLLoop:
+    RATE_KEYS: tuple[str, ...] = ()
+    """Per-rank rates that are multiplied by the world size when logged (whole-job rates)."""
+
+    def run(self) -> dict:
+        cfg, t = self.cfg, self.cfg.train
+        log = RunLogger(self.out, self.world.rank, t.steps, self.start_step,
+                        tensorboard=cfg.output.tensorboard, progress=cfg.output.progress)
+        window: list[dict] = []
+        step, last_saved, stopped = self.start_step, None, False
+        before = after = None
+        start = time.perf_counter()
+        try:
+            if t.eval_every and self.start_step == 0:
+                before = self.evaluate(0)
+                log.log(0, before, prefix="val")
+            for step in range(self.start_step + 1, t.steps + 1):
+                window.append(self.one_step(step - 1))
+                log.advance()
+                if step % t.log_every == 0 or step == t.steps:
+                    limit = self.task.time_limit_s
+                    out_of_time = float(bool(limit) and time.perf_counter() - start > limit)
+                    stats = reduce_mean({**window_mean(window), "stop": float(self.stop.set),
+                                         "out_of_time": out_of_time, "memory_gb": peak_memory_bytes() / 1e9})
+                    for k in self.RATE_KEYS:
+                        if k in stats:
+                            stats[k] *= self.world.world_size
+                    stop, out_of_time = stats.pop("stop") > 0, stats.pop("out_of_time") > 0
+                    stats.update(self.log_extras())
+                    log.log(step, stats)
+                    window = []
+                    if stop or out_of_time:
+                        log.message(("stop requested" if stop else f"time limit of {limit:.0f} s reached")
+                                    + f": saving step {step} and leaving")
+                        self.save(step)
+                        last_saved, stopped = step, stop
+                        break
+                if t.eval_every and step % t.eval_every == 0 and step != t.steps:
+                    log.log(step, self.evaluate(step), prefix="val")
+                if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
+                    self.save(step)
+                    last_saved = step
+                fault("DSTRAIN_FAULT_AFTER_STEP", step)
+            if not stopped and last_saved != step and step > self.start_step:
+                self.save(step)
+            if not stopped:
+                after = self.evaluate(step)
+                log.log(step, after, prefix="val")
+        finally:
+            log.close()
+            self.pool.close()
+        summary = {"step": step, "stopped": stopped, "seconds": time.perf_counter() - start,
+                   "eval_before": before, "eval_after": after, "profile": self.plan.profile,
+                   "precision": self.plan.precision, "world_size": self.world.world_size,
+                   "samples_per_step": self.samples_per_step, **self.summary_extras()}
+        if self.world.is_main:
+            (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        return summary
