@@ -35,7 +35,7 @@ def test_killed_during_save_then_resumed_equals_uninterrupted(profile, tmp_path)
     assert ckpt.find_latest(root) == ckpt.tag_for(EVERY)
 
     proc = harness.launch([*harness.overrides(broken, STEPS, *extra), "--resume"])
-    assert f"resumed from" in proc.stdout + proc.stderr
+    assert "resumed from" in proc.stdout + proc.stderr
     assert ckpt.find_latest(root) == ckpt.tag_for(STEPS)
 
     a = _export(full, tmp_path / "full.safetensors")

@@ -4,7 +4,6 @@ Each case: full q, k, v (same seed on both ranks) through the single-device kern
 and each rank's chunk through the sequence-parallel layer; outputs and the
 gradients of q, k, v (for the same upstream gradient) are compared chunk by chunk.
 """
-import pytest
 
 from tests.dist import spawn
 

@@ -1,5 +1,4 @@
 """The fast dilated-attention path against the brute-force reference (tests/dilated_reference.py)."""
-import math
 
 import pytest
 import torch

@@ -10,7 +10,7 @@ from dstrain.config import load_run_config
 from dstrain.data.stats import unigram_entropy
 from dstrain.engine import hardware
 from models import registry
-from models.dilated_lm import SIZES, SPEC, DilatedLM, DilatedLMConfig, parallelize_dilated_lm
+from models.dilated_lm import SIZES, SPEC, DilatedLM, parallelize_dilated_lm
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted((ROOT / "models" / "dilated_lm" / "recipes").glob("*.json"))

@@ -7,7 +7,7 @@ import torch
 
 from dstrain.engine import hardware
 from models import registry
-from models.hrm.model import HRM, HRMConfig, log_stablemax, token_cross_entropy
+from models.hrm.model import HRM, log_stablemax, token_cross_entropy
 
 B = 3
 
