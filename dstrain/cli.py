@@ -40,11 +40,13 @@ def _load(recipe: str, overrides: list[str], resume: bool = False):
 
 def cmd_train(args, overrides) -> int:
     cfg = _load(args.recipe, overrides, args.resume)
-    from dstrain.runtime import shutdown_distributed, use_cpu_accelerator_if_no_gpu
+    from dstrain.runtime import release_cpu_comm_buffer, shutdown_distributed, use_cpu_accelerator_if_no_gpu
     use_cpu_accelerator_if_no_gpu()
     from dstrain.trainers import get_trainer
     summary = get_trainer(cfg.trainer).train(cfg)
-    shutdown_distributed()
+    shutdown_distributed()  # a barrier first: every peer is done with this rank's shared memory
+    if os.environ.get("DS_ACCELERATOR") == "cpu":
+        release_cpu_comm_buffer(int(os.environ.get("RANK", 0)))
     if int(os.environ.get("RANK", 0)) == 0:
         print(json.dumps(summary), flush=True)
     return 0

@@ -38,6 +38,11 @@ def test_main_job_leaves_events_checkpoints_and_resolved_configs(tmp_path):
         assert "auto" not in json.dumps(resolved) and resolved["train_batch_size"] == 16
         assert json.loads((out / "checkpoints" / tag / "run_config.json").read_text())["train"]["steps"] == 20
     assert "choice:" in (out / "plan.txt").read_text()
+    # DeepSpeed's CPU shared-memory allreduce buffers (~69 MB of RAM each) are removed at the end.
+    import re
+    port = re.search(r"--master_port (\d+)", proc.stdout + proc.stderr).group(1)
+    left = [f for f in os.listdir("/dev/shm") if f.startswith("deepspeed_allreduce_buffer_") and f"_{port}_" in f]
+    assert left == []
     summary = json.loads((out / "summary.json").read_text())
     assert summary["step"] == 20 and summary["val_loss"] < 5.0
 
