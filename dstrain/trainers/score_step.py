@@ -193,27 +193,26 @@ class ScoreStep:
         dev = m.policy.device
         t1, t2 = sm.episode_critic_targets(self._mine(R1_all).to(dev), self._mine(R2_all).to(dev), v2, task.gamma)
         start = time.perf_counter()
-        total = 0.0
-        for s in self._micro():
-            q = torch.cat([m.critic(ids1[s], attention_mask=attn1[s]), m.critic(ids2[s], attention_mask=attn2[s])])
-            loss = sm.critic_loss(q, torch.cat([t1[s], t2[s]]))
-            m.critic.backward(loss)
-            m.critic.step()
-            total += loss.item() / self.grad_accum
+        total = self._regress(m.critic, sm.critic_loss, ids1, attn1, ids2, attn2, t1, t2)
         seconds["critic"] = time.perf_counter() - start
         start = time.perf_counter()
         polyak_update_(m.critic_target, m.critic.module, task.tau)
         seconds["critic_target"] = time.perf_counter() - start
         start = time.perf_counter()
-        vtotal = 0.0
-        for s in self._micro():
-            v = torch.cat([m.value(ids1[s], attention_mask=s1[s]), m.value(ids2[s], attention_mask=s2[s])])
-            loss = sm.value_loss(v, torch.cat([tq1[s], tq2[s]]))
-            m.value.backward(loss)
-            m.value.step()
-            vtotal += loss.item() / self.grad_accum
+        vtotal = self._regress(m.value, sm.value_loss, ids1, s1, ids2, s2, tq1, tq2)
         seconds["value"] = time.perf_counter() - start
         out.update(critic_loss=total, value_loss=vtotal)
+
+    def _regress(self, engine, loss_fn, ids1, mask1, ids2, mask2, target1, target2) -> float:
+        """One optimizer step of a scalar head on both turns' inputs; returns the mean loss."""
+        total = 0.0
+        for s in self._micro():
+            pred = torch.cat([engine(ids1[s], attention_mask=mask1[s]), engine(ids2[s], attention_mask=mask2[s])])
+            loss = loss_fn(pred, torch.cat([target1[s], target2[s]]))
+            engine.backward(loss)
+            engine.step()
+            total += loss.item() / self.grad_accum
+        return total
 
     def _train_guidance(self, eps: Episodes, out: dict, seconds: dict) -> None:
         engine, task = self.m.guidance_engine, self.task
