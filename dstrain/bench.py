@@ -28,6 +28,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -45,6 +46,8 @@ RESULT_FIELDS = ("benchmark", "command", "git_commit", "date", "device", "world_
                  "batch", "precision", "threads_per_rank", "peak_flops", "versions", "load_average",
                  "method", "profiles")
 METRIC_FIELDS = ("step_time_s", "tokens_per_s", "flops_per_s", "mfu", "peak_memory_bytes")
+MODES = ("plain", "plain_compiled", "dstrain")
+"""plain: eager PyTorch (DDP); plain_compiled: the same with torch.compile and fused AdamW; dstrain: the engine."""
 
 
 @dataclass
@@ -58,6 +61,7 @@ class BenchOptions:
     out: str | None = None
     plot: bool = False
     plain: str = "each"
+    compiled_baseline: str = "auto"
     timeout: int = 1800
     # worker only
     worker: bool = False
@@ -80,9 +84,11 @@ def parse_args(argv: list[str]) -> BenchOptions:
     p.add_argument("--plot", action="store_true", help="also write a PNG next to the JSON")
     p.add_argument("--plain", choices=("each", "once"), default="each",
                    help="run the plain loop beside every profile (default) or once")
+    p.add_argument("--compiled-baseline", choices=("auto", "on", "off"), default="auto",
+                   help="also time plain + torch.compile + fused AdamW once (auto: on GPUs)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per launched job")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--mode", choices=("plain", "dstrain"), default="dstrain", help=argparse.SUPPRESS)
+    p.add_argument("--mode", choices=MODES, default="dstrain", help=argparse.SUPPRESS)
     p.add_argument("--profile", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args, extra = p.parse_known_args(argv)
@@ -145,6 +151,8 @@ def job_metrics(job: dict, tokens_per_step: int, world: int, flops_per_token, pe
 def build_profiles(jobs: list[dict], tokens_per_step: int, world: int, flops_per_token, peak) -> dict:
     """Per profile: both sides' metrics, the ratio and the goal. ``jobs`` come from the workers."""
     plains = {j["pair"]: j for j in jobs if j["mode"] == "plain"}
+    compiled = next((j for j in jobs if j["mode"] == "plain_compiled"), None)
+    c = job_metrics(compiled, tokens_per_step, world, flops_per_token, peak) if compiled else None
     out = {}
     for job in (j for j in jobs if j["mode"] == "dstrain"):
         plain = plains[job["pair"]]
@@ -157,7 +165,12 @@ def build_profiles(jobs: list[dict], tokens_per_step: int, world: int, flops_per
                                **compare(d["step_time_s"]["median"], b["step_time_s"]["median"], goal),
                                "min_ratio": d["step_time_s"]["min"] / b["step_time_s"]["min"],
                                "cpu_time_ratio": d["cpu_time_s"]["median"] / b["cpu_time_s"]["median"],
-                               "dstrain": d, "plain": b}
+                               "dstrain": d, "plain": b,
+                               "estimated_memory_bytes": job.get("estimated_memory_bytes")}
+        if c is not None:
+            out[job["profile"]].update(
+                plain_compiled=c, plain_compiled_optimizer=compiled.get("optimizer"),
+                speedup_vs_compiled=c["step_time_s"]["median"] / d["step_time_s"]["median"])
     return out
 
 
@@ -189,17 +202,24 @@ def _rss_now() -> int:
     return int(psutil.Process().memory_info().rss)
 
 
-def _plain_step_fn(model, cfg, precision, device, world):
-    """The reference: torch DDP (world > 1), torch AdamW over dstrain's param groups, clipping."""
+def _plain_step_fn(model, cfg, precision, device, world, compiled: bool = False):
+    """The reference: torch DDP (world > 1), torch AdamW over dstrain's param groups, clipping.
+
+    ``compiled``: the strongest plain loop: ``torch.compile`` on the model and AdamW's
+    fused kernel on CUDA (foreach on CPU).
+    """
     import torch
     from dstrain.engine.factory import param_groups, scheduler_factory
     t = cfg.train
     ddp = world > 1
+    groups = param_groups(model, t.weight_decay)
+    if compiled:
+        model = torch.compile(model, dynamic=False)
     if ddp:
         ids = [device.index] if device.type == "cuda" else None
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
-    opt = torch.optim.AdamW(param_groups(model.module if ddp else model, t.weight_decay),
-                            lr=t.lr, betas=tuple(t.betas), eps=t.eps)
+    fused = {"fused": True} if compiled and device.type == "cuda" else {}
+    opt = torch.optim.AdamW(groups, lr=t.lr, betas=tuple(t.betas), eps=t.eps, **fused)
     sched = scheduler_factory(t)(opt)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
@@ -225,7 +245,8 @@ def _plain_step_fn(model, cfg, precision, device, world):
 
     model.train()
     return step, f"torch.optim.{type(opt).__name__} (foreach={opt.defaults.get('foreach')}, " \
-                 f"fused={opt.defaults.get('fused')})" + (" + DDP" if ddp else "")
+                 f"fused={opt.defaults.get('fused')})" + (" + DDP" if ddp else "") + \
+        (" + torch.compile" if compiled else "")
 
 
 def _dstrain_step_fn(engine):
@@ -286,10 +307,10 @@ def run_worker(opts: BenchOptions) -> int:
         batches.append([tuple(v.to(world.device) for v in get_batch(train_tokens, row, seq)) for row in idx])
 
     runtime.seed_everything(t.seed)  # identical initial weights on every rank and in both jobs
-    if opts.mode == "plain":
+    if opts.mode in ("plain", "plain_compiled"):
         model = spec.parallelize(spec.build(mcfg), activation_checkpointing=plan.activation_checkpointing)
         step, optimizer = _plain_step_fn(model.to(world.device), cfg, plan.precision, world.device,
-                                         world.world_size)
+                                         world.world_size, compiled=opts.mode == "plain_compiled")
     else:
         engine = create_engine(lambda: spec.build(mcfg), spec.parallelize, plan, t)
         step, optimizer = _dstrain_step_fn(engine)
@@ -330,7 +351,8 @@ def run_worker(opts: BenchOptions) -> int:
         job = {"mode": opts.mode, "profile": opts.profile, "zero": plan.zero, "precision": plan.precision,
                "activation_checkpointing": plan.activation_checkpointing, "optimizer": optimizer,
                "step_times_s": values[:opts.steps], "cpu_times_s": values[opts.steps:-2],
-               "peak_memory_bytes": int(values[-2]),
+               "peak_memory_bytes": int(values[-2]), "estimated_memory_bytes": _estimate(plan, opts.profile),
+               "compiled": plan.compile if opts.mode == "dstrain" else opts.mode == "plain_compiled",
                "start_memory_bytes": int(values[-1]), "losses": mean_losses.tolist(),
                "peak_flops": {"per_rank": peaks, "how": how}, "threads_per_rank": torch.get_num_threads(),
                "flops_per_token": fpt, "params": sum(p.numel() for p in meta_model.parameters()),
@@ -343,22 +365,35 @@ def run_worker(opts: BenchOptions) -> int:
     return 0
 
 
+def _estimate(plan, profile: str) -> int | None:
+    """The factory's device-memory estimate for ``profile`` (None when it was not planned)."""
+    if plan.plan is None:
+        return None
+    for e in plan.plan.estimates:
+        if e.profile == profile and e.activation_checkpointing == plan.activation_checkpointing:
+            return int(e.device_total)
+    return None
+
+
 # ---------------------------------------------------------------- parent (launches the jobs)
 
-def job_schedule(profiles: list[str], plain: str = "each") -> list[tuple[str, str, int, str]]:
+def job_schedule(profiles: list[str], plain: str = "each",
+                 compiled: bool = False) -> list[tuple[str, str, int, str]]:
     """(mode, profile, pair, order) of every job, in launch order.
 
     ``each``: a plain job beside every profile, plain first for even-numbered
     profiles and dstrain first for odd ones. ``once``: one plain job first.
+    ``compiled``: one plain + torch.compile job, first.
     """
+    head = [("plain_compiled", profiles[0], 0, "compiled plain once, first")] if compiled else []
     if plain == "once":
-        return [("plain", profiles[0], 0, "plain once, first")] + [
+        return head + [("plain", profiles[0], 0, "plain once, first")] + [
             ("dstrain", p, 0, "plain once, first") for p in profiles]
     jobs = []
     for i, profile in enumerate(profiles):
         order = ("plain", "dstrain") if i % 2 == 0 else ("dstrain", "plain")
         jobs += [(mode, profile, i, f"{order[0]} first") for mode in order]
-    return jobs
+    return head + jobs
 
 
 def _portable(text: str) -> str:
@@ -429,6 +464,10 @@ def _launch(opts: BenchOptions, overrides: list[str], mode: str, profile: str, r
     env["PYTHONUNBUFFERED"] = "1"
     with open(log, "w") as fh:
         proc = subprocess.run(argv, env=env, stdout=fh, stderr=subprocess.STDOUT, timeout=opts.timeout)
+    keep = os.environ.get("DSTRAIN_BENCH_LOGS")  # a folder that keeps every job's full log
+    if keep:
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        shutil.copy(log, Path(keep, f"{mode}_{Path(profile).stem}.log"))
     if proc.returncode != 0 or not result.is_file():
         text = log.read_text(errors="replace")
         start = text.find("Traceback")
@@ -508,7 +547,8 @@ def run_benchmark(opts: BenchOptions, argv: list[str]) -> int:
     jobs, failed, failed_pairs = [], set(), set()
     with tempfile.TemporaryDirectory(prefix="dstrain-bench-") as tmp:
         worker_overrides = overrides + [f"--output.dir={tmp}/run"]  # dataset cache, shared by the jobs
-        for n, (mode, profile, pair, order) in enumerate(job_schedule(profiles, opts.plain)):
+        compiled = opts.compiled_baseline == "on" or (opts.compiled_baseline == "auto" and cuda)
+        for n, (mode, profile, pair, order) in enumerate(job_schedule(profiles, opts.plain, compiled)):
             if pair in failed_pairs:
                 failed.add(profile)
                 continue
@@ -522,6 +562,9 @@ def run_benchmark(opts: BenchOptions, argv: list[str]) -> int:
                 except (RuntimeError, subprocess.TimeoutExpired) as err:
                     print(f"[bench] attempt {attempt} failed: {err}", file=sys.stderr, flush=True)
             else:
+                if mode == "plain_compiled":  # the comparison goes on without this baseline
+                    failed.add("plain_compiled")
+                    continue
                 failed.add(profile)
                 if mode == "plain" or opts.plain == "each":
                     failed_pairs.add(pair)
@@ -530,7 +573,8 @@ def run_benchmark(opts: BenchOptions, argv: list[str]) -> int:
             print(f"[bench]   median step {statistics.median(job['step_times_s']):.4f} s",
                   file=sys.stderr, flush=True)
             jobs.append(job)
-    jobs = [j for j in jobs if j["pair"] not in failed_pairs and (j["mode"] == "plain" or j["profile"] not in failed)]
+    jobs = [j for j in jobs if j["mode"] == "plain_compiled" or (
+        j["pair"] not in failed_pairs and (j["mode"] == "plain" or j["profile"] not in failed))]
     if not jobs:
         print("dstrain bench: every job failed", file=sys.stderr)
         return 1

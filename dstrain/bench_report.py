@@ -7,7 +7,7 @@ from pathlib import Path
 def format_table(result: dict) -> str:
     head = ("profile", "plain s", "dstrain s", "ratio", "goal", "met", "min ratio", "cpu ratio", "tok/s",
             "GFLOP/s", "MFU",
-            "mem plain", "mem dstrain")
+            "mem plain", "mem dstrain", "mem est.", "vs compiled")
     rows = [head]
     for name, p in result["profiles"].items():
         d, b = p["dstrain"], p["plain"]
@@ -18,7 +18,9 @@ def format_table(result: dict) -> str:
                      f"{d['tokens_per_s']:.0f}",
                      "-" if d["flops_per_s"] is None else f"{d['flops_per_s'] / 1e9:.2f}",
                      "-" if d["mfu"] is None else f"{100 * d['mfu']:.1f}%",
-                     f"{b['peak_memory_bytes'] / 2**20:.0f} MiB", f"{d['peak_memory_bytes'] / 2**20:.0f} MiB"))
+                     f"{b['peak_memory_bytes'] / 2**20:.0f} MiB", f"{d['peak_memory_bytes'] / 2**20:.0f} MiB",
+                     "-" if not p.get("estimated_memory_bytes") else f"{p['estimated_memory_bytes'] / 2**20:.0f} MiB",
+                     f"{p['speedup_vs_compiled']:.3f}x" if "speedup_vs_compiled" in p else "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows)
 

@@ -87,6 +87,11 @@ class TrainConfig:
     eval_every: int = 0
     """Evaluate every n steps (0: only at the end)."""
     eval_batches: int = 4
+    compile: Any = "auto"
+    """torch.compile the model inside the DeepSpeed engine: auto (on for CUDA, off on CPU) | true | false."""
+    optimizer: str = "auto"
+    """Optimizer implementation: auto | torch_fused | torch_foreach | deepspeed. auto: PyTorch's fused AdamW
+    on CUDA, its foreach AdamW on CPU, DeepSpeed's CPU Adam under optimizer offload (see dstrain.engine.optim)."""
 
 
 @dataclass
@@ -105,6 +110,10 @@ class DeepSpeedConfig:
     """Host RAM per node for offload; default: the machine's."""
     margin: float = 0.85
     """Fraction of device memory the plan may fill."""
+    mixed_precision: str = "auto"
+    """How bf16 runs: deepspeed (16-bit weights, fp32 master copy in DeepSpeed's optimizer wrapper) |
+    autocast (fp32 weights, ``torch.autocast`` in the forward, DeepSpeed's ``torch_autocast``) | auto
+    (autocast on GPUs without ZeRO partitioning when the profile leaves bf16 to the factory, else deepspeed)."""
     zero_init: Any = "auto"
     """ZeRO-3: build the model already sharded (``deepspeed.zero.Init``): auto | true | false.
     auto does so when a full fp32 copy per local rank would take over half the RAM."""
@@ -323,6 +332,12 @@ def validate(cfg: RunConfig, source: str) -> None:
     _check(ds.activation_checkpointing in ("auto", True, False), source,
            "deepspeed.activation_checkpointing",
            f"must be auto, true or false, got {json.dumps(ds.activation_checkpointing)}")
+    _check(t.compile in ("auto", True, False), source, "train.compile",
+           f"must be auto, true or false, got {json.dumps(t.compile)}")
+    _check(t.optimizer in ("auto", "torch_fused", "torch_foreach", "deepspeed"), source, "train.optimizer",
+           f"must be auto, torch_fused, torch_foreach or deepspeed, got {t.optimizer!r}")
+    _check(ds.mixed_precision in ("auto", "deepspeed", "autocast"), source, "deepspeed.mixed_precision",
+           f"must be auto, deepspeed or autocast, got {ds.mixed_precision!r}")
     _check(ds.zero_init in ("auto", True, False), source, "deepspeed.zero_init",
            f"must be auto, true or false, got {json.dumps(ds.zero_init)}")
     _check(0.0 < ds.margin <= 1.0, source, "deepspeed.margin", f"must be in (0, 1], got {ds.margin}")

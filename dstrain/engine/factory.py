@@ -15,8 +15,10 @@ import math
 import torch
 
 from dstrain.config import RunConfig, TrainConfig
+from dstrain.engine import cuda_env
 from dstrain.engine import ds_config as dsc
 from dstrain.engine import hardware
+from dstrain.engine.optim import OptimizerChoice, choose_optimizer
 from dstrain.engine.profiles import (Plan, choose_plan, choose_precision, format_plan)
 
 
@@ -35,6 +37,10 @@ class EnginePlan:
     plan: Plan | None = None
     shard_at_build: bool = False
     """ZeRO-3 only: build under ``zero.Init`` because one full copy per rank would not fit in RAM."""
+    optimizer: OptimizerChoice | None = None
+    """Which optimizer implementation runs (None: DeepSpeed builds what ``ds_config`` names)."""
+    compile: bool = False
+    """``torch.compile`` the model inside the engine (``train.compile``)."""
 
     @property
     def zero(self) -> dict:
@@ -99,20 +105,50 @@ def plan_engine(cfg: RunConfig, world_size: int, hw=None, hw_notes: str = "",
         why = f"profile {profile}: named in the run config (the factory would pick {plan.profile})"
     template = dsc.load_ds_json(dsc.resolve_profile_path(profile))
     source = str(dsc.resolve_profile_path(profile))
-    resolved = dsc.fill_ds_config(template, run_values(cfg, dims.dp, precision, stats.hidden_size), source)
+    values = run_values(cfg, dims.dp, precision, stats.hidden_size)
+    resolved = dsc.fill_ds_config(template, values, source)
+    optimizer, resolved = choose_optimizer(resolved, cfg.train.optimizer, hw.device_type, values)
+    resolved, amp_note = mixed_precision(resolved, template, ds.mixed_precision, hw.device_type)
+    compile_ = cfg.train.compile if isinstance(cfg.train.compile, bool) else hw.device_type == "cuda"
     table = format_plan(plan, stats, hw, dims.replica_size, cfg.train.micro_batch)
     layout = (f"parallel layout: dp {dims.dp} x tp {dims.tp} x sp {dims.sp} = {world_size} ranks; model states "
               f"planned for the full model partitioned over dp x sp = {dims.replica_size}, activations "
               f"traced at {cfg.data.seq_len // dims.sp} tokens per rank" if dims.tp * dims.sp > 1 else "")
     explanation = "\n".join(x for x in (hw_notes, layout, table, why,
                                         f"precision {precision}, activation checkpointing "
-                                        f"{'on' if ckpt else 'off'}") if x)
+                                        f"{'on' if ckpt else 'off'}, torch.compile {'on' if compile_ else 'off'}"
+                                        f" (train.compile={cfg.train.compile})",
+                                        amp_note, optimizer.description) if x)
     # A full fp32 copy of the model on every local rank at once must leave half the RAM free.
     shard = (4 * stats.params * hw.ranks_per_node > 0.5 * hw.host_memory
              if ds.zero_init == "auto" else ds.zero_init)
     return EnginePlan(profile=profile, ds_config=resolved, precision=precision,
                       activation_checkpointing=ckpt, explanation=explanation, plan=plan,
-                      shard_at_build=shard)
+                      shard_at_build=shard, optimizer=optimizer, compile=compile_)
+
+
+def mixed_precision(resolved: dict, template: dict, mode: str, device_type: str) -> tuple[dict, str]:
+    """Run bf16 as DeepSpeed's 16-bit weights or as ``torch.autocast`` over fp32 weights.
+
+    Without ZeRO partitioning both hold 16 bytes of model state per parameter, but the
+    autocast form skips DeepSpeed's bf16 optimizer wrapper (flat fp32 copies of weights
+    and gradients and the copies between them) and lets the fused AdamW update the
+    weights in place: on GPUs it is the faster of the two (the same loop a plain
+    ``torch.autocast`` script runs). ``auto`` takes it on CUDA at ZeRO stage 0 when the
+    profile leaves bf16 to the factory (``"enabled": "auto"``); a file that sets
+    ``bf16.enabled`` itself keeps DeepSpeed's bf16.
+    """
+    bf16 = resolved.get("bf16", {}).get("enabled") is True
+    stage = (resolved.get("zero_optimization") or {}).get("stage", 0)
+    left_to_us = (template.get("bf16") or {}).get("enabled") == "auto"
+    if mode == "auto":
+        mode = "autocast" if bf16 and left_to_us and stage == 0 and device_type == "cuda" else "deepspeed"
+    if not bf16 or mode == "deepspeed":
+        return resolved, ""
+    out = dict(resolved)
+    out["bf16"] = {"enabled": False}
+    out["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
+    return out, "bf16 as torch.autocast over fp32 weights (deepspeed.mixed_precision=autocast or auto on a GPU)"
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -290,6 +326,20 @@ def create_engine(build_model: Callable[[], torch.nn.Module],
     groups = param_groups(model, train.weight_decay)
     names = {id(p): n for n, p in model.named_parameters()}
     group_names = [[names[id(p)] for p in g["params"]] for g in groups]
+    cuda_env.apply()  # DeepSpeed's op builders cannot parse e.g. TORCH_CUDA_ARCH_LIST=9.0a
+    client = plan.optimizer.factory() if plan.optimizer is not None else None
     ds_engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=groups, lr_scheduler=scheduler, config=plan.ds_config, mpu=mpu)
+        model=model, model_parameters=groups, optimizer=client, lr_scheduler=scheduler,
+        config=plan.ds_config, mpu=mpu)
+    if plan.compile:
+        compile_engine(ds_engine)
     return Engine(ds_engine, plan, group_names, parallel)
+
+
+def compile_engine(ds_engine) -> None:
+    """``torch.compile`` the model inside the DeepSpeed engine (static shapes).
+
+    Through DeepSpeed's own ``engine.compile``, which compiles the module in place and
+    keeps ZeRO's hooks working (ZeRO-3's parameter hooks run as graph breaks).
+    """
+    ds_engine.compile(compile_kwargs={"dynamic": False})
