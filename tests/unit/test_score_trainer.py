@@ -346,7 +346,7 @@ def quick_hardware(monkeypatch):
 
 
 def test_plan_prints_the_placement_table(capsys, quick_hardware):
-    assert cli.main(["plan", str(RECIPE)]) == 0
+    assert cli.main(["plan", str(RECIPE), "--device", "cpu"]) == 0  # the same table on a GPU machine
     out = capsys.readouterr().out
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split()
             and line.split()[0] in sc.pl.ROLES}
@@ -381,6 +381,8 @@ def _between_policy_alone_and_all_six():
 def test_plan_refuses_a_placement_that_does_not_fit(capsys, quick_hardware, args, message):
     if args == "between":
         args = [f"--deepspeed.device_memory={_between_policy_alone_and_all_six()}"]
+    if "--device" not in args:
+        args = [*args, "--device", "cpu"]  # plan for a CPU machine even where a GPU is visible
     assert cli.main(["plan", str(RECIPE), *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err

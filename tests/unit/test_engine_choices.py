@@ -1,0 +1,110 @@
+"""The engine's GPU-facing choices, checked without a GPU: arch list, optimizer, mixed precision, compile."""
+import importlib
+
+import pytest
+import torch
+
+from dstrain.engine import cuda_env
+from dstrain.engine.ds_config import RunValues
+from dstrain.engine.factory import mixed_precision
+from dstrain.engine.optim import choose_optimizer
+
+VALUES = RunValues(micro_batch=4, grad_accum=1, dp_world_size=1, lr=3e-4, betas=(0.9, 0.95), eps=1e-8,
+                   weight_decay=0.1, grad_clip=1.0, precision="bf16", hidden_size=64, total_steps=10,
+                   warmup_steps=1, min_lr_ratio=0.1)
+
+
+@pytest.mark.parametrize("raw, fixed", [
+    ("9.0a", "9.0"), ("9.0", "9.0"), ("8.0 9.0a+PTX", "8.0;9.0+PTX"), ("10.0f;9.0a", "9.0;10.0"),
+    ("9.0;9.0+PTX", "9.0+PTX"), ("Hopper", "9.0"), ("Ampere+PTX", "8.0+PTX;8.6+PTX"), ("7.5,8.6", "7.5;8.6"),
+])
+def test_sanitize_arch_list(raw, fixed):
+    assert cuda_env.sanitize_arch_list(raw) == fixed
+
+
+def test_unreadable_arch_list_is_removed_and_readable_one_left_alone():
+    env = {"TORCH_CUDA_ARCH_LIST": "sm_90"}
+    note = cuda_env.apply(env)
+    assert "TORCH_CUDA_ARCH_LIST" not in env and "sm_90" in note
+    env = {"TORCH_CUDA_ARCH_LIST": "8.0;9.0+PTX"}
+    assert cuda_env.apply(env) is None and env["TORCH_CUDA_ARCH_LIST"] == "8.0;9.0+PTX"
+    assert cuda_env.apply({}) is None
+
+
+def test_deepspeed_op_builder_fails_on_9_0a_and_works_after_apply(monkeypatch):
+    """DeepSpeed's own CUDA FusedAdam builder parses the arch list on any machine: reproduce, then fix."""
+    builder = importlib.import_module("deepspeed.ops.op_builder.fused_adam").FusedAdamBuilder()
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
+    with pytest.raises(ValueError, match="0a"):
+        builder.compute_capability_args()
+    assert "9.0" in cuda_env.apply()
+    args = builder.compute_capability_args()
+    assert any("sm_90" in a for a in args)
+
+
+def test_no_optimizer_block_gets_torch_adamw_from_the_run_config():
+    choice, ds = choose_optimizer({"zero_optimization": {"stage": 1}}, "auto", "cuda", VALUES)
+    assert choice.implementation == "torch_fused" and choice.decoupled
+    assert choice.params == {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
+    assert "optimizer" not in ds and "run config" in choice.description
+
+
+def test_block_numbers_are_used_and_block_removed():
+    cfg = {"optimizer": {"type": "Adam", "params": {"lr": 1e-4, "betas": [0.8, 0.9], "eps": 1e-6,
+                                                    "weight_decay": 0.0, "adam_w_mode": False}}}
+    choice, ds = choose_optimizer(cfg, "auto", "cpu", VALUES)
+    assert choice.implementation == "torch_foreach" and not choice.decoupled
+    assert choice.params == {"lr": 1e-4, "betas": [0.8, 0.9], "eps": 1e-6, "weight_decay": 0.0}
+    assert "optimizer" not in ds and "optimizer" in cfg  # the input is not modified
+    opt = choice.factory()([torch.nn.Parameter(torch.zeros(3))])
+    assert type(opt) is torch.optim.Adam and opt.defaults["betas"] == (0.8, 0.9) and opt.defaults["foreach"]
+
+
+@pytest.mark.parametrize("cfg, requested, why", [
+    ({"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}, "auto", "Lamb"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "bias_correction": False}}}, "auto", "bias_correction"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, "auto", "offload"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}, "deepspeed", "train.optimizer=deepspeed"),
+])
+def test_deepspeed_keeps_the_optimizer_where_it_must(cfg, requested, why):
+    choice, ds = choose_optimizer(cfg, requested, "cuda", VALUES)
+    assert choice.implementation == "deepspeed" and why in choice.description
+    assert choice.factory() is None
+    assert ds["optimizer"]["params"]["lr"] == cfg.get("optimizer", {}).get("params", {}).get("lr", 3e-4)
+
+
+def test_fused_needs_cuda():
+    with pytest.raises(ValueError, match="needs CUDA"):
+        choose_optimizer({}, "torch_fused", "cpu", VALUES)
+
+
+def test_autocast_only_where_it_is_the_factory_s_call():
+    resolved = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 0}}
+    auto = {"bf16": {"enabled": "auto"}}
+    out, note = mixed_precision(resolved, auto, "auto", "cuda")
+    assert out["torch_autocast"] == {"enabled": True, "dtype": "bfloat16"} and not out["bf16"]["enabled"]
+    assert note
+    for template, device, stage in ((auto, "cpu", 0), ({"bf16": {"enabled": True}}, "cuda", 0), (auto, "cuda", 2)):
+        r = {**resolved, "zero_optimization": {"stage": stage}}
+        assert mixed_precision(r, template, "auto", device) == (r, "")
+    forced, _ = mixed_precision({**resolved, "zero_optimization": {"stage": 2}}, auto, "autocast", "cpu")
+    assert forced["torch_autocast"]["enabled"]
+    fp32 = {"bf16": {"enabled": False}}
+    assert mixed_precision(fp32, auto, "autocast", "cuda") == (fp32, "")
+
+
+def test_plan_for_a_gpu_compiles_fuses_and_says_so(tmp_path):
+    from dstrain.config import load_run_config
+    from dstrain.engine.factory import plan_engine
+    from dstrain.engine.profiles import Hardware
+    cfg = load_run_config("models/gpt/recipes/tiny.json", [f"--output.dir={tmp_path}"])
+    hw = Hardware("cuda", 80 * 10**9, 256 * 10**9, 8, True, True, "test GPU")
+    plan = plan_engine(cfg, 1, hw=hw)
+    assert plan.compile and plan.optimizer.implementation == "torch_fused"
+    assert "optimizer" not in plan.ds_config and plan.ds_config["torch_autocast"]["enabled"]
+    assert "torch.compile on" in plan.explanation and "fused CUDA kernel" in plan.explanation
+    cpu = plan_engine(load_run_config("models/gpt/recipes/tiny.json",
+                                      [f"--output.dir={tmp_path}", "--deepspeed.precision=fp32"]), 1,
+                      hw=Hardware("cpu", 8 * 10**9, 8 * 10**9, 1, False, False, "cpu"))
+    assert not cpu.compile and cpu.optimizer.implementation == "torch_foreach"
+    assert "torch_autocast" not in cpu.ds_config
