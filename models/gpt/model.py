@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from dstrain.ops.lm_head import linear_cross_entropy
+
 
 @dataclass
 class GPTConfig:
@@ -38,6 +40,9 @@ class GPTConfig:
     """Dropout probability on attention weights and residual branches, in [0, 1)."""
     bias: bool = False
     """Whether Linear and LayerNorm layers carry a bias."""
+    loss_chunk: int = 0
+    """Tokens per chunk of the LM head's cross-entropy (``dstrain.ops.lm_head``): the ``[B*T, vocab]``
+    fp32 logits are never held whole. 0: one plain ``F.cross_entropy`` over all logits."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -54,6 +59,9 @@ class GPTConfig:
             elif f.name == "bias":
                 if not isinstance(value, bool):
                     raise ValueError(f"bias must be a bool, got {type(value).__name__}")
+            elif f.name == "loss_chunk":
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise ValueError(f"loss_chunk must be a non-negative int, got {value!r}")
             else:
                 if isinstance(value, bool) or not isinstance(value, int):
                     raise ValueError(f"{f.name} must be an int, got {type(value).__name__}")
@@ -239,13 +247,16 @@ class GPT(nn.Module):
                 x = checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x)
-        logits = self.lm_head(self.ln_f(x))
+        x = self.ln_f(x)
         if targets is None:
-            return logits
+            return self.lm_head(x)
         if targets.shape != input_ids.shape:
             raise ValueError(
                 f"targets shape {tuple(targets.shape)} != input_ids shape {tuple(input_ids.shape)}"
             )
+        if self.config.loss_chunk:
+            return linear_cross_entropy(x, self.lm_head.weight, targets, self.config.loss_chunk)
+        logits = self.lm_head(x)
         return F.cross_entropy(
             logits.float().view(-1, logits.size(-1)), targets.reshape(-1).long()
         )
