@@ -19,6 +19,7 @@ from dstrain.engine import cuda_env
 from dstrain.engine import ds_config as dsc
 from dstrain.engine import hardware
 from dstrain.engine.optim import OptimizerChoice, choose_optimizer
+from dstrain.engine.zero_tuning import fill_zero_sizes
 from dstrain.engine.profiles import (Plan, choose_plan, choose_precision, format_plan)
 
 
@@ -106,7 +107,7 @@ def plan_engine(cfg: RunConfig, world_size: int, hw=None, hw_notes: str = "",
     template = dsc.load_ds_json(dsc.resolve_profile_path(profile))
     source = str(dsc.resolve_profile_path(profile))
     values = run_values(cfg, dims.dp, precision, stats.hidden_size)
-    resolved = dsc.fill_ds_config(template, values, source)
+    resolved = dsc.fill_ds_config(fill_zero_sizes(template, stats.params, stats.hidden_size), values, source)
     optimizer, resolved = choose_optimizer(resolved, cfg.train.optimizer, hw.device_type, values)
     resolved, amp_note = mixed_precision(resolved, template, ds.mixed_precision, hw.device_type)
     compile_ = cfg.train.compile if isinstance(cfg.train.compile, bool) else hw.device_type == "cuda"

@@ -108,3 +108,17 @@ def test_plan_for_a_gpu_compiles_fuses_and_says_so(tmp_path):
                       hw=Hardware("cpu", 8 * 10**9, 8 * 10**9, 1, False, False, "cpu"))
     assert not cpu.compile and cpu.optimizer.implementation == "torch_foreach"
     assert "torch_autocast" not in cpu.ds_config
+
+
+def test_auto_zero_sizes_scale_with_the_model_and_keep_numbers():
+    from dstrain.engine.zero_tuning import fill_zero_sizes, zero_sizes
+    assert zero_sizes(886_144, 128)["reduce_bucket_size"] == 886_144  # small model: one bucket
+    assert zero_sizes(710_000_000, 1280)["reduce_bucket_size"] == 50_000_000
+    assert zero_sizes(10_000, 1024)["reduce_bucket_size"] == 1024 * 1024  # never below hidden**2
+    assert zero_sizes(1, 64)["stage3_param_persistence_threshold"] == 100_000
+    template = {"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": 7,
+                                      "overlap_comm": True}}
+    out = fill_zero_sizes(template, 710_000_000, 1280)
+    assert out["zero_optimization"] == {"stage": 3, "reduce_bucket_size": 50_000_000,
+                                        "stage3_prefetch_bucket_size": 7, "overlap_comm": True}
+    assert template["zero_optimization"]["reduce_bucket_size"] == "auto"
