@@ -136,7 +136,10 @@ def test_multi_host_writes_deepspeed_env(capsys, monkeypatch, two_hosts):
     code, _, err = launch(capsys, "--hostfile", two_hosts, "--accelerator", "cpu", RECIPE)
     assert code == 3  # the child's exit status
     lines = Path(".deepspeed_env").read_text().splitlines()
-    assert lines[0] == MARKER and "DS_ACCELERATOR=cpu" in lines and "OMP_NUM_THREADS=1" in lines
+    # 2 slots per host share this machine's cores (1 thread each on 2 cores, 8 on 16)
+    threads = max(1, launcher.available_cpus() // 2) if "OMP_NUM_THREADS" not in os.environ \
+        else int(os.environ["OMP_NUM_THREADS"])
+    assert lines[0] == MARKER and "DS_ACCELERATOR=cpu" in lines and f"OMP_NUM_THREADS={threads}" in lines
     assert all("=" in line for line in lines) and "wrote .deepspeed_env" in err
     assert FakeChild.started[2]["start_new_session"]
 
