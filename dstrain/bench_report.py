@@ -34,10 +34,14 @@ def plot(result: dict, path: Path) -> None:
     names = list(result["profiles"])
     plain = [result["profiles"][n]["plain"]["step_time_s"]["median"] for n in names]
     ds = [result["profiles"][n]["dstrain"]["step_time_s"]["median"] for n in names]
+    compiled = [result["profiles"][n].get("plain_compiled", {}).get("step_time_s", {}).get("median") for n in names]
     xs = range(len(names))
     fig, ax = plt.subplots(figsize=(1.8 * len(names) + 2.5, 4))
     ax.bar([x - 0.2 for x in xs], plain, 0.4, label="plain PyTorch (DDP)")
     ax.bar([x + 0.2 for x in xs], ds, 0.4, label="dstrain (DeepSpeed)")
+    if compiled[0] is not None:
+        ax.axhline(compiled[0], color="black", linestyle="--", linewidth=1,
+                   label="plain + torch.compile + fused AdamW")
     for x, n, d in zip(xs, names, ds):
         ax.annotate(f"{result['profiles'][n]['ratio']:.2f}x", (x + 0.2, d), ha="center", va="bottom")
     ax.set_xticks(list(xs), names)

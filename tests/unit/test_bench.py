@@ -165,3 +165,17 @@ def test_plot_writes_png(tmp_path, monkeypatch):
     result = _fake_result(tmp_path, monkeypatch)
     bench.plot(result, tmp_path / "r.png")
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_compiled_baseline_runs_once_first_and_is_compared_with_every_profile():
+    sched = bench.job_schedule(["zero0", "zero2"], plain="once", compiled=True)
+    assert [(m, p) for m, p, _, _ in sched] == [("plain_compiled", "zero0"), ("plain", "zero0"),
+                                              ("dstrain", "zero0"), ("dstrain", "zero2")]
+    assert bench.job_schedule(["zero0"], compiled=False)[0][0] == "plain"
+    jobs = [_job("plain_compiled", "zero0", 0, [0.40, 0.40], 0), _job("plain", "zero0", 0, [0.50, 0.50], 0),
+            _job("dstrain", "zero0", 0, [0.32, 0.32], 0), _job("dstrain", "zero2", 0, [0.80, 0.80], 2)]
+    out = bench.build_profiles(jobs, tokens_per_step=1000, world=1, flops_per_token=None, peak=None)
+    assert out["zero0"]["speedup_vs_compiled"] == pytest.approx(1.25)
+    assert out["zero2"]["speedup_vs_compiled"] == pytest.approx(0.5)
+    assert out["zero0"]["ratio"] == pytest.approx(0.64)  # against the eager plain loop, as before
+    assert "vs compiled" in bench.format_table({"profiles": out})
