@@ -1,18 +1,27 @@
-"""Dilated against dense causal attention: forward+backward time and peak memory as N grows.
+"""Dilated against dense causal attention: forward+backward time and peak memory as N grows, CPU or GPU.
 
-    python benchmarks/attention.py                        # CPU: 1k..16k tokens
-    python benchmarks/attention.py --lengths 1024,2048 --repeats 2 --out /tmp/att
+    python benchmarks/attention.py                              # this machine's device, its default lengths
+    python benchmarks/attention.py --lengths 8192,32768 --repeats 3 --out /tmp/att
+    python benchmarks/attention.py --device cuda --lengths 8192,32768,131072,524288,1048576
 
-Every (method, N) point runs in a fresh subprocess so that its memory high-water
-mark is its own. Per point: one warm-up forward+backward, then the median of
-``--repeats`` timed ones. Memory is reported two ways, both without tracemalloc:
-``peak_rss_bytes`` - the process's RSS high-water mark (``ru_maxrss``) minus the
-mark measured just before the inputs were made (so it includes q, k, v, their
-gradients and every temporary of forward and backward); ``saved_bytes`` - the bytes
-autograd keeps for backward (saved-tensor hooks; distinct storages). Dense is
-``scaled_dot_product_attention(is_causal=True)`` (PyTorch's fused CPU flash kernel,
-O(N) memory, O(N^2) time); dilated is ``dstrain.ops.dilated.dilated_attention``
-with the given branches. Results go to ``<out>/attention_<device>.json`` and a log-log PNG.
+Each (method, N) point runs in a fresh subprocess, so that its memory high-water mark is
+its own. Per point: one warm-up forward+backward, then the median of ``--repeats`` timed
+ones (CUDA: events around each call; CPU: ``perf_counter``). Inputs ``[1, heads, N, dim]``,
+causal; bf16 on CUDA, fp32 on CPU (``--dtype``). Dense is
+``F.scaled_dot_product_attention(is_causal=True)`` (flash kernels on both devices);
+dilated is ``dstrain.ops.dilated.dilated_attention`` with the given branches.
+
+Memory: on CUDA ``extra_bytes`` = ``torch.cuda.max_memory_allocated`` during the step
+minus the bytes allocated before it (q, k, v); on CPU the RSS high-water mark
+(``ru_maxrss``) minus the mark before the inputs were made. ``saved_bytes`` = what
+autograd keeps for backward (saved-tensor hooks; distinct storages, inputs excluded).
+
+The summary gives, per N, the speed-up of dilated over dense and the ideal speed-up
+``N / sum(w_i / r_i^2)`` (dense computes about ``N^2 / 2`` scores per head, branch
+``(w, r)`` about ``N w / (2 r^2)``), the fraction of it achieved, and the fitted
+log-log slope of time against N. Dense points above ``--dense-max`` are skipped (and
+listed as such); a point that runs out of memory is recorded as such. Results:
+``<out>/attention_<cpu|gpu>.json`` (device, versions, command) and a PNG of time and memory.
 """
 from __future__ import annotations
 
@@ -20,7 +29,9 @@ import argparse
 import json
 import math
 import os
+import platform
 import resource
+import shlex
 import statistics
 import subprocess
 import sys
@@ -28,22 +39,29 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_LENGTHS = {"cpu": "16384,32768,65536,131072", "cuda": "8192,32768,131072,262144,524288,1048576"}
+DEFAULT_DENSE_MAX = {"cpu": 32768, "cuda": 262144}
 
 
-def _point(method: str, n: int, heads: int, dim: int, segments, rates, repeats: int, threads: int) -> dict:
+def _point(method: str, n: int, a) -> dict:
     """Measure one (method, N) in this process; returns a JSON-able dict."""
     import torch
     import torch.nn.functional as F
 
-    torch.set_num_threads(threads)
     sys.path.insert(0, str(ROOT))
     from dstrain.ops.dilated import dilated_attention, make_branches
 
-    branches = make_branches(segments, rates)
-    torch.randn(64, 64) @ torch.randn(64, 64)  # load kernels before the baseline
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, heads, n, dim, generator=g).requires_grad_() for _ in range(3))
+    cuda = a.device == "cuda"
+    torch.set_num_threads(a.threads)
+    dtype = getattr(torch, a.dtype)
+    branches = make_branches(a.segments, a.rates)
+    dev = torch.device(a.device)
+    torch.randn(64, 64, device=dev) @ torch.randn(64, 64, device=dev)  # load kernels before the baseline
+    base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    g = torch.Generator(device=dev).manual_seed(0)
+    q, k, v = (torch.randn(1, a.heads, n, a.dim, generator=g, device=dev, dtype=dtype).requires_grad_()
+               for _ in range(3))
+    grad = torch.randn(1, a.heads, n, a.dim, generator=g, device=dev, dtype=dtype)
 
     def step(count_saved: bool = False) -> int:
         saved: dict[int, int] = {}
@@ -53,30 +71,52 @@ def _point(method: str, n: int, heads: int, dim: int, segments, rates, repeats: 
             saved[s._cdata] = s.nbytes()
             return t
 
-        ctx = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if count_saved else _null()
+        ctx = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if count_saved else _Null()
         with ctx:
             if method == "dense":
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             else:
                 out = dilated_attention(q, k, v, branches, causal=True)
-        out.sum().backward()
+        out.backward(grad)
         for t in (q, k, v):
             t.grad = None
         inputs = {t.untyped_storage()._cdata for t in (q, k, v)}
         return sum(b for key, b in saved.items() if key not in inputs)
 
-    saved_bytes = step(count_saved=True)  # also the warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    try:
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+        saved_bytes = step(count_saved=True)  # also the warm-up
+        sync()
+        times = []
+        repeats = a.repeats if not (method == "dense" and n > a.slow_dense) else 1
+        for _ in range(repeats):
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                step()
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - t0)
+        extra = (torch.cuda.max_memory_allocated() - before if cuda
+                 else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base_rss)
+    except torch.cuda.OutOfMemoryError:
+        return {"method": method, "n": n, "error": "out of memory"}
     return {"method": method, "n": n, "seconds": statistics.median(times), "all_seconds": times,
-            "peak_rss_bytes": peak, "saved_bytes": saved_bytes}
+            "extra_bytes": int(extra), "saved_bytes": int(saved_bytes)}
 
 
-class _null:
+class _Null:
     def __enter__(self):
         return self
 
@@ -84,22 +124,46 @@ class _null:
         return False
 
 
-def _run_point(args, method: str, n: int) -> dict:
-    cmd = [sys.executable, __file__, "--point", method, str(n), "--heads", str(args.heads), "--dim", str(args.dim),
-           "--segments", args.segments, "--rates", args.rates, "--repeats", str(args.repeats),
-           "--threads", str(args.threads)]
+def _run_point(a, method: str, n: int) -> dict:
+    cmd = [sys.executable, __file__, "--point", method, str(n), "--device", a.device, "--dtype", a.dtype,
+           "--heads", str(a.heads), "--dim", str(a.dim), "--segments", ",".join(map(str, a.segments)),
+           "--rates", ",".join(map(str, a.rates)), "--repeats", str(a.repeats), "--threads", str(a.threads),
+           "--slow-dense", str(a.slow_dense)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:
-        raise RuntimeError(f"point {method} {n} failed:\n{proc.stderr[-3000:]}")
+        return {"method": method, "n": n, "error": proc.stderr.strip().splitlines()[-1][-300:]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _slope(points: list[dict], key: str) -> float:
-    """Least-squares slope of log(key) against log(n) (1: linear, 2: quadratic)."""
-    xs = [math.log(p["n"]) for p in points]
-    ys = [math.log(max(p[key], 1e-12)) for p in points]
+def ideal_speedup(n: int, segments, rates) -> float:
+    """Dense causal scores over dilated ones: ``N / sum(w_i / r_i^2)`` (segments capped at N)."""
+    return n / sum(min(w, n) / r ** 2 for w, r in zip(segments, rates))
+
+
+def slope(points: list[dict]) -> float | None:
+    """Least-squares slope of log(seconds) against log(N) (1: linear, 2: quadratic)."""
+    pts = [p for p in points if "seconds" in p]
+    if len(pts) < 2:
+        return None
+    xs = [math.log(p["n"]) for p in pts]
+    ys = [math.log(p["seconds"]) for p in pts]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
+def summarize(points: list[dict], segments, rates, slope_from: int) -> dict:
+    by = {m: {p["n"]: p for p in points if p["method"] == m} for m in ("dense", "dilated")}
+    rows = []
+    for n in sorted(by["dilated"]):
+        d, s = by["dense"].get(n, {}), by["dilated"][n]
+        row = {"n": n, "ideal_speedup": ideal_speedup(n, segments, rates)}
+        if "seconds" in d and "seconds" in s:
+            row["speedup"] = d["seconds"] / s["seconds"]
+            row["fraction_of_ideal"] = row["speedup"] / row["ideal_speedup"]
+        rows.append(row)
+    dil = [p for p in by["dilated"].values() if p["n"] >= slope_from]
+    return {"per_n": rows, "dilated_time_slope": slope(dil), "slope_range": [slope_from, max(by["dilated"])],
+            "dense_time_slope": slope(list(by["dense"].values()))}
 
 
 def _plot(result: dict, path: Path) -> None:
@@ -107,80 +171,104 @@ def _plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for method, style in (("dense", "o-"), ("dilated", "s-")):
-        pts = [p for p in result["points"] if p["method"] == method]
+        pts = [p for p in result["points"] if p["method"] == method and "seconds" in p]
         ns = [p["n"] for p in pts]
-        axes[0].loglog(ns, [p["seconds"] for p in pts], style, label=method, base=2)
-        axes[1].loglog(ns, [p["peak_rss_bytes"] / 2**20 for p in pts], style, label=method, base=2)
-        axes[2].loglog(ns, [p["saved_bytes"] / 2**20 for p in pts], style, label=method, base=2)
-    for ax, title in zip(axes, ("forward+backward seconds", "peak RSS increase (MiB)", "autograd saved (MiB)")):
+        axes[0].loglog(ns, [p["seconds"] * 1e3 for p in pts], style, label=method, base=2)
+        axes[1].loglog(ns, [max(p["extra_bytes"], 1) / 2**20 for p in pts], style, label=method, base=2)
+    for ax, title in zip(axes, ("forward+backward (ms)", "peak extra memory (MiB)")):
         ax.set_xlabel("sequence length N (tokens)")
         ax.set_title(title)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
-    cfg = result["config"]
-    fig.suptitle(f"causal attention on {result['device']}: {cfg['heads']} heads x {cfg['dim']}, fp32; dilated "
-                 f"w={cfg['segments']} r={cfg['rates']}")
+    c = result["config"]
+    fig.suptitle(f"causal attention on {result['device']['name']}: {c['heads']} heads x {c['dim']}, {c['dtype']}; "
+                 f"dilated w={c['segments']} r={c['rates']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
+def _device_info(device: str, threads: int) -> dict:
+    import torch
+    if device == "cuda":
+        return {"type": "cuda", "name": torch.cuda.get_device_name()}
+    name = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"type": "cpu", "name": name, "threads": threads, "cores_visible": os.cpu_count()}
+
+
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--lengths", default="1024,2048,4096,8192,16384")
-    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when visible")
+    p.add_argument("--dtype", help="default: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--lengths", help="comma-separated N (default per device)")
+    p.add_argument("--heads", type=int, default=12)
     p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--segments", default="512,1024,2048,4096")
-    p.add_argument("--rates", default="1,2,4,8")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--segments", default="2048,4096,8192")
+    p.add_argument("--rates", default="1,2,4")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--dense-max", type=int, help="skip dense above this N (default per device)")
+    p.add_argument("--slow-dense", type=int, default=1 << 62, help="time dense once (no repeats) above this N")
+    p.add_argument("--slope-from", type=int, help="fit the slope from this N up (default: second length)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--point", nargs=2, metavar=("METHOD", "N"), help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    segments = [int(x) for x in args.segments.split(",")]
-    rates = [int(x) for x in args.rates.split(",")]
-    if args.point:
-        print(json.dumps(_point(args.point[0], int(args.point[1]), args.heads, args.dim, segments, rates,
-                                args.repeats, args.threads)))
+    a = p.parse_args(argv)
+    if a.device is None:
+        import torch
+        a.device = "cuda" if torch.cuda.is_available() else "cpu"
+    a.dtype = a.dtype or ("bfloat16" if a.device == "cuda" else "float32")
+    a.segments = [int(x) for x in str(a.segments).split(",")]
+    a.rates = [int(x) for x in str(a.rates).split(",")]
+    if a.point:
+        print(json.dumps(_point(a.point[0], int(a.point[1]), a)))
         return 0
     import torch
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device != "cpu":
-        print("note: this script measures CPU kernels only; GPU points are not implemented", file=sys.stderr)
-        device = "cpu"
+    lengths = [int(x) for x in (a.lengths or DEFAULT_LENGTHS[a.device]).split(",")]
+    dense_max = a.dense_max if a.dense_max is not None else DEFAULT_DENSE_MAX[a.device]
     points = []
-    for n in [int(x) for x in args.lengths.split(",")]:
+    for n in lengths:
         for method in ("dense", "dilated"):
-            pt = _run_point(args, method, n)
+            if method == "dense" and n > dense_max:
+                pt = {"method": method, "n": n, "skipped": f"dense above --dense-max {dense_max}"}
+            else:
+                pt = _run_point(a, method, n)
             points.append(pt)
-            print(f"{method:8s} N={n:6d}  {pt['seconds']:8.3f} s  peak RSS +{pt['peak_rss_bytes'] / 2**20:8.1f} MiB"
-                  f"  saved {pt['saved_bytes'] / 2**20:8.1f} MiB", flush=True)
-    by = {m: [p for p in points if p["method"] == m] for m in ("dense", "dilated")}
-    longest = max(p["n"] for p in points)
-    t = {m: next(p["seconds"] for p in by[m] if p["n"] == longest) for m in by}
-    summary = {
-        "speedup_at_longest": t["dense"] / t["dilated"], "longest": longest,
-        "time_slope": {m: _slope(by[m], "seconds") for m in by},
-        "time_slope_upper_half": {m: _slope([p for p in by[m] if p["n"] >= longest // 4], "seconds") for m in by},
-        "saved_bytes_slope": {m: _slope(by[m], "saved_bytes") for m in by},
-        "peak_rss_slope": {m: _slope(by[m], "peak_rss_bytes") for m in by},
-    }
-    import platform
-    result = {"device": f"cpu ({platform.processor() or platform.machine()}, {args.threads} threads, "
-                        f"{os.cpu_count()} cores visible, shared with other jobs)",
-              "torch": torch.__version__,
-              "config": {"heads": args.heads, "dim": args.dim, "segments": segments, "rates": rates,
-                         "dtype": "float32", "causal": True, "batch": 1, "repeats": args.repeats},
-              "memory_methods": {"peak_rss_bytes": "ru_maxrss of a fresh subprocess minus its mark before the "
-                                                   "inputs were made",
+            if "seconds" in pt:
+                print(f"{method:8s} N={n:8d}  {pt['seconds'] * 1e3:10.2f} ms  extra {pt['extra_bytes'] / 2**20:9.1f} MiB"
+                      f"  saved {pt['saved_bytes'] / 2**20:9.1f} MiB", flush=True)
+            else:
+                print(f"{method:8s} N={n:8d}  {pt.get('error') or pt.get('skipped')}", flush=True)
+    summary = summarize(points, a.segments, a.rates, a.slope_from or lengths[min(1, len(lengths) - 1)])
+    result = {"benchmark": "attention", "device": _device_info(a.device, a.threads),
+              "command": "python benchmarks/attention.py " + shlex.join("OUT" if x.startswith("/") else x for x in argv),
+              "versions": {"python": platform.python_version(), "torch": torch.__version__},
+              "config": {"heads": a.heads, "dim": a.dim, "segments": a.segments, "rates": a.rates,
+                         "dtype": a.dtype, "causal": True, "batch": 1, "repeats": a.repeats},
+              "memory_methods": {"extra_bytes": ("cuda: max_memory_allocated during the step minus the bytes "
+                                                 "allocated before it (the inputs)" if a.device == "cuda" else
+                                                 "cpu: ru_maxrss of a fresh subprocess minus its mark before the "
+                                                 "inputs were made"),
                                  "saved_bytes": "bytes of distinct storages autograd saves for backward"},
               "points": points, "summary": summary}
-    out = Path(args.out)
+    out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "attention_cpu.json").write_text(json.dumps(result, indent=2) + "\n")
-    _plot(result, out / "attention_cpu.png")
-    print(json.dumps(summary, indent=2))
+    name = "gpu" if a.device == "cuda" else "cpu"
+    (out / f"attention_{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    _plot(result, out / f"attention_{name}.png")
+    for row in summary["per_n"]:
+        print(f"N={row['n']:8d}  ideal {row['ideal_speedup']:6.2f}x  achieved "
+              + (f"{row['speedup']:6.2f}x ({100 * row['fraction_of_ideal']:.0f}% of ideal)" if "speedup" in row
+                 else "-"))
+    print(f"dilated time slope (N >= {summary['slope_range'][0]}): {summary['dilated_time_slope']}")
     return 0
 
 

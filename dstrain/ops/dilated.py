@@ -24,6 +24,7 @@ from typing import Sequence
 import torch
 
 from dstrain.ops.attention import attention_with_lse, merge_attention
+from dstrain.ops.dilated_fused import fused_dilated_attention
 
 
 @dataclass(frozen=True)
@@ -104,13 +105,18 @@ def scatter_dilated(y: torch.Tensor, n: int, w: int, r: int, head_offset: int, f
     return full.reshape(b, h, n, d)
 
 
+def _dense(m: int, block: int, keep: float) -> bool:
+    """True when the block-sparse variant keeps every key of an ``m``-position dilated segment."""
+    return keep >= 1.0 or block <= 0 or m <= block
+
+
 def block_sparse_mask(m: int, block: int, keep: float, causal: bool, device=None,
                       dtype=torch.float32) -> torch.Tensor | None:
     """Additive ``[m, m]`` mask (0 kept, -inf dropped) of the block-sparse variant; None if nothing is dropped.
 
     Causality is folded in, so the attention call using it runs non-causal.
     """
-    if keep >= 1.0 or block <= 0 or m <= block:
+    if _dense(m, block, keep):
         return None
     if m % block:
         raise ValueError(f"sparse_block {block} must divide the dilated segment length {m}")
@@ -147,17 +153,26 @@ def branch_attention(q, k, v, branch: Branch, causal: bool, head_offset: int = 0
 def dilated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, branches: Sequence[Branch],
                       causal: bool = True, head_offset: int = 0, sparse_block: int = 0,
                       sparse_keep: float = 1.0, scale: float | None = None,
-                      return_lse: bool = False):
+                      return_lse: bool = False, fused: bool = True):
     """Multi-branch dilated attention on ``[B, H, N, D]`` tensors (heads ``head_offset..`` globally).
 
     Returns ``out [B, H, N, D]`` (and the merged ``lse [B, H, N]`` if ``return_lse``).
-    The default ``scale`` is ``1 / sqrt(D)``.
+    The default ``scale`` is ``1 / sqrt(D)``. Dense segments run as one fused autograd
+    function over all branches (:mod:`dstrain.ops.dilated_fused`; ``fused=False`` puts the
+    math stand-in in place of the kernels); the block-sparse variant runs a masked kernel
+    per branch.
     """
     if q.dim() != 4 or q.shape != k.shape or k.shape != v.shape:
         raise ValueError(f"dilated_attention expects q, k, v of one shape [B, H, N, D], got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
+    n = q.shape[2]
+    sizes = [br.effective(n) for br in branches]
+    if all(_dense(w // r, sparse_block, sparse_keep) for w, r in sizes):
+        out, lse = fused_dilated_attention(q, k, v, sizes, causal, head_offset, scale, fused=fused)
+        return (out, lse) if return_lse else out
+    # The block-sparse variant: one masked kernel call per branch, merged through autograd.
     pieces = [branch_attention(q, k, v, br, causal, head_offset, sparse_block, sparse_keep, scale)
               for br in branches]
     out, lse = merge_attention(pieces)
