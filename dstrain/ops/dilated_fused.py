@@ -158,6 +158,7 @@ class DilatedAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None
 
 
+@torch.compiler.disable  # a graph break under torch.compile: the loops and aten kernels run eagerly
 def fused_dilated_attention(q, k, v, branches: Sequence[tuple[int, int]], causal: bool = True,
                             head_offset: int = 0, scale: float | None = None, fused: bool = True):
     """``(out, lse)`` of multi-branch dilated attention; ``branches`` are effective ``(w, r)`` pairs."""

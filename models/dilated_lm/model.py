@@ -197,16 +197,18 @@ class DilatedLM(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token: ``6 * matmul params + 12 * L * d * sum_b min(w_b, T) / r_b``.
+        """Training FLOPs per token: ``6 * matmul params + 12 * L * d * sum_b min(w_b, T) / r_b^2``.
 
-        The second term is attention's two matmuls (forward 4 d per key, times 3),
-        each query seeing ``min(w, T) / r`` keys per branch (no causal halving, as PaLM counts).
+        The second term is attention's two matmuls (forward 4 d per key, times 3) as
+        computed: in branch ``(w, r)`` a head attends from ``1 / r`` of the positions (its
+        offset's), each to ``min(w, T) / r`` keys, so per token and head ``min(w, T) / r^2``
+        keys on average (no causal halving, as PaLM counts).
         """
         if seq_len <= 0:
             raise ValueError(f"seq_len must be positive, got {seq_len}")
         c = self.config
         matmul = sum(p.numel() for m in self.modules() if isinstance(m, nn.Linear) for p in m.parameters())
-        keys = sum(min(w, seq_len) / r for w, r in zip(c.segment_lengths, c.dilation_rates))
+        keys = sum(min(w, seq_len) / r ** 2 for w, r in zip(c.segment_lengths, c.dilation_rates))
         return int(6 * matmul + 12 * c.n_layer * c.n_embd * keys)
 
     def set_activation_checkpointing(self, flag: bool) -> None:

@@ -78,7 +78,12 @@ def test_flops_count_attention_per_branch():
     with torch.device("meta"):
         m = DilatedLM(_debug())
     c = m.config
-    keys = 32 / 1 + 64 / 2 + 128 / 4
+    # Keys each token attends to, averaged over heads, counted from the reference's masks (non-causal, as
+    # PaLM counts): a head sees a branch only at its own offset's positions.
+    from tests.dilated_reference import branch_mask
+    keys = sum(float(branch_mask(128, w, r, j % r, False).sum()) / 128 / c.n_head
+               for w, r in zip(c.segment_lengths, c.dilation_rates) for j in range(c.n_head))
+    assert keys == 32 / 1 + 64 / 4 + 128 / 16
     matmul = sum(p.numel() for mod in m.modules() if isinstance(mod, torch.nn.Linear) for p in mod.parameters())
     assert m.flops_per_token(128) == int(6 * matmul + 12 * c.n_layer * c.n_embd * keys)
 
