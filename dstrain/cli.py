@@ -43,7 +43,12 @@ def cmd_train(args, overrides) -> int:
     from dstrain.runtime import release_cpu_comm_buffer, shutdown_distributed, use_cpu_accelerator_if_no_gpu
     use_cpu_accelerator_if_no_gpu()
     from dstrain.trainers import get_trainer
-    summary = get_trainer(cfg.trainer).train(cfg)
+    try:
+        summary = get_trainer(cfg.trainer).train(cfg)
+    except BaseException:
+        if os.environ.get("DS_ACCELERATOR") == "cpu":  # peers are failing too; the file goes either way
+            release_cpu_comm_buffer(int(os.environ.get("RANK", 0)))
+        raise
     shutdown_distributed()  # a barrier first: every peer is done with this rank's shared memory
     if os.environ.get("DS_ACCELERATOR") == "cpu":
         release_cpu_comm_buffer(int(os.environ.get("RANK", 0)))
@@ -62,7 +67,7 @@ def cmd_launch(args, overrides) -> int:
     (and SIGHUP unless ignored) go to the launcher's whole process group; the
     return value is its exit status (128+N when killed by signal N).
     """
-    _load(args.recipe, overrides)  # fail here, once, rather than on every rank
+    cfg = _load(args.recipe, overrides)  # fail here, once, rather than on every rank
     import contextlib
     import signal
 
@@ -77,6 +82,11 @@ def cmd_launch(args, overrides) -> int:
     except (ValueError, OSError) as err:
         print(f"dstrain: error: {err}", file=sys.stderr)
         return EXIT_CONFIG
+    if not args.resume:
+        problem = _check_before_launch(cfg, args, env.get("DS_ACCELERATOR") or launcher.detect_accelerator())
+        if problem:
+            print(f"dstrain: error: {problem}", file=sys.stderr)
+            return EXIT_CONFIG
     print(launcher.format_command(argv, launcher.env_delta(env)), flush=True)
 
     if "--hostfile" in argv:  # DeepSpeed reads ~/NAME and ./NAME, NAME = $DS_ENV_FILE or .deepspeed_env
@@ -115,7 +125,49 @@ def cmd_launch(args, overrides) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if env.get("DS_ACCELERATOR") == "cpu":  # ranks that crashed or were killed leave theirs behind
+            from dstrain.runtime import release_job_comm_buffers
+            release_job_comm_buffers(args.master_port)
     return 128 - code if code < 0 else code
+
+
+def _check_before_launch(cfg, args, accelerator: str) -> str | None:
+    """Resolve the run as rank 0 will, with the launch's world size; the problem, or None.
+
+    The factory's plan (precision the device can run, the DeepSpeed JSON filled and
+    checked against the recipe) and DeepSpeed's own strict parsing of every section:
+    a config that would stop inside the ranks stops here, before anything starts or
+    is written. Where include/exclude filters decide the world size, or the ranks run
+    on other hosts, memory is not judged here (the ranks see their own devices).
+    """
+    from dstrain import launcher
+    from dstrain.config import ConfigError
+    from dstrain.engine.ds_check import deepspeed_problems
+    from dstrain.engine.ds_config import DSConfigError
+    from dstrain.engine.factory import plan_engine
+    from dstrain.engine.profiles import PlanError
+    spec = launcher.spec_from_args(args, [])
+    sizes = launcher.launch_world_size(spec, torchrun=args.launcher == "torchrun")
+    world, per_node = sizes if sizes is not None else (1, 1)
+    device = "cuda" if accelerator == "cuda" else "cpu"
+    saved = os.environ.get("DS_ACCELERATOR")
+    os.environ["DS_ACCELERATOR"] = device  # the child's environment is already built
+    try:
+        plan = plan_engine(cfg, world, ranks_per_node=per_node, device_type=device)
+        problems = deepspeed_problems(plan.ds_config)
+        if problems:
+            raise DSConfigError(cfg.deepspeed.profile, problems)
+    except PlanError as err:
+        local = sizes is not None and (spec.hostfile is None or world == per_node)
+        return str(err) if local else None
+    except (ConfigError, DSConfigError, ValueError) as err:
+        return str(err)
+    finally:
+        if saved is None:
+            os.environ.pop("DS_ACCELERATOR", None)
+        else:
+            os.environ["DS_ACCELERATOR"] = saved
+    return None
 
 
 def cmd_plan(args, overrides) -> int:

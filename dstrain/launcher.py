@@ -190,6 +190,22 @@ def _hostfile_hosts(spec: LaunchSpec) -> list[tuple[str, int]]:
     return hosts
 
 
+def launch_world_size(spec: LaunchSpec, torchrun: bool = False,
+                      local_hosts: Collection[str] | None = None) -> tuple[int, int] | None:
+    """``(ranks in all, ranks per node)`` the launch will start, or None where include/exclude decide it."""
+    if spec.include or spec.exclude:
+        return None
+    if spec.hostfile is None:
+        nodes = spec.num_nodes or 1 if torchrun else 1
+        return spec.nproc * nodes, spec.nproc
+    hosts = _hostfile_hosts(spec)
+    local_names = local_hostnames() if local_hosts is None else frozenset(local_hosts)
+    per = [spec.nproc if spec.nproc > 1 else slots for _, slots in hosts]
+    if len(hosts) == 1 and hosts[0][0] in local_names:
+        return per[0], per[0]
+    return sum(per), max(per)
+
+
 def _rename_filter_host(filter_str: str, old: str, new: str) -> str:
     """Rename a host inside a DeepSpeed include/exclude string."""
     parts = []

@@ -145,6 +145,22 @@ def prebuild_cpu_ops() -> list[str]:
     return built
 
 
+def release_job_comm_buffers(master_port: int) -> int:
+    """Remove every rank's CPU allreduce buffer of the local job on ``master_port``; returns how many.
+
+    The launcher calls this when the job has ended, however it ended: a rank killed
+    with SIGKILL, or one that died before reaching its own clean-up, leaves its file.
+    """
+    import contextlib
+    import glob
+    removed = 0
+    for path in glob.glob(os.path.join("/dev/shm", f"deepspeed_allreduce_buffer_{os.getuid()}_*_{master_port}_*")):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+            removed += 1
+    return removed
+
+
 def release_cpu_comm_buffer(rank: int) -> None:
     """Remove this rank's /dev/shm buffer of DeepSpeed's CPU shared-memory allreduce.
 

@@ -110,6 +110,7 @@ def plan_engine(cfg: RunConfig, world_size: int, hw=None, hw_notes: str = "",
     resolved = dsc.fill_ds_config(fill_zero_sizes(template, stats.params, stats.hidden_size), values, source)
     optimizer, resolved = choose_optimizer(resolved, cfg.train.optimizer, hw.device_type, values)
     resolved, amp_note = mixed_precision(resolved, template, ds.mixed_precision, hw.device_type)
+    resolved, section_notes = user_sections(resolved, cfg.output.dir, source)
     compile_ = cfg.train.compile if isinstance(cfg.train.compile, bool) else hw.device_type == "cuda"
     table = format_plan(plan, stats, hw, dims.replica_size, cfg.train.micro_batch)
     layout = (f"parallel layout: dp {dims.dp} x tp {dims.tp} x sp {dims.sp} = {world_size} ranks; model states "
@@ -119,13 +120,64 @@ def plan_engine(cfg: RunConfig, world_size: int, hw=None, hw_notes: str = "",
                                         f"precision {precision}, activation checkpointing "
                                         f"{'on' if ckpt else 'off'}, torch.compile {'on' if compile_ else 'off'}"
                                         f" (train.compile={cfg.train.compile})",
-                                        amp_note, optimizer.description) if x)
+                                        amp_note, optimizer.description, *section_notes) if x)
     # A full fp32 copy of the model on every local rank at once must leave half the RAM free.
     shard = (4 * stats.params * hw.ranks_per_node > 0.5 * hw.host_memory
              if ds.zero_init == "auto" else ds.zero_init)
     return EnginePlan(profile=profile, ds_config=resolved, precision=precision,
                       activation_checkpointing=ckpt, explanation=explanation, plan=plan,
                       shard_at_build=shard, optimizer=optimizer, compile=compile_)
+
+
+_MONITOR_PATHS = (("tensorboard", "output_path"), ("csv_monitor", "output_path"),
+                  ("flops_profiler", "output_file"))
+_DS_CHECKPOINTING_KEYS = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
+                          "synchronize_checkpoint_boundary", "profile")
+
+
+def user_sections(resolved: dict, out_dir: str, source: str) -> tuple[dict, list[str]]:
+    """Monitors, profilers and DeepSpeed's activation-checkpointing block as dstrain runs them.
+
+    Relative monitor paths (``tensorboard.output_path``, ``csv_monitor.output_path``,
+    ``flops_profiler.output_file``) resolve inside the run's output folder, and an enabled
+    monitor without one writes there too (DeepSpeed's default is the working directory).
+    ``wandb`` needs the wandb package (run it offline with ``WANDB_MODE=offline``).
+    DeepSpeed's ``activation_checkpointing`` block acts only on models that call
+    ``deepspeed.checkpointing``; dstrain's models checkpoint through their own
+    ``parallelize`` (``deepspeed.activation_checkpointing``), so a block that turns any
+    of its features on is refused by name, and an all-off block is dropped with a note.
+    Returns ``(the JSON for DeepSpeed, notes)``; raises DSConfigError naming the key.
+    """
+    import importlib.util
+    import os
+    out = dict(resolved)
+    notes = []
+    for section, key in _MONITOR_PATHS:
+        block = out.get(section)
+        if not isinstance(block, dict) or block.get("enabled") is not True:
+            continue
+        path = block.get(key)
+        if not path:
+            path = "ds_" + section + (".txt" if key == "output_file" else "")
+        if not os.path.isabs(str(path)):
+            out[section] = {**block, key: os.path.join(out_dir, str(path))}
+            notes.append(f"{section}.{key} -> {out[section][key]}")
+    wandb = out.get("wandb")
+    if isinstance(wandb, dict) and wandb.get("enabled") is True and importlib.util.find_spec("wandb") is None:
+        raise dsc.DSConfigError(source, "wandb.enabled: the wandb package is not installed here (pip install "
+                                        "wandb, and WANDB_MODE=offline without network), or set it to false")
+    ac = out.get("activation_checkpointing")
+    if isinstance(ac, dict):
+        on = [k for k in _DS_CHECKPOINTING_KEYS if ac.get(k) is True]
+        if on:
+            raise dsc.DSConfigError(source, f"activation_checkpointing.{on[0]}: DeepSpeed's activation-"
+                                            "checkpointing block only acts on models that call deepspeed."
+                                            "checkpointing, which dstrain's models do not; remove the block "
+                                            "and use --deepspeed.activation_checkpointing=true")
+        out.pop("activation_checkpointing")
+        notes.append("activation_checkpointing block (all features off) dropped: dstrain's models checkpoint "
+                     "through deepspeed.activation_checkpointing")
+    return out, notes
 
 
 def mixed_precision(resolved: dict, template: dict, mode: str, device_type: str) -> tuple[dict, str]:
