@@ -36,13 +36,58 @@ def _load(recipe: str, overrides: list[str], resume: bool = False):
     return cfg
 
 
+def _adopt(cfg, world_size: int) -> list[tuple[str, object, str]]:
+    """``deepspeed.values_from_file``: the DeepSpeed JSON's explicit values into ``cfg``; what changed."""
+    from dstrain.engine.ds_preflight import adopt_file_values
+    return adopt_file_values(cfg, world_size)
+
+
+_TRAIN_STARTED = False
+"""Set once a rank's checks have passed and its trainer starts (see :func:`_reports_failure`)."""
+
+
+def _reports_failure() -> bool:
+    """Whether this rank prints its failure: once per job, by the first rank that failed.
+
+    Checks before the trainer starts find the same on every rank: rank 0 reports. After
+    that, the first rank to fail claims ``$DSTRAIN_FAILURE_DIR/first_failure`` (a folder
+    ``dstrain launch`` makes for the job) before its process exits, so that the ranks its
+    exit breaks (gloo's "Connection closed by peer" and the like) stay quiet. Without the
+    folder (ranks started by hand) every rank reports.
+    """
+    if not _TRAIN_STARTED:
+        return int(os.environ.get("RANK", 0)) == 0
+    folder = os.environ.get("DSTRAIN_FAILURE_DIR")
+    if not folder:
+        return True
+    try:
+        fd = os.open(os.path.join(folder, "first_failure"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    except OSError:
+        return True
+    os.write(fd, os.environ.get("RANK", "0").encode())
+    os.close(fd)
+    return True
+
+
 # ---------------------------------------------------------------- subcommands
 
 def cmd_train(args, overrides) -> int:
+    """One rank: the checks ``dstrain launch`` runs (refused before anything is written), then the trainer."""
+    global _TRAIN_STARTED
     cfg = _load(args.recipe, overrides, args.resume)
     from dstrain.runtime import release_cpu_comm_buffer, shutdown_distributed, use_cpu_accelerator_if_no_gpu
     use_cpu_accelerator_if_no_gpu()
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    adopted = _adopt(cfg, world)
+    from dstrain.engine.ds_preflight import check_run
+    check_run(cfg, world, "cpu" if os.environ.get("DS_ACCELERATOR") == "cpu" else "cuda")
+    if adopted and int(os.environ.get("RANK", 0)) == 0:
+        for key, value, where in adopted:
+            print(f"dstrain: {key}={value} adopted from {where}", flush=True)
     from dstrain.trainers import get_trainer
+    _TRAIN_STARTED = True
     try:
         summary = get_trainer(cfg.trainer).train(cfg)
     except BaseException:
@@ -69,9 +114,20 @@ def cmd_launch(args, overrides) -> int:
     """
     cfg = _load(args.recipe, overrides)  # fail here, once, rather than on every rank
     import contextlib
+    import shutil
     import signal
+    import tempfile
 
     from dstrain import launcher
+    try:
+        sizes = launcher.launch_world_size(launcher.spec_from_args(args, []), torchrun=args.launcher == "torchrun")
+    except (ValueError, OSError):
+        sizes = None  # a bad launch spec: the command builder below names the problem
+    adopted = _adopt(cfg, sizes[0] if sizes else 1)
+    for key, value, where in adopted:
+        print(f"dstrain: {key}={value} adopted from {where}", file=sys.stderr)
+    from dstrain.engine.ds_preflight import adopted_overrides
+    overrides = [*overrides, *adopted_overrides(adopted)]  # the ranks see them on their command line
     if args.master_port is None:  # one node: any free port; several: the one port every node can agree on
         one_node = args.hostfile is None and (args.num_nodes or 1) == 1
         args.master_port = launcher.find_free_port() if one_node else launcher.DEFAULT_MASTER_PORT
@@ -110,6 +166,7 @@ def cmd_launch(args, overrides) -> int:
     if args.dry_run:
         return 0
 
+    env["DSTRAIN_FAILURE_DIR"] = failures = tempfile.mkdtemp(prefix="dstrain-job-")  # see _reports_failure
     proc = subprocess.Popen(argv, env=env, start_new_session=True)  # own group: Ctrl-C reaches us only
 
     def forward(signum, _frame):
@@ -128,6 +185,7 @@ def cmd_launch(args, overrides) -> int:
         if env.get("DS_ACCELERATOR") == "cpu":  # ranks that crashed or were killed leave theirs behind
             from dstrain.runtime import release_job_comm_buffers
             release_job_comm_buffers(args.master_port)
+        shutil.rmtree(failures, ignore_errors=True)
     return 128 - code if code < 0 else code
 
 
@@ -153,6 +211,9 @@ def _check_before_launch(cfg, args, accelerator: str) -> str | None:
     saved = os.environ.get("DS_ACCELERATOR")
     os.environ["DS_ACCELERATOR"] = device  # the child's environment is already built
     try:
+        from dstrain.engine.ds_preflight import check_run
+        for note in check_run(cfg, world, device):  # the user's file against the run and this device
+            print(f"dstrain: note: {note}", file=sys.stderr)
         plan = plan_engine(cfg, world, ranks_per_node=per_node, device_type=device)
         problems = deepspeed_problems(plan.ds_config)
         if problems:
@@ -201,7 +262,7 @@ def cmd_check_config(args, overrides) -> int:
         print(f"{args.file}: valid run config")
         return 0
     from dstrain.engine.ds_check import check_ds_file
-    print(check_ds_file(args.file))
+    print(check_ds_file(args.file, device_type=args.device, world_size=args.world_size))
     return 0
 
 
@@ -252,6 +313,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("check-config", allow_abbrev=False, help="validate a run config or a DeepSpeed JSON")
     c.add_argument("file")
+    c.add_argument("--device", choices=["cpu", "cuda"], help="device a DeepSpeed JSON is checked for "
+                                                             "(default: this machine's)")
+    c.add_argument("--world-size", type=int, help="data-parallel ranks for a DeepSpeed JSON's batch keys "
+                                                  "(default: inferred from them, else 1)")
     c.set_defaults(func=cmd_check_config)
 
     e = sub.add_parser("export", allow_abbrev=False, help="consolidated fp32 safetensors from a checkpoint")
@@ -279,14 +344,28 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args, overrides)
     except (ConfigError, DSConfigError, PlanError, RunFolderError) as err:
-        print(f"dstrain: error: {err}", file=sys.stderr)
+        if args.command != "train" or _reports_failure():
+            print(f"dstrain: error: {err}", file=sys.stderr)
         return EXIT_CONFIG
     except (FileNotFoundError, ValueError) as err:
         if args.command in ("export", "check-config", "plan"):
             print(f"dstrain: error: {err}", file=sys.stderr)
             return EXIT_CONFIG
+        if args.command == "train":
+            return _rank_failed()
+        raise
+    except Exception:
+        if args.command == "train":
+            return _rank_failed()
         raise
 
+
+def _rank_failed() -> int:
+    """A rank's unexpected error: its traceback if it is the first rank to fail, else nothing (exit 1)."""
+    if _reports_failure():
+        import traceback
+        traceback.print_exc()
+    return 1
 
 if __name__ == "__main__":
     code = main()

@@ -114,6 +114,10 @@ class DeepSpeedConfig:
     """How bf16 runs: deepspeed (16-bit weights, fp32 master copy in DeepSpeed's optimizer wrapper) |
     autocast (fp32 weights, ``torch.autocast`` in the forward, DeepSpeed's ``torch_autocast``) | auto
     (autocast on GPUs without ZeRO partitioning when the profile leaves bf16 to the factory, else deepspeed)."""
+    values_from_file: bool = False
+    """A named DeepSpeed JSON's explicit batch sizes, lr (and Adam numbers), gradient clipping, warm-up and
+    precision replace the run config's (each adopted value is reported); false: a disagreement is refused
+    before launch with the overrides that would make them agree."""
     zero_init: Any = "auto"
     """ZeRO-3: build the model already sharded (``deepspeed.zero.Init``): auto | true | false.
     auto does so when a full fp32 copy per local rank would take over half the RAM."""

@@ -19,37 +19,69 @@ def _explicit(value):
     return None if isinstance(value, str) and value.strip().lower() == "auto" else value
 
 
-def values_from_file(cfg: dict, hidden_size: int = 1024) -> RunValues:
-    """The run numbers a DeepSpeed JSON implies by itself (defaults where it says "auto")."""
+def _number(cfg: dict, path: str, kind, positive: bool = True):
+    """An explicit number at dotted ``path`` of ``cfg`` (None when absent or "auto"); DSConfigError-ready text else."""
+    node = cfg
+    for part in path.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    value = _explicit(node)
+    if value is None:
+        return None, None
+    ok = isinstance(value, kind) and not isinstance(value, bool) and (value > 0 if positive else value >= 0)
+    if not ok:
+        want = "a positive integer" if kind is int else ("a positive number" if positive else "a number >= 0")
+        return None, f"{path}: must be {want} or \"auto\", file says {value!r}"
+    return value, None
+
+
+def values_from_file(cfg: dict, hidden_size: int = 1024, world_size: int | None = None) -> RunValues:
+    """The run numbers a DeepSpeed JSON implies by itself (defaults where it says "auto").
+
+    The batch keys follow DeepSpeed's derivation (any two of the three with the world
+    size). Without ``world_size`` it is inferred from all three keys when the file has
+    them, else 1. Numbers of the wrong kind raise DSConfigError naming their key.
+    """
+    from dstrain.engine.ds_config import implied_batch
     t = TrainConfig()
-    micro = _explicit(cfg.get("train_micro_batch_size_per_gpu")) or t.micro_batch
-    accum = _explicit(cfg.get("gradient_accumulation_steps")) or t.grad_accum
-    world = 1
-    total = _explicit(cfg.get("train_batch_size"))
-    if isinstance(total, int) and isinstance(micro, int) and isinstance(accum, int) and micro * accum:
-        world = max(1, total // (micro * accum))
+    problems = []
+    found = {}
+    for path, kind, positive in (("train_batch_size", int, True), ("train_micro_batch_size_per_gpu", int, True),
+                                 ("gradient_accumulation_steps", int, True), ("gradient_clipping", (int, float), False),
+                                 ("optimizer.params.lr", (int, float), False),
+                                 ("optimizer.params.eps", (int, float), True),
+                                 ("optimizer.params.weight_decay", (int, float), False),
+                                 ("scheduler.params.total_num_steps", int, True),
+                                 ("scheduler.params.warmup_num_steps", int, False),
+                                 ("scheduler.params.cos_min_ratio", (int, float), False)):
+        value, problem = _number(cfg, path, kind, positive)
+        if problem:
+            problems.append(problem)
+        found[path] = value
+    if problems:
+        raise DSConfigError("", problems)
+    tb, mb, ga = (found[k] for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                                      "gradient_accumulation_steps"))
+    world = world_size
+    if world is None:
+        world = max(1, tb // (mb * ga)) if tb and mb and ga else 1
+    micro, accum, _ = implied_batch(cfg, world, mb or t.micro_batch, ga or t.grad_accum)
     params = cfg.get("optimizer", {}).get("params", {}) if isinstance(cfg.get("optimizer"), dict) else {}
-    sched = cfg.get("scheduler", {}).get("params", {}) if isinstance(cfg.get("scheduler"), dict) else {}
+    params = params if isinstance(params, dict) else {}
+    betas = _explicit(params.get("betas"))
     precision = "fp32"
     for key in ("bf16", "fp16"):
         section = cfg.get(key)
         if isinstance(section, dict) and section.get("enabled") is True:
             precision = key
-    clip = _explicit(cfg.get("gradient_clipping"))
-    steps = _explicit(sched.get("total_num_steps")) or t.steps
-    ratio = _explicit(sched.get("cos_min_ratio"))
+    pick = lambda path, default: default if found[path] is None else found[path]  # noqa: E731
     return RunValues(
-        micro_batch=micro if isinstance(micro, int) else t.micro_batch,
-        grad_accum=accum if isinstance(accum, int) else t.grad_accum, dp_world_size=world,
-        lr=_explicit(params.get("lr")) or t.lr,
-        betas=tuple(_explicit(params.get("betas")) or t.betas),
-        eps=_explicit(params.get("eps")) or t.eps,
-        weight_decay=_explicit(params.get("weight_decay")) if _explicit(params.get("weight_decay")) is not None
-        else t.weight_decay,
-        grad_clip=clip if clip is not None else t.grad_clip, precision=precision,
-        hidden_size=hidden_size, total_steps=steps if isinstance(steps, int) else t.steps,
-        warmup_steps=_explicit(sched.get("warmup_num_steps")) or t.warmup_steps,
-        min_lr_ratio=ratio if isinstance(ratio, (int, float)) else t.min_lr_ratio)
+        micro_batch=micro or mb or t.micro_batch, grad_accum=accum or ga or t.grad_accum, dp_world_size=world,
+        lr=pick("optimizer.params.lr", t.lr), betas=tuple(betas) if isinstance(betas, list) else t.betas,
+        eps=pick("optimizer.params.eps", t.eps), weight_decay=pick("optimizer.params.weight_decay", t.weight_decay),
+        grad_clip=pick("gradient_clipping", t.grad_clip), precision=precision, hidden_size=hidden_size,
+        total_steps=pick("scheduler.params.total_num_steps", t.steps),
+        warmup_steps=pick("scheduler.params.warmup_num_steps", t.warmup_steps),
+        min_lr_ratio=pick("scheduler.params.cos_min_ratio", t.min_lr_ratio))
 
 
 def _placeholders(node, key: str = ""):
@@ -63,16 +95,35 @@ def _placeholders(node, key: str = ""):
     return node
 
 
-def deepspeed_problems(cfg: dict, full_parse: bool = True) -> list[str]:
-    """Problems DeepSpeed's own config classes find in a filled config (strict: unknown keys too)."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from deepspeed.runtime.config import DeepSpeedConfig
+def _strict_sections():
+    from deepspeed.comm.config import CommsLoggerConfig
+    from deepspeed.monitor.config import CometConfig, CSVConfig, TensorBoardConfig, WandbConfig
     from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    return {"zero_optimization": DeepSpeedZeroConfig, "bf16": DeepSpeedBF16Config, "fp16": DeepSpeedFP16Config,
+            "tensorboard": TensorBoardConfig, "csv_monitor": CSVConfig, "wandb": WandbConfig, "comet": CometConfig,
+            "comms_logger": CommsLoggerConfig}
+
+
+def deepspeed_problems(cfg: dict, full_parse: bool = True) -> list[str]:
+    """Problems DeepSpeed's own config classes find in a filled config (strict: unknown keys too).
+
+    The pydantic sections are parsed with ``strict=True`` (DeepSpeed's default drops unknown
+    keys silently); then the whole config goes through ``DeepSpeedConfig``, which sees a
+    world of one rank outside a job: the batch identity (checked by dstrain with the real
+    world size) is given to it as one rank's share. The process's ``DS_ACCELERATOR`` is
+    left as it was.
+    """
+    saved = os.environ.get("DS_ACCELERATOR")
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        from deepspeed.runtime.config import DeepSpeedConfig
+        strict = _strict_sections()
+    finally:
+        if saved is None:
+            os.environ.pop("DS_ACCELERATOR", None)
 
     problems = []
-    strict = {"zero_optimization": DeepSpeedZeroConfig, "bf16": DeepSpeedBF16Config,
-              "fp16": DeepSpeedFP16Config}
     for key, model in strict.items():
         section = cfg.get(key)
         if isinstance(section, dict):
@@ -82,27 +133,55 @@ def deepspeed_problems(cfg: dict, full_parse: bool = True) -> list[str]:
                 detail = " ".join(str(err).split())
                 problems.append(f"{key}: DeepSpeed rejects it: {detail[:400]}")
     if not problems and full_parse:
+        one_rank = dict(cfg)
+        mb, ga = cfg.get("train_micro_batch_size_per_gpu"), cfg.get("gradient_accumulation_steps")
+        if isinstance(mb, int) and isinstance(ga, int):
+            one_rank["train_batch_size"] = mb * ga
         try:
-            DeepSpeedConfig(dict(cfg))
+            DeepSpeedConfig(one_rank)
         except Exception as err:
             problems.append(f"DeepSpeed's config parser: {' '.join(str(err).split())[:400]}")
     return problems
 
 
-def check_ds_file(path: str | Path) -> str:
-    """Validate a DeepSpeed JSON; return a one-line summary or raise DSConfigError listing every problem."""
+def check_ds_file(path: str | Path, device_type: str | None = None, world_size: int | None = None) -> str:
+    """Validate a DeepSpeed JSON; return a one-line summary or raise DSConfigError listing every problem.
+
+    ``device_type`` ("cpu" / "cuda", default: this machine's) decides what the device can
+    run (fp16 on a CPU); ``world_size`` the batch derivation (default: inferred).
+    """
+    from dstrain.engine.ds_sections import section_problems
     source = str(path)
     cfg = load_ds_json(path)
+    if device_type is None:
+        device_type = _this_device()
     try:
-        filled, problems = fill_ds_config(cfg, values_from_file(cfg), source), []
+        values = values_from_file(cfg, world_size=world_size)
+    except DSConfigError as err:
+        raise DSConfigError(source, err.problems) from None
+    try:
+        filled, problems = fill_ds_config(cfg, values, source), []
     except DSConfigError as err:
         filled, problems = _placeholders(cfg), list(err.problems)
+    found, notes = section_problems(filled, device_type)
+    problems += found
     problems += deepspeed_problems(filled, full_parse=not problems)
     if problems:
         raise DSConfigError(source, problems)
     zero = describe_zero(filled)
     autos = sorted(k for k, v in cfg.items() if _explicit(v) is None and v is not None)
     offload = [name for name in ("optimizer", "param") if zero[f"offload_{name}"]]
-    return (f"{source}: valid DeepSpeed config: ZeRO stage {zero['stage']}"
-            f"{', offload ' + ' and '.join(offload) if offload else ''}"
-            f"{'; filled by the run: ' + ', '.join(autos) if autos else ''}")
+    batch = (f"; batch {filled['train_micro_batch_size_per_gpu']} x {filled['gradient_accumulation_steps']} x "
+             f"{values.dp_world_size} rank{'s' if values.dp_world_size != 1 else ''}")
+    return (f"{source}: valid DeepSpeed config for {device_type}: ZeRO stage {zero['stage']}"
+            f"{', offload ' + ' and '.join(offload) if offload else ''}{batch}"
+            f"{'; filled by the run: ' + ', '.join(autos) if autos else ''}"
+            f"{''.join('; ' + n for n in notes)}")
+
+
+def _this_device() -> str:
+    try:
+        import torch
+        return "cuda" if torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu" else "cpu"
+    except ImportError:
+        return "cpu"

@@ -90,17 +90,84 @@ _SCHED_FILL_MISSING = {
 
 
 class DSConfigError(ValueError):
-    """A DeepSpeed JSON profile that dstrain refuses; the message names the file and every problem."""
+    """A DeepSpeed JSON profile that dstrain refuses; the message names the file and every problem.
 
-    def __init__(self, source: str, problems: str | list[str]):
+    ``fixes`` maps run-config keys to the values that would make the run agree with the
+    file (``{"train.lr": "0.0003"}``); when every problem is such a disagreement the
+    message is one line ending with the overrides to use.
+    """
+
+    def __init__(self, source: str, problems: str | list[str], fixes: dict[str, str] | None = None,
+                 mismatches: int = 0):
         self.source = str(source)
         self.problems = [problems] if isinstance(problems, str) else list(problems)
-        if len(self.problems) == 1:
+        self.fixes = dict(fixes or {})
+        hint = ""
+        if self.fixes:
+            hint = (f"use {' '.join(f'--{k}={v}' for k, v in self.fixes.items())}, or set them to \"auto\" in "
+                    "the file, or pass --deepspeed.values_from_file=true to take them from the file")
+        if mismatches and mismatches == len(self.problems) and hint:
+            msg = f"{self.source}: the file disagrees with the run config: {'; '.join(self.problems)}; {hint}"
+        elif len(self.problems) == 1 and not hint:
             msg = f"{self.source}: {self.problems[0]}"
         else:
-            body = "\n".join(f"  - {p}" for p in self.problems)
+            items = self.problems + ([hint] if hint else [])
+            body = "\n".join(f"  - {p}" for p in items)
             msg = f"{self.source}: {len(self.problems)} problems:\n{body}"
         super().__init__(msg)
+
+
+class _Problems(list):
+    """Problems found while filling, plus the run-config overrides that would fix the disagreements."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.fixes: dict[str, str] = {}
+        self.unfixable: set[str] = set()
+        self.mismatches = 0
+
+    def mismatch(self, text: str, run_key: str | None, value) -> None:
+        self.append(text)
+        self.mismatches += 1
+        if run_key is None:
+            return
+        shown = format_override(value)
+        if self.fixes.get(run_key, shown) != shown:
+            self.unfixable.add(run_key)
+        self.fixes[run_key] = shown
+
+    def error(self, source: str) -> DSConfigError:
+        fixes = {k: v for k, v in self.fixes.items() if k not in self.unfixable}
+        return DSConfigError(source, list(self), fixes if not self.unfixable else {}, self.mismatches)
+
+
+def format_override(value) -> str:
+    """A value as it is written after ``--key=`` on the command line (JSON, no spaces)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(format_override(v) for v in value) + "]"
+    if isinstance(value, float):
+        return repr(value)
+    return str(value)
+
+
+#: Where each value a DeepSpeed JSON may fix lives in the run config.
+RUN_KEYS: dict[str, str] = {
+    "train_micro_batch_size_per_gpu": "train.micro_batch",
+    "gradient_accumulation_steps": "train.grad_accum",
+    "gradient_clipping": "train.grad_clip",
+    "optimizer.params.lr": "train.lr",
+    "optimizer.params.betas": "train.betas",
+    "optimizer.params.eps": "train.eps",
+    "optimizer.params.weight_decay": "train.weight_decay",
+    "scheduler.params.total_num_steps": "train.steps",
+    "scheduler.params.warmup_num_steps": "train.warmup_steps",
+    "scheduler.params.cos_min_ratio": "train.min_lr_ratio",
+    "scheduler.params.warmup_max_lr": "train.lr",
+    "bf16.enabled": "deepspeed.precision",
+    "fp16.enabled": "deepspeed.precision",
+}
 
 
 def ds_configs_dir() -> Path:
@@ -212,18 +279,21 @@ class RunValues:
     min_lr_ratio: float
 
     def __post_init__(self):
-        for name in ("micro_batch", "grad_accum", "dp_world_size", "hidden_size", "total_steps"):
+        keys = {"micro_batch": "train.micro_batch", "grad_accum": "train.grad_accum",
+                "dp_world_size": "data-parallel world size", "hidden_size": "model hidden size",
+                "total_steps": "train.steps"}
+        for name, key in keys.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"RunValues.{name} must be a positive int, got {value!r}")
+                raise ValueError(f"{key} must be a positive integer, got {value!r}")
         if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            raise ValueError(f"RunValues.warmup_steps must be a non-negative int, got {self.warmup_steps!r}")
+            raise ValueError(f"train.warmup_steps must be a non-negative integer, got {self.warmup_steps!r}")
         if self.precision not in PRECISIONS:
-            raise ValueError(f"RunValues.precision must be one of {PRECISIONS}, got {self.precision!r}")
+            raise ValueError(f"deepspeed.precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if len(tuple(self.betas)) != 2:
-            raise ValueError(f"RunValues.betas must be two numbers, got {self.betas!r}")
+            raise ValueError(f"train.betas must be two numbers, got {self.betas!r}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"RunValues.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+            raise ValueError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
 
     @property
     def train_batch_size(self) -> int:
@@ -269,27 +339,95 @@ def _fill(section: dict, key: str, value, path: str, problems: list[str], *,
     if _is_auto(current):
         section[key] = value
     elif not _same(current, value):
-        problems.append(f"{path}: file says {_fmt(current)}, run gives {run_text or _fmt(value)}")
+        text = f"{path}: file says {_fmt(current)}, run gives {run_text or _fmt(value)}"
+        if isinstance(problems, _Problems) and _is_number_like(current, value):
+            problems.mismatch(text, RUN_KEYS.get(path), current)
+        else:
+            problems.append(text)
 
 
-def _fill_batch(cfg: dict, v: RunValues, problems: list[str]) -> None:
-    run = {"train_batch_size": v.train_batch_size, "train_micro_batch_size_per_gpu": v.micro_batch,
-           "gradient_accumulation_steps": v.grad_accum}
+def _is_number_like(file_value, run_value) -> bool:
+    """A file value of the same kind as the run's (so an override can carry it)."""
+    if isinstance(run_value, (list, tuple)):
+        return isinstance(file_value, (list, tuple)) and all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) for x in file_value)
+    return isinstance(file_value, (int, float)) and not isinstance(file_value, bool)
+
+
+def implied_batch(cfg: dict, dp: int, micro_batch: int, grad_accum: int) -> tuple[int | None, int | None, list[str]]:
+    """The micro-batch and gradient accumulation a file's explicit batch keys imply on ``dp`` ranks.
+
+    DeepSpeed's rule: any two of train_batch_size, train_micro_batch_size_per_gpu and
+    gradient_accumulation_steps fix the third with the data-parallel world size; a lone
+    train_batch_size or micro-batch leaves the other to the run (DeepSpeed itself would take
+    gradient accumulation 1). Returns ``(micro, accum, problems)``; ``None`` where the file
+    leaves the value to the run, problems for keys that cannot agree on any run.
+    """
     explicit = {k: cfg[k] for k in _BATCH_KEYS if k in cfg and not _is_auto(cfg[k])}
+    problems = []
     for key, value in explicit.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             problems.append(f"{key}: must be a positive integer or \"auto\", file says {_fmt(value)}")
-    if len(explicit) == 3 and all(isinstance(x, int) and not isinstance(x, bool) for x in explicit.values()):
-        tb, mb, ga = (explicit[k] for k in _BATCH_KEYS)
-        if tb != mb * ga * v.dp_world_size:
+    if problems:
+        return None, None, problems
+    tb = explicit.get("train_batch_size")
+    mb = explicit.get("train_micro_batch_size_per_gpu")
+    ga = explicit.get("gradient_accumulation_steps")
+    ranks = f"{dp} data-parallel rank{'s' if dp != 1 else ''}"
+    if tb is not None and mb is not None and ga is not None:
+        if tb != mb * ga * dp:
             problems.append(
                 f"batch keys disagree among themselves: train_batch_size {tb} != train_micro_batch_size_per_gpu "
-                f"{mb} x gradient_accumulation_steps {ga} x {v.dp_world_size} data-parallel ranks = "
-                f"{mb * ga * v.dp_world_size} (DeepSpeed asserts this at start-up)")
-    run_text = {"train_batch_size": f"{v.micro_batch} x {v.grad_accum} x {v.dp_world_size} = {v.train_batch_size} "
-                                    "(micro-batch x grad-accum x data-parallel ranks)"}
-    for key in _BATCH_KEYS:
-        _fill(cfg, key, run[key], key, problems, fill_missing=True, run_text=run_text.get(key))
+                f"{mb} x gradient_accumulation_steps {ga} x {dp} data-parallel ranks = {mb * ga * dp} "
+                "(DeepSpeed asserts this at start-up; set one of them to \"auto\")")
+        return mb, ga, problems
+    if tb is not None and mb is not None:
+        if tb % (mb * dp):
+            problems.append(f"train_batch_size {tb} is not a multiple of train_micro_batch_size_per_gpu {mb} x "
+                            f"{ranks} (so no gradient_accumulation_steps fits)")
+            return mb, None, problems
+        return mb, tb // (mb * dp), problems
+    if tb is not None and ga is not None:
+        if tb % (ga * dp):
+            problems.append(f"train_batch_size {tb} is not a multiple of gradient_accumulation_steps {ga} x "
+                            f"{ranks} (so no micro-batch fits)")
+            return None, ga, problems
+        return tb // (ga * dp), ga, problems
+    if tb is not None:
+        if tb % dp:
+            problems.append(f"train_batch_size {tb} is not a multiple of the {ranks}")
+            return None, None, problems
+        per_rank = tb // dp
+        if per_rank == micro_batch * grad_accum:
+            return micro_batch, grad_accum, problems
+        accum = grad_accum if per_rank % grad_accum == 0 else 1
+        return per_rank // accum, accum, problems
+    return mb, ga, problems
+
+
+def _fill_batch(cfg: dict, v: RunValues, problems: list[str]) -> None:
+    mb, ga, found = implied_batch(cfg, v.dp_world_size, v.micro_batch, v.grad_accum)
+    problems += found
+    if found:
+        return
+    explicit = [k for k in _BATCH_KEYS if k in cfg and not _is_auto(cfg[k])]
+    said = ", ".join(f"{k} {cfg[k]}" for k in explicit)
+    on = f" on {v.dp_world_size} data-parallel rank{'s' if v.dp_world_size != 1 else ''}"
+    for key, implied, run in (("train_micro_batch_size_per_gpu", mb, v.micro_batch),
+                              ("gradient_accumulation_steps", ga, v.grad_accum)):
+        if implied is None or implied == run:
+            continue
+        if key in explicit:
+            text = f"{key}: file says {implied}, run gives {run}"
+        else:
+            text = f"{key}: file implies {implied} ({said}{on}), run gives {run}"
+        if isinstance(problems, _Problems):
+            problems.mismatch(text, RUN_KEYS[key], implied)
+        else:
+            problems.append(text)
+    cfg["train_batch_size"] = v.train_batch_size
+    cfg["train_micro_batch_size_per_gpu"] = v.micro_batch
+    cfg["gradient_accumulation_steps"] = v.grad_accum
 
 
 def _fill_optimizer(cfg: dict, v: RunValues, problems: list[str]) -> None:
@@ -354,7 +492,11 @@ def _fill_precision(cfg: dict, v: RunValues, problems: list[str]) -> None:
         elif not isinstance(current, bool):
             problems.append(f"{key}.enabled: must be true, false or \"auto\", file says {_fmt(current)}")
         elif current != want:
-            problems.append(f"{key}.enabled: file says {_fmt(current)}, run precision is {v.precision}")
+            text = f"{key}.enabled: file says {_fmt(current)}, run precision is {v.precision}"
+            if isinstance(problems, _Problems) and current:
+                problems.mismatch(text, "deepspeed.precision", kind)
+            else:
+                problems.append(text)
         enabled[kind] = section.get("enabled") is True
     if enabled.get("bf16") and enabled.get("fp16"):
         problems.append("fp16.enabled and bf16.enabled are both true; DeepSpeed allows only one")
@@ -422,7 +564,7 @@ def fill_ds_config(template: dict, values: RunValues, source: str) -> dict:
     if not isinstance(template, dict):
         raise DSConfigError(source, f"config must be a JSON object, got {type(template).__name__}")
     cfg = copy.deepcopy(template)
-    problems = _top_level_problems(cfg)
+    problems = _Problems(_top_level_problems(cfg))
     _fill_batch(cfg, values, problems)
     _fill(cfg, "gradient_clipping", float(values.grad_clip), "gradient_clipping", problems, fill_missing=True)
     _fill_optimizer(cfg, values, problems)
@@ -434,7 +576,7 @@ def fill_ds_config(template: dict, values: RunValues, source: str) -> dict:
     problems += [f"{p}: \"auto\" is not a value dstrain can fill (DeepSpeed would silently drop it); "
                  "set it explicitly" for p in leftovers]
     if problems:
-        raise DSConfigError(source, problems)
+        raise problems.error(source)
     return cfg
 
 

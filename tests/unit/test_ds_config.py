@@ -11,7 +11,8 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from dstrain.engine.ds_config import (DEEPSPEED_NATIVE_AUTO, KNOWN_TOP_LEVEL_KEYS, REMOVED_TOP_LEVEL_KEYS,
                                       DSConfigError, RunValues, describe_zero, ds_configs_dir, fill_ds_config,
-                                      list_profiles, load_ds_json, resolve_profile_path, validate_top_level)
+                                      implied_batch, list_profiles, load_ds_json, resolve_profile_path,
+                                      validate_top_level)
 
 # name -> (stage, offload_optimizer, offload_param)
 SHIPPED = {
@@ -174,6 +175,11 @@ def test_mismatches_listed_together():
     assert "fp16.enabled: file says true, run precision is fp32" in msg
     assert "train_micro_batch_size_per_gpu: file says 4, run gives 2" in msg
     assert len(err.value.problems) == 4
+    # every problem is a disagreement: one line, ending with the overrides that make them agree
+    assert "\n" not in msg
+    assert msg.endswith('use --train.micro_batch=4 --train.grad_clip=0.5 --train.lr=0.001 --deepspeed.precision=fp16, '
+                        'or set them to "auto" in the file, or pass --deepspeed.values_from_file=true to take them '
+                        'from the file')
 
 
 def test_equal_explicit_values_pass_with_float_tolerance():
@@ -228,7 +234,48 @@ def test_batch_keys_inconsistent_among_themselves():
     msg = str(err.value)
     assert "train_batch_size 64 != train_micro_batch_size_per_gpu 4 x gradient_accumulation_steps 4 x 2 " \
            "data-parallel ranks = 32" in msg
-    assert "train_batch_size: file says 64, run gives 4 x 4 x 2 = 32" in msg
+    assert len(err.value.problems) == 1 and not err.value.fixes  # no run config makes them agree
+
+
+@pytest.mark.parametrize("keys, world, micro, accum", [
+    (dict(train_batch_size=16, train_micro_batch_size_per_gpu=4), 1, 4, 4),  # Megatron style: accum derived
+    (dict(train_batch_size=16, train_micro_batch_size_per_gpu=4), 2, 4, 2),
+    (dict(train_batch_size=16, gradient_accumulation_steps=2), 2, 4, 2),     # micro derived
+    (dict(train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2), 2, 4, 2),
+    (dict(train_batch_size=16), 2, 8, 1),                                      # the run's accum kept when it fits
+    (dict(train_batch_size="auto", train_micro_batch_size_per_gpu=4), 2, 4, None),  # "auto" counts as absent
+])
+def test_batch_keys_follow_deepspeed_derivation(keys, world, micro, accum):
+    raw = {**template("zero0"), **keys}
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+        if key not in keys:
+            raw.pop(key)
+    assert implied_batch(raw, world, 8, 1 if accum is None else 3)[2] == []
+    got = implied_batch(raw, world, 8, 1)
+    assert got[:2] == (micro, accum if accum is not None else None) or accum is None and got[0] == micro
+    run_accum = accum or 3
+    cfg = fill_ds_config(raw, values(micro_batch=micro, grad_accum=run_accum, dp_world_size=world), "m.json")
+    assert cfg["train_batch_size"] == micro * run_accum * world
+    assert cfg["gradient_accumulation_steps"] == run_accum
+    assert cfg["train_micro_batch_size_per_gpu"] == micro
+
+
+def test_batch_disagreement_names_the_overrides_that_fix_it():
+    raw = {**template("zero0"), "train_batch_size": 16, "train_micro_batch_size_per_gpu": 4}
+    raw.pop("gradient_accumulation_steps")
+    with pytest.raises(DSConfigError) as err:
+        fill_ds_config(raw, values(micro_batch=4, grad_accum=1, dp_world_size=2), "megatron.json")
+    msg = str(err.value)
+    assert "gradient_accumulation_steps: file implies 2 (train_batch_size 16, train_micro_batch_size_per_gpu 4 on " \
+           "2 data-parallel ranks), run gives 1" in msg
+    assert err.value.fixes == {"train.grad_accum": "2"} and "use --train.grad_accum=2, or set them" in msg
+    assert implied_batch({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4}, 1, 8, 1)[2]  # no accum fits
+    assert implied_batch({"train_batch_size": 10}, 4, 8, 1)[2]  # not a multiple of the ranks
+
+
+def test_run_values_errors_name_run_config_keys():
+    with pytest.raises(ValueError, match=r"^train.micro_batch must be a positive integer, got -1$"):
+        values(micro_batch=-1)
 
 
 def test_offload_param_below_stage3_rejected():

@@ -1,0 +1,152 @@
+"""A run's DeepSpeed JSON checked against its run config before any rank starts.
+
+``dstrain launch`` runs these with the launch's world size before it starts anything,
+and every rank runs them again before its trainer starts (so ``dstrain train`` started
+by hand, torchrun or SLURM gets the same checks): the file filled with the run's values
+(:func:`dstrain.engine.ds_config.fill_ds_config`), every section honoured or refused by
+name (:mod:`dstrain.engine.ds_sections`), and DeepSpeed's own strict parsing
+(:func:`dstrain.engine.ds_check.deepspeed_problems`).
+
+``deepspeed.values_from_file=true`` makes the file's explicit numbers win instead:
+:func:`adopt_file_values` copies them into the run config and says what it took.
+"""
+from __future__ import annotations
+
+from dstrain.config import ConfigError, RunConfig
+from dstrain.engine import ds_config as dsc
+
+_HIDDEN_NAMES = ("n_embd", "hidden_size", "d_model", "dim", "hidden")
+
+
+def _template(cfg: RunConfig) -> tuple[dict | None, str]:
+    if cfg.deepspeed.profile == "auto":
+        return None, "auto"
+    path = dsc.resolve_profile_path(cfg.deepspeed.profile)
+    return dsc.load_ds_json(path), str(path)
+
+
+def data_parallel_size(cfg: RunConfig, world_size: int) -> int:
+    """Data-parallel ranks of a ``world_size`` job (world / (tp x sp)); ConfigError if they do not divide it."""
+    model = cfg.parallel.tp * cfg.parallel.sp
+    if world_size % model:
+        raise ConfigError("run config", "parallel",
+                          f"tp {cfg.parallel.tp} x sp {cfg.parallel.sp} = {model} does not divide the "
+                          f"{world_size} ranks of this launch")
+    return world_size // model
+
+
+def _explicit(node, path: str):
+    for part in path.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return None if dsc._is_auto(node) else node
+
+
+def adopt_file_values(cfg: RunConfig, world_size: int) -> list[tuple[str, object, str]]:
+    """With ``deepspeed.values_from_file``: take the file's explicit values into ``cfg`` (in place).
+
+    Batch sizes (DeepSpeed's derivation with the data-parallel size), optimizer lr, betas,
+    eps and weight_decay, gradient_clipping, the scheduler's warm-up steps, warm-up peak
+    (as lr, when the optimizer block gives none) and cosine floor, and bf16 / fp16 as the
+    precision. The scheduler's ``total_num_steps`` is not adopted: ``train.steps`` decides
+    how long the run is. Returns ``(run key, value, from where)`` for each value changed.
+    """
+    template, source = _template(cfg)
+    if template is None or not cfg.deepspeed.values_from_file:
+        return []
+    dp = data_parallel_size(cfg, world_size)
+    t = cfg.train
+    micro, accum, problems = dsc.implied_batch(template, dp, t.micro_batch, t.grad_accum)
+    if problems:
+        raise dsc.DSConfigError(source, problems)
+    wanted: list[tuple[str, object, str]] = []
+    if micro is not None:
+        wanted.append(("train.micro_batch", micro, "train_micro_batch_size_per_gpu"))
+    if accum is not None:
+        wanted.append(("train.grad_accum", accum, "gradient_accumulation_steps"))
+    numbers = [("train.lr", "optimizer.params.lr"), ("train.betas", "optimizer.params.betas"),
+               ("train.eps", "optimizer.params.eps"), ("train.weight_decay", "optimizer.params.weight_decay"),
+               ("train.grad_clip", "gradient_clipping"), ("train.warmup_steps", "scheduler.params.warmup_num_steps"),
+               ("train.min_lr_ratio", "scheduler.params.cos_min_ratio")]
+    if _explicit(template, "optimizer.params.lr") is None:
+        numbers.append(("train.lr", "scheduler.params.warmup_max_lr"))
+    for key, path in numbers:
+        value = _explicit(template, path)
+        if value is not None:
+            wanted.append((key, tuple(value) if isinstance(value, list) else value, path))
+    for kind in ("bf16", "fp16"):
+        if _explicit(template, f"{kind}.enabled") is True:
+            wanted.append(("deepspeed.precision", kind, f"{kind}.enabled"))
+    adopted = []
+    for key, value, path in wanted:
+        section, name = key.split(".")
+        holder = getattr(cfg, section)
+        old = getattr(holder, name)
+        if isinstance(old, float) and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if old != value:
+            setattr(holder, name, value)
+            adopted.append((key, value, f"{path} in {source} (was {dsc.format_override(old)})"))
+    from dstrain.config import validate
+    try:
+        validate(cfg, source)
+    except ConfigError as err:
+        raise ConfigError(source, err.key, f"{err.problem} (taken from the file by deepspeed.values_from_file)") \
+            from None
+    return adopted
+
+
+def adopted_overrides(adopted: list[tuple[str, object, str]]) -> list[str]:
+    """The adopted values as command-line overrides (``--train.lr=0.0003``), for the ranks' command."""
+    return [f"--{key}={dsc.format_override(value)}" for key, value, _ in adopted]
+
+
+def _hidden_size(cfg: RunConfig) -> int:
+    from models import registry
+    mcfg = registry.make_model_config(cfg.model.name, cfg.model.size, cfg.model.args)
+    for name in _HIDDEN_NAMES:
+        value = getattr(mcfg, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 1024
+
+
+def check_run(cfg: RunConfig, world_size: int, device_type: str, strict: bool = True) -> list[str]:
+    """Refuse (DSConfigError / ConfigError) what the run's DeepSpeed JSON cannot do here; return notes.
+
+    The file is filled with the run config's values on ``world_size`` ranks (the precision
+    the run asks for, the file's own, or fp32 as a stand-in when the factory will choose),
+    then every section is checked (:func:`dstrain.engine.ds_sections.section_problems`)
+    and, with ``strict``, parsed by DeepSpeed's own classes. The run's own fp16 request on
+    a CPU is refused here too, naming the alternatives.
+    """
+    from dstrain.engine.ds_sections import section_problems
+    if device_type == "cpu" and cfg.deepspeed.precision == "fp16":
+        raise ConfigError("run config", "deepspeed.precision",
+                          "fp16 does not run on the CPU accelerator (DeepSpeed raises 'Type fp16 is not supported'); "
+                          "use --deepspeed.precision=bf16 or --deepspeed.precision=fp32")
+    template, source = _template(cfg)
+    if template is None:
+        return []
+    dp = data_parallel_size(cfg, world_size)
+    found, notes = section_problems(template, device_type)
+    if found:  # before the filling, whose mismatch hints would not help
+        raise dsc.DSConfigError(source, found)
+    precision = cfg.deepspeed.precision
+    if precision == "auto":
+        precision = next((k for k in ("bf16", "fp16") if _explicit(template, f"{k}.enabled") is True), "fp32")
+    t = cfg.train
+    try:
+        values = dsc.RunValues(
+            micro_batch=t.micro_batch, grad_accum=t.grad_accum, dp_world_size=dp, lr=t.lr, betas=tuple(t.betas),
+            eps=t.eps, weight_decay=t.weight_decay, grad_clip=t.grad_clip, precision=precision,
+            hidden_size=_hidden_size(cfg), total_steps=t.steps, warmup_steps=t.warmup_steps,
+            min_lr_ratio=t.min_lr_ratio)
+    except ValueError as err:
+        raise ConfigError("run config", "", str(err)) from None
+    filled = dsc.fill_ds_config(template, values, source)
+    if strict:
+        from dstrain.engine.ds_check import deepspeed_problems
+        problems = deepspeed_problems(filled)
+        if problems:
+            raise dsc.DSConfigError(source, problems)
+    return notes

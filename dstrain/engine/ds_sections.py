@@ -1,0 +1,203 @@
+"""What dstrain does with each section a user's DeepSpeed JSON may bring: honour it or refuse it by name.
+
+DeepSpeed silently ignores much of what a copied config says: stage-3 keys under
+ZeRO-2, an ``activation_checkpointing`` block for a model that never calls
+``deepspeed.checkpointing``, a pipeline section without a PipelineModule. dstrain
+refuses those before launch, each with the key and the reason, and honours the rest
+(monitors, profilers, communication and accumulation dtypes, every ZeRO key of the
+file's stage), so that no setting is dropped without the user hearing of it.
+
+:func:`section_problems` is pure apart from asking whether an optional package
+(wandb, comet_ml) or DeepSpeed's async-io kernel is there.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+#: ZeRO keys read only at stage 3 (with DeepSpeed's aliases).
+STAGE3_ONLY = frozenset({
+    "offload_param", "cpu_offload_param", "cpu_offload_use_pin_memory", "sub_group_size",
+    "stage3_prefetch_bucket_size", "prefetch_bucket_size", "stage3_param_persistence_threshold",
+    "param_persistence_threshold", "stage3_model_persistence_threshold", "model_persistence_threshold",
+    "stage3_max_live_parameters", "max_live_parameters", "stage3_max_reuse_distance", "max_reuse_distance",
+    "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
+    "stage3_gather_fp16_weights_on_model_save", "stage3_module_granularity_threshold",
+    "module_granularity_threshold", "stage3_use_all_reduce_for_fetch_params", "use_all_reduce_for_fetch_params",
+    "stage3_allgather_sequential", "allgather_sequential", "zero_hpz_partition_size", "zero_quantized_weights",
+    "zero_quantized_nontrainable_weights", "zero_quantized_gradients", "memory_efficient_linear",
+    "pipeline_loading_checkpoint", "override_module_apply", "log_trace_cache_warnings", "leaf_module",
+    "mics_shard_size", "mics_hierarchical_params_gather",
+})
+
+#: ZeRO keys that do something at stage 0 (the rest of the section is unused there).
+STAGE0_USED = frozenset({"stage", "load_from_fp32_weights", "elastic_checkpoint", "reduce_bucket_size",
+                         "allgather_bucket_size", "round_robin_gradients", "ignore_unused_parameters"})
+
+#: Optimizer types whose DeepSpeed kernels exist only for CUDA (or need NCCL and cupy).
+CUDA_ONLY_OPTIMIZERS = {"lamb": "FusedLamb", "onebitadam": "1-bit Adam", "zerooneadam": "0/1 Adam",
+                        "onebitlamb": "1-bit LAMB"}
+
+#: Keys of DeepSpeed's dict-based (not pydantic) sections, which otherwise ignore typos.
+PLAIN_SECTION_KEYS = {
+    "flops_profiler": {"enabled", "recompute_fwd_factor", "profile_step", "module_depth", "top_modules",
+                       "detailed", "output_file"},
+    "activation_checkpointing": {"partition_activations", "number_checkpoints", "contiguous_memory_optimization",
+                                 "synchronize_checkpoint_boundary", "profile", "cpu_checkpointing"},
+    "aio": {"block_size", "queue_depth", "intra_op_parallelism", "single_submit", "overlap_events", "use_gds",
+            "thread_count"},
+}
+
+_DTYPES = {"fp32", "float32", "float", "fp16", "float16", "half", "bf16", "bfloat16"}
+_HALF = {"fp16", "float16", "half"}
+
+
+def _enabled(block) -> bool:
+    return isinstance(block, dict) and block.get("enabled") is True
+
+
+def _zero_problems(cfg: dict, device_type: str, problems: list[str], notes: list[str]) -> None:
+    zo = cfg.get("zero_optimization")
+    if not isinstance(zo, dict):
+        return
+    stage = zo.get("stage", 0)
+    if not isinstance(stage, int) or isinstance(stage, bool):
+        return  # ds_config names it
+    if stage < 3:
+        for key in sorted(k for k in zo if k in STAGE3_ONLY and k not in ("offload_param", "cpu_offload_param")):
+            problems.append(f"zero_optimization.{key}: only ZeRO stage 3 reads it and the file has stage {stage} "
+                            f"(DeepSpeed would ignore it); remove it or set \"stage\": 3")
+    if stage == 0:
+        off = zo.get("offload_optimizer")
+        if (isinstance(off, dict) and str(off.get("device", "none")).lower() not in ("none", "auto")) \
+                or zo.get("cpu_offload") is True:
+            problems.append("zero_optimization.offload_optimizer: optimizer offload needs ZeRO stage 1, 2 or 3 and "
+                            "the file has stage 0 (DeepSpeed would keep the optimizer on the device); set a stage")
+        unused = sorted(k for k in zo if k not in STAGE0_USED and k not in STAGE3_ONLY
+                        and k not in ("offload_optimizer", "cpu_offload"))
+        if unused:
+            notes.append(f"zero_optimization: stage 0 does not use {', '.join(unused)}")
+    for key in ("offload_optimizer", "offload_param"):
+        block = zo.get(key)
+        if isinstance(block, dict) and str(block.get("device", "")).lower() == "nvme":
+            if device_type == "cpu" and not _async_io_available():
+                problems.append(f"zero_optimization.{key}.device: NVMe offload needs DeepSpeed's async_io kernel "
+                                "(libaio), which is not available here; use \"cpu\"")
+            elif not block.get("nvme_path"):
+                problems.append(f"zero_optimization.{key}.nvme_path: NVMe offload needs a path to write to")
+
+
+def _async_io_available() -> bool:
+    try:
+        from deepspeed.accelerator import get_accelerator
+        builder = get_accelerator().create_op_builder("AsyncIOBuilder")
+        return bool(builder is not None and builder.is_compatible(False))
+    except Exception:  # noqa: BLE001 - any failure means it cannot run
+        return False
+
+
+def _dtype_problems(cfg: dict, device_type: str, problems: list[str]) -> None:
+    for path, value in (("communication_data_type", cfg.get("communication_data_type")),
+                        ("seq_parallel_communication_data_type", cfg.get("seq_parallel_communication_data_type")),
+                        ("data_types.grad_accum_dtype", (cfg.get("data_types") or {}).get("grad_accum_dtype")
+                         if isinstance(cfg.get("data_types"), dict) else None)):
+        if value is None:
+            continue
+        if not isinstance(value, str) or value.lower() not in _DTYPES:
+            problems.append(f"{path}: must be one of fp32, fp16, bf16, file says {value!r}")
+        elif device_type == "cpu" and value.lower() in _HALF:
+            problems.append(f"{path}: fp16 does not run on the CPU accelerator; use \"bf16\" or \"fp32\"")
+
+
+def _unused_sections(cfg: dict, problems: list[str]) -> None:
+    """Sections for machinery dstrain does not run: refused rather than silently ignored."""
+    pipe = cfg.get("pipeline")
+    if isinstance(pipe, dict) and pipe:
+        problems.append("pipeline: DeepSpeed's pipeline engine needs a PipelineModule, which dstrain's models are "
+                        "not; remove the section (dstrain parallelises with parallel.tp / parallel.sp)")
+    tp = cfg.get("tensor_parallel")
+    if isinstance(tp, dict) and (tp.get("autotp_size") or tp.get("tp_size") or 1) not in (0, 1):
+        problems.append("tensor_parallel: DeepSpeed's AutoTP is not used by dstrain; remove the section and use "
+                        "--parallel.tp=N")
+    sp = cfg.get("sequence_parallel_size")
+    if sp not in (None, 1):
+        problems.append(f"sequence_parallel_size: dstrain splits sequences itself; remove the key and use "
+                        f"--parallel.sp={sp}")
+    for key, why in (("autotuning", "dstrain does not run DeepSpeed's autotuner (dstrain plan chooses the profile)"),
+                     ("hybrid_engine", "the hybrid engine is for DeepSpeed-Chat's RLHF loop, not used by dstrain"),
+                     ("data_efficiency", "dstrain's samplers feed the data; DeepSpeed's data sampling never runs")):
+        if _enabled(cfg.get(key)):
+            problems.append(f"{key}.enabled: {why}; set it to false or remove the section")
+    comp = cfg.get("compile")
+    if isinstance(comp, dict) and (comp.get("deepcompile") is True or comp.get("enabled") is True):
+        problems.append("compile: dstrain compiles the model itself; remove the section and use --train.compile=true")
+    if cfg.get("dataloader_drop_last") is True:
+        problems.append("dataloader_drop_last: only DeepSpeed's own dataloader reads it and dstrain has its own "
+                        "sampler (which always drops the last partial batch); remove it")
+
+
+def _monitor_problems(cfg: dict, problems: list[str], notes: list[str]) -> None:
+    for section, package in (("wandb", "wandb"), ("comet", "comet_ml")):
+        if _enabled(cfg.get(section)) and importlib.util.find_spec(package) is None:
+            problems.append(f"{section}.enabled: the {package} package is not installed here (pip install {package}; "
+                            f"{'WANDB_MODE=offline without network' if section == 'wandb' else 'offline mode'}), "
+                            "or set it to false")
+    for section in ("tensorboard", "csv_monitor", "wandb", "comet", "flops_profiler", "comms_logger"):
+        if _enabled(cfg.get(section)):
+            notes.append(f"{section}: on, as DeepSpeed runs it")
+    ac = cfg.get("activation_checkpointing")
+    if isinstance(ac, dict) and ac.get("number_checkpoints") not in (None, 0, False):
+        problems.append("activation_checkpointing.number_checkpoints: only models that call "
+                        "deepspeed.checkpointing read it, which dstrain's models do not; remove it and use "
+                        "--deepspeed.activation_checkpointing=true")
+    aio = cfg.get("aio")
+    zo = cfg.get("zero_optimization") if isinstance(cfg.get("zero_optimization"), dict) else {}
+    nvme = any(isinstance(zo.get(k), dict) and str(zo[k].get("device", "")).lower() == "nvme"
+               for k in ("offload_optimizer", "offload_param"))
+    if isinstance(aio, dict) and aio and not nvme:
+        notes.append("aio: kept, but only NVMe offload uses it and this file offloads to no NVMe device")
+
+
+def _plain_section_keys(cfg: dict, problems: list[str]) -> None:
+    import difflib
+    for section, known in PLAIN_SECTION_KEYS.items():
+        block = cfg.get(section)
+        if not isinstance(block, dict):
+            continue
+        for key in block:
+            if key not in known:
+                close = difflib.get_close_matches(str(key), sorted(known), n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                problems.append(f"{section}.{key}: unknown key{hint}; DeepSpeed would silently ignore it")
+
+
+def section_problems(cfg: dict, device_type: str) -> tuple[list[str], list[str]]:
+    """``(problems, notes)`` for a user's DeepSpeed JSON on ``device_type`` ("cpu" or "cuda").
+
+    Problems are refusals, each naming its key and the reason; notes say how an honoured
+    section runs. Checked: fp16 and half-precision communication on the CPU, optimizer
+    types with CUDA-only kernels, ZeRO keys the file's stage does not read (and optimizer
+    offload at stage 0), NVMe offload without async-io, sections for engines dstrain does
+    not run (pipeline, AutoTP, autotuning, hybrid engine, data efficiency, DeepSpeed's
+    compile), monitors whose package is missing, unknown keys in DeepSpeed's dict-based
+    sections (flops_profiler, activation_checkpointing, aio).
+    """
+    problems: list[str] = []
+    notes: list[str] = []
+    if not isinstance(cfg, dict):
+        return problems, notes
+    if device_type == "cpu" and _enabled(cfg.get("fp16")):
+        problems.append("fp16.enabled: fp16 does not run on the CPU accelerator (DeepSpeed raises 'Type fp16 is not "
+                        "supported'); use bf16 (\"bf16\": {\"enabled\": true}) or fp32 (fp16.enabled false or \"auto\")")
+    opt = cfg.get("optimizer")
+    if device_type == "cpu" and isinstance(opt, dict):
+        kind = str(opt.get("type", "")).lower()
+        if kind in CUDA_ONLY_OPTIMIZERS:
+            problems.append(f"optimizer.type: {opt.get('type')!r} runs DeepSpeed's {CUDA_ONLY_OPTIMIZERS[kind]} CUDA "
+                            "kernel, which the CPU accelerator does not have; use \"AdamW\" (or remove the optimizer "
+                            "block: dstrain then builds AdamW from the run config)")
+    _zero_problems(cfg, device_type, problems, notes)
+    _dtype_problems(cfg, device_type, problems)
+    _unused_sections(cfg, problems)
+    _monitor_problems(cfg, problems, notes)
+    _plain_section_keys(cfg, problems)
+    return problems, notes
