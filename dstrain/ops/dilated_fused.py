@@ -2,11 +2,13 @@
 
 Forward: for each branch ``(w, r)`` and each group of segments, the branch's dilated
 queries, keys and values are selected (a view for ``r == 1``, a copy of ``1/r`` of the
-data otherwise), one fused kernel (:func:`dstrain.ops.flash.flash_forward`) returns
+data otherwise), one fused kernel (:func:`dstrain.ops.attention.flash_forward`) returns
 their output and log-sum-exp, and these are merged in place into the single output
-``out [B, H, N, D]`` and running ``lse [B, H, N]`` at the positions the branch covers
-(``lse' = logaddexp(lse, lse_b)``, ``out' = out e^(lse - lse') + out_b e^(lse_b - lse')``).
-No branch writes a full-size buffer, and no score matrix is formed.
+``out [B, H, N, D]`` and running ``lse [B, H, N]`` at the positions the branch covers:
+``lse' = logaddexp(lse, lse_b)`` and ``out' = lerp(out, out_b, e^(lse_b - lse'))``
+(one in-place pass over the covered positions). A branch with ``r == 1`` goes first
+and is stored, not merged. No branch writes a full-size buffer, and no score matrix
+is formed.
 
 Backward (exact, as ring attention does it): for each branch the kernel's backward is
 called with the branch's slice of the MERGED output and lse; it recomputes the
@@ -14,14 +16,14 @@ probabilities as ``exp(s - lse_merged)`` (this branch's share of the merged soft
 and uses ``rowsum(dout * out_merged)``, which is the merged softmax's correction term,
 so summing the branches' ``dq, dk, dv`` at their positions gives the gradient of the
 merged attention. Saved for backward: ``q, k, v, out, lse``, whatever the number of
-branches. Work is done in groups of segments of bounded size, so temporaries stay
-small next to the full-size tensors however long the sequence is.
+branches and whichever kernel runs (so a trace on any device sees what CUDA saves).
+Work is done in groups of segments of bounded size, so temporaries stay small next
+to the full-size tensors however long the sequence is.
 
 With ``grad_lse`` (callers that merge this result with others, e.g. sequence
-parallelism), the score gradient becomes ``P * (dP - rowsum(dO * O) + g)``. Head
-columns are appended for that (8, for the kernels' alignment): ``[dO, 1, 0..]`` as output gradient and ``[O, -g, 0..]`` as
-output, zeros on ``q, k, v`` (scores unchanged), which turns the kernels'
-``rowsum(dO * O)`` into ``rowsum(dO * O) - g``.
+parallelism), the score gradient becomes ``P * (dP - rowsum(dO * O) + g)``; the
+group's tensors get the extra head columns of
+:func:`dstrain.ops.attention.lse_grad_columns` that make the unchanged kernels compute it.
 """
 from __future__ import annotations
 
@@ -29,13 +31,11 @@ import math
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 
-from dstrain.ops.flash import flash_backward, flash_forward
+from dstrain.ops.attention import flash_backward, flash_forward, lse_grad_columns
 
-#: Elements of one gathered q (or k, v) group: about 32 MB of bf16 per tensor.
-GROUP_ELEMENTS = 1 << 24
-_PAD = 8
+#: Elements of one gathered q (or k, v) group: about 128 MB of bf16 per tensor.
+GROUP_ELEMENTS = 1 << 26
 
 
 class _Selection:
@@ -66,26 +66,28 @@ class _Selection:
         heads, offs = self.heads.to(x.device), self.offs.to(x.device)
         return x6[0, heads, :, :, offs].transpose(0, 1)  # [H, s, m, C] -> [s, H, m, C]
 
-    def write(self, x, y, add: bool = False):
-        """Store (or add) ``y [s, H, m, C]`` at the covered positions of ``x`` (in place)."""
+    def update(self, x, y, op: str = "copy", weight=None):
+        """In place at the covered positions of ``x``: store (copy), add, or ``lerp`` towards
+        ``y [s, H, m, C]`` with ``weight [s, H, m]`` (``x += weight * (y - x)``)."""
         x6 = self._six(x)
-        s, m, c = x6.shape[2], x6.shape[3], x6.shape[-1]
+        s, m = x6.shape[2], x6.shape[3]
+        indexed = self.r > 1 and not self.diagonal
         if self.r == 1:
-            dst = x6[0, :, :, :, 0].transpose(0, 1)
-        elif self.diagonal:
+            dst, fit = x6[0, :, :, :, 0].transpose(0, 1), (lambda t: t)
+        elif self.diagonal:  # [H/r, s, m, C, r] view; map [s, H, m, C] onto it
             dst = self._diag(x6)[0]
-            y = y.reshape(s, self.h // self.r, self.r, m, c).permute(1, 0, 3, 4, 2)
-        else:
+            fit = lambda t: t.reshape(s, self.h // self.r, self.r, m, t.shape[-1]).permute(1, 0, 3, 4, 2)  # noqa
+        else:  # heads not aligned with the rate: read-modify-write through indexing
             heads, offs = self.heads.to(x.device), self.offs.to(x.device)
-            val = y.transpose(0, 1)
-            if add:
-                val = x6[0, heads, :, :, offs] + val
-            x6[0, heads, :, :, offs] = val.to(x.dtype)
-            return
-        if add:
-            dst.add_(y.to(dst.dtype))
+            dst, fit = x6[0, heads, :, :, offs].transpose(0, 1), (lambda t: t)
+        if op == "copy":
+            dst.copy_(fit(y))
+        elif op == "add":
+            dst.add_(fit(y).to(dst.dtype))
         else:
-            dst.copy_(y)
+            dst.lerp_(fit(y).to(dst.dtype), fit(weight.unsqueeze(-1)).to(dst.dtype))
+        if indexed:
+            x6[0, heads, :, :, offs] = dst.transpose(0, 1)
 
 
 def _groups(n: int, w: int, h: int, d: int):
@@ -99,28 +101,42 @@ def _slice(x, b: int, a: int, e: int, w: int):
     return x[b:b + 1, :, a * w:e * w]
 
 
+def _order(branches) -> tuple:
+    """Branches with ``r == 1`` first (stable): the first then covers every position, so the
+    buffers start uninitialised and that branch is stored rather than merged."""
+    return tuple(sorted(branches, key=lambda br: br[1] != 1))
+
+
 class DilatedAttention(torch.autograd.Function):
     """``(q, k, v [B, H, N, D]) -> (out [B, H, N, D], lse [B, H, N])`` over all branches at once."""
 
     @staticmethod
     def forward(ctx, q, k, v, branches: tuple, causal: bool, head_offset: int, scale: float, fused: bool):
         b, h, n, d = q.shape
-        out = torch.zeros_like(q)
-        lse = torch.full((b, h, n, 1), float("-inf"), dtype=torch.promote_types(q.dtype, torch.float32),
-                         device=q.device)
-        for w, r in branches:
+        branches = _order(branches)
+        full = branches[0][1] == 1
+        lse_dtype = torch.promote_types(q.dtype, torch.float32)
+        if full:
+            out = torch.empty_like(q)
+            lse = torch.empty((b, h, n, 1), dtype=lse_dtype, device=q.device)
+        else:  # uncovered positions keep out = 0, lse = -inf
+            out = torch.zeros_like(q)
+            lse = torch.full((b, h, n, 1), float("-inf"), dtype=lse_dtype, device=q.device)
+        for i, (w, r) in enumerate(branches):
             sel = _Selection(h, w, r, head_offset)
             for bi in range(b):
                 for a, e in _groups(n, w, h, d):
                     qs, ks, vs = (sel.read(_slice(t, bi, a, e, w)) for t in (q, k, v))
                     o_b, l_b = flash_forward(qs, ks, vs, causal, scale, fused)
                     o_c, l_c = _slice(out, bi, a, e, w), _slice(lse, bi, a, e, w)
-                    old_o, old_l = sel.read(o_c), sel.read(l_c)[..., 0]
-                    new_l = torch.logaddexp(old_l, l_b.to(old_l.dtype))
-                    merged = (old_o.to(new_l.dtype) * torch.exp(old_l - new_l).unsqueeze(-1)
-                              + o_b.to(new_l.dtype) * torch.exp(l_b - new_l).unsqueeze(-1))
-                    sel.write(o_c, merged.to(q.dtype))
-                    sel.write(l_c, new_l.unsqueeze(-1))
+                    if i == 0:
+                        sel.update(o_c, o_b)
+                        sel.update(l_c, l_b.unsqueeze(-1))
+                        continue
+                    old_l = sel.read(l_c)[..., 0]
+                    new_l = torch.logaddexp(old_l, l_b.to(lse_dtype))
+                    sel.update(o_c, o_b, "lerp", torch.exp(l_b - new_l))
+                    sel.update(l_c, new_l.unsqueeze(-1))
         lse = lse.squeeze(-1)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.set_materialize_grads(False)
@@ -133,28 +149,22 @@ class DilatedAttention(torch.autograd.Function):
         b, h, n, d = q.shape
         if dout is None:
             dout = torch.zeros_like(out)
-        extra = dlse is not None  # None unless the caller used lse (grads are not materialised)
-        if extra:  # extra head columns carry the lse gradient (see module docstring)
-            pad = lambda t: F.pad(t, (0, _PAD))  # noqa: E731  (8 keeps the kernels' alignment)
-            q_, k_, v_ = pad(q), pad(k), pad(v)
-            dout_, out_ = pad(dout.to(q.dtype)), pad(out)
-            dout_[..., d] = 1
-            out_[..., d] = -dlse.to(q.dtype)
-        else:
-            q_, k_, v_, dout_, out_ = q, k, v, dout.to(q.dtype), out
-        dq, dk, dv = (torch.zeros_like(t) for t in (q_, k_, v_))
+        dout = dout.to(q.dtype)
+        full = ctx.branches[0][1] == 1
+        dq, dk, dv = ((torch.empty_like if full else torch.zeros_like)(t) for t in (q, k, v))
         lse4 = lse.unsqueeze(-1)
-        for w, r in ctx.branches:
+        dlse4 = None if dlse is None else dlse.unsqueeze(-1)  # None unless the caller used lse
+        for i, (w, r) in enumerate(ctx.branches):
             sel = _Selection(h, w, r, ctx.head_offset)
             for bi in range(b):
                 for a, e in _groups(n, w, h, d):
                     cut = lambda t: sel.read(_slice(t, bi, a, e, w))  # noqa: E731
-                    grads = flash_backward(cut(dout_), cut(q_), cut(k_), cut(v_), cut(out_), cut(lse4)[..., 0],
-                                           ctx.causal, ctx.scale, ctx.fused)
-                    for full, g in zip((dq, dk, dv), grads):
-                        sel.write(_slice(full, bi, a, e, w), g, add=True)
-        if extra:
-            dq, dk, dv = dq[..., :d], dk[..., :d], dv[..., :d]
+                    args = (cut(dout), cut(q), cut(k), cut(v), cut(out))
+                    if dlse4 is not None:  # extra head columns carry the lse gradient
+                        args = lse_grad_columns(*args[1:4], args[0], args[4], cut(dlse4)[..., 0])
+                    grads = flash_backward(*args, cut(lse4)[..., 0], ctx.causal, ctx.scale, ctx.fused)
+                    for g_full, g in zip((dq, dk, dv), grads):
+                        sel.update(_slice(g_full, bi, a, e, w), g[..., :d], "copy" if i == 0 else "add")
         return dq, dk, dv, None, None, None, None, None
 
 
@@ -164,4 +174,6 @@ def fused_dilated_attention(q, k, v, branches: Sequence[tuple[int, int]], causal
     """``(out, lse)`` of multi-branch dilated attention; ``branches`` are effective ``(w, r)`` pairs."""
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    return DilatedAttention.apply(q, k, v, tuple(branches), causal, head_offset, float(scale), fused)
+    # A branch with r = 1 first: it covers every position, so it is written rather than merged.
+    order = sorted(branches, key=lambda br: br[1] != 1)
+    return DilatedAttention.apply(q, k, v, tuple(order), causal, head_offset, float(scale), fused)
