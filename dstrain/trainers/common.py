@@ -71,9 +71,21 @@ def plan_and_record(cfg: RunConfig, world: runtime.World, out: Path, extra_text:
 
 
 def fault(name: str, step: int) -> None:
-    """Test hook: rank 0 dies when the environment variable ``name`` equals ``step``."""
-    if os.environ.get(name) == str(step) and int(os.environ.get("RANK", 0)) == 0:
-        os._exit(17)
+    """Test hook: a rank dies (``os._exit(17)``, as abruptly as kill -9) when ``$name`` equals ``step``.
+
+    ``DSTRAIN_FAULT_RANK`` picks the rank (default 0). With ``DSTRAIN_FAULT_ONCE=PATH`` the
+    fault fires only while PATH does not exist, and creates it: a restarted job then runs through.
+    """
+    if os.environ.get(name) != str(step) or int(os.environ.get("RANK", 0)) != int(
+            os.environ.get("DSTRAIN_FAULT_RANK", 0)):
+        return
+    once = os.environ.get("DSTRAIN_FAULT_ONCE")
+    if once:
+        try:
+            os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
+    os._exit(17)
 
 
 def save_checkpoint(engine, ckpt_root: Path, step: int, world: runtime.World, cfg: RunConfig, plan,

@@ -1,0 +1,42 @@
+"""Automatic restart of a failed job from its latest complete checkpoint (``dstrain launch --max-restarts K``).
+
+The launcher runs the whole job (every rank, through the deepspeed or torchrun
+launcher) as one attempt. When an attempt fails (a rank killed, an exception on one
+rank, a collective that timed out: the launcher ends the other ranks and returns
+non-zero), the job is started again with ``--resume``, so each rank continues from
+the latest complete checkpoint, at most K times. Lost work is at most one checkpoint
+interval. Not restarted: success, a configuration refusal (exit 2: it would fail the
+same way), and an interrupt the user asked for (SIGINT/SIGTERM/SIGHUP, 128 + N).
+"""
+from __future__ import annotations
+
+import signal
+import time
+from typing import Callable
+
+#: Exit statuses that are not failures to retry.
+NO_RESTART = {0, 2} | {128 + s for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+
+
+def run_with_restarts(attempt: Callable[[bool], int], max_restarts: int, log: Callable[[str], None],
+                      latest: Callable[[], str | None] = lambda: None, pause: float = 1.0) -> int:
+    """Run ``attempt(resume)`` until it succeeds, is not retryable, or ``max_restarts`` restarts are spent.
+
+    ``attempt(False)`` is the first run (it may itself resume, as the user asked);
+    restarts call ``attempt(True)``. ``latest()`` names the checkpoint a restart will
+    continue from (for the log). Returns the last attempt's exit status.
+    """
+    if max_restarts < 0:
+        raise ValueError(f"max_restarts must not be negative, got {max_restarts}")
+    code = attempt(False)
+    for n in range(1, max_restarts + 1):
+        if code in NO_RESTART:
+            return code
+        where = latest()
+        log(f"dstrain: job failed (exit {code}); restart {n}/{max_restarts} "
+            + (f"from checkpoint {where}" if where else "from the start (no complete checkpoint yet)"))
+        time.sleep(pause)  # ports and shared memory of the dead attempt are released
+        code = attempt(True)
+    if code not in NO_RESTART and max_restarts:
+        log(f"dstrain: job failed (exit {code}) after {max_restarts} restart(s); giving up")
+    return code
