@@ -43,12 +43,17 @@ def branch_mask(n: int, w: int, r: int, offset: int, causal: bool,
 
 
 def reference_dilated(q, k, v, segment_lengths, dilation_rates, causal=True, head_offset=0,
-                      sparse_block=0, sparse_keep=1.0):
-    """``[B, H, N, D]`` inputs -> output ``[B, H, N, D]`` in float64."""
+                      sparse_block=0, sparse_keep=1.0, return_lse=False):
+    """``[B, H, N, D]`` inputs -> output ``[B, H, N, D]`` in float64.
+
+    ``return_lse``: also the log of the merged softmax denominator ``[B, H, N]``
+    (``log sum_b Z_b``; ``-inf`` where no branch covers a query).
+    """
     q, k, v = q.double(), k.double(), v.double()
     b, h, n, d = q.shape
     scale = 1.0 / math.sqrt(d)
     out = torch.zeros(b, h, n, d, dtype=torch.float64)
+    lse = torch.full((b, h, n), float("-inf"), dtype=torch.float64)
     for head in range(h):
         num = torch.zeros(b, n, d, dtype=torch.float64)
         den = torch.zeros(b, n, dtype=torch.float64)
@@ -60,4 +65,5 @@ def reference_dilated(q, k, v, segment_lengths, dilation_rates, causal=True, hea
             num = num + e @ v[:, head]
             den = den + e.sum(-1)
         out[:, head] = torch.where(den.unsqueeze(-1) > 0, num / den.clamp_min(1e-300).unsqueeze(-1), 0.0)
-    return out
+        lse[:, head] = torch.where(den > 0, torch.log(den.clamp_min(1e-300)) + shift.squeeze(-1), float("-inf"))
+    return (out, lse) if return_lse else out

@@ -1,15 +1,17 @@
 """The fast dilated-attention path against the brute-force reference (tests/dilated_reference.py)."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
-from dstrain.ops.attention import attention_with_lse, merge_attention
+from dstrain.ops.attention import attention_with_lse, flash_backward, flash_forward, merge_attention
 from dstrain.ops.dilated import block_sparse_mask, dilated_attention, make_branches
 from tests.dilated_reference import reference_dilated
 
-TOL = 1e-5
+TOL = {torch.float64: 1e-5, torch.float32: 1e-4}
 
 
 @st.composite
@@ -28,37 +30,72 @@ def configs(draw):
                 head_offset=draw(st.integers(0, 3)), seed=draw(st.integers(0, 2**16)))
 
 
-def _inputs(c, dtype=torch.float32):
+def _inputs(c, dtype=torch.float64):
     g = torch.Generator().manual_seed(c["seed"])
-    return [torch.randn(c["b"], c["h"], c["n"], c["d"], generator=g, dtype=dtype).requires_grad_()
+    return [torch.randn(c["b"], c["h"], c["n"], c["d"], generator=g, dtype=torch.float64).to(dtype).requires_grad_()
             for _ in range(3)]
 
 
-def _compare(c, sparse_block=0, sparse_keep=1.0):
-    q, k, v = _inputs(c)
-    out = dilated_attention(q, k, v, make_branches(c["segs"], c["rates"]), c["causal"], c["head_offset"],
-                            sparse_block, sparse_keep)
+def _compare(c, sparse_block=0, sparse_keep=1.0, dtype=torch.float64, fused=True, with_lse=False):
+    """Output (and lse), and the gradients of q, k, v for a random loss on them, against the reference."""
+    tol = TOL[dtype]
+    q, k, v = _inputs(c, dtype)
+    out, lse = dilated_attention(q, k, v, make_branches(c["segs"], c["rates"]), c["causal"], c["head_offset"],
+                                 sparse_block, sparse_keep, return_lse=True, fused=fused)
     ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    ref = reference_dilated(*ref_in, c["segs"], c["rates"], c["causal"], c["head_offset"],
-                            sparse_block, sparse_keep)
-    torch.testing.assert_close(out.double(), ref, atol=TOL, rtol=TOL)
-    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    (out.double() * weights).sum().backward()
-    (ref * weights).sum().backward()
+    ref, ref_lse = reference_dilated(*ref_in, c["segs"], c["rates"], c["causal"], c["head_offset"],
+                                     sparse_block, sparse_keep, return_lse=True)
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=tol, rtol=tol)
+    g = torch.Generator().manual_seed(1)
+    weights = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    lse_weights = torch.randn(lse.shape, generator=g, dtype=torch.float64) if with_lse else None
+
+    def loss(o, l):
+        total = (o.double() * weights).sum()
+        if with_lse:  # uncovered queries have lse = -inf and no gradient
+            total = total + torch.where(torch.isfinite(l), l.double(), 0.0).mul(lse_weights).sum()
+        return total
+
+    loss(out, lse).backward()
+    loss(ref, ref_lse).backward()
     for fast, slow in zip((q, k, v), ref_in):
-        torch.testing.assert_close(fast.grad.double(), slow.grad, atol=TOL, rtol=TOL)
+        torch.testing.assert_close(fast.grad.double(), slow.grad, atol=tol, rtol=tol)
 
 
 @settings(max_examples=40, deadline=None)
 @given(configs())
-def test_fast_path_matches_brute_force(c):
+def test_fast_path_matches_brute_force_fp64(c):
+    """The CPU flash kernel in fp64 (it accepts fp64) against the fp64 reference, to 1e-5."""
     _compare(c)
+
+
+@settings(max_examples=15, deadline=None)
+@given(configs())
+def test_fast_path_matches_brute_force_fp32(c):
+    """The CPU flash kernel in fp32 against the fp64 reference, to 1e-4."""
+    _compare(c, dtype=torch.float32)
+
+
+@settings(max_examples=25, deadline=None)
+@given(configs())
+def test_lse_and_its_gradient_match_brute_force(c):
+    """return_lse: the merged lse equals the reference's, and a loss on it back-propagates exactly."""
+    _compare(c, with_lse=True)
+
+
+@settings(max_examples=25, deadline=None)
+@given(configs(), st.booleans())
+def test_cuda_logic_with_the_math_stand_in(c, with_lse):
+    """fused=False: the algorithm as it runs on CUDA (gather, merge, backward from the merged out/lse)
+    with the math kernel in the flash kernels' place, fp64, to 1e-5."""
+    _compare(c, fused=False, with_lse=with_lse)
 
 
 @settings(max_examples=15, deadline=None)
 @given(configs(), st.sampled_from([1, 2]), st.sampled_from([0.25, 0.5, 0.75]))
 def test_block_sparse_matches_brute_force(c, block, keep):
-    _compare(c, sparse_block=block, sparse_keep=keep)
+    _compare(c, sparse_block=block, sparse_keep=keep, with_lse=True)
 
 
 def test_block_sparse_drops_blocks():
@@ -75,20 +112,50 @@ def test_one_full_branch_is_dense_attention(causal):
     q, k, v = (torch.randn(2, 4, 64, 16, generator=g) for _ in range(3))
     out = dilated_attention(q, k, v, make_branches([64], [1]), causal)
     dense = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    torch.testing.assert_close(out, dense, atol=TOL, rtol=TOL)
+    torch.testing.assert_close(out, dense, atol=1e-5, rtol=1e-5)
 
 
-def test_lse_gradient_is_honoured():
-    """The fused kernel's lse output carries the right gradient (checked against plain autograd)."""
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_with_lse_gradients(fused, causal):
+    """Both outputs of attention_with_lse carry their exact gradient (against plain fp64 autograd)."""
     g = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(2, 3, 16, 8, generator=g, requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(2, 3, 16, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    w_out, w_lse = torch.randn(2, 3, 16, 8, generator=g, dtype=torch.float64), torch.linspace(-2, 2, 16)
+
+    def plain(q, k, v):
+        s = q @ k.transpose(-1, -2) / math.sqrt(8)
+        if causal:
+            s = s.masked_fill(~torch.ones(16, 16, dtype=torch.bool).tril(), float("-inf"))
+        return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+
     grads = []
-    for fused in (True, False):
-        out, lse = attention_with_lse(q, k, v, causal=True, fused=fused)
-        loss = (out * torch.arange(8.0)).sum() + (lse * torch.linspace(-2, 2, 16)).sum()
-        grads.append(torch.autograd.grad(loss, (q, k, v)))
+    for fn in (lambda *t: attention_with_lse(*t, causal=causal, fused=fused), plain):
+        out, lse = fn(q, k, v)
+        grads.append(torch.autograd.grad((out * w_out).sum() + (lse * w_lse).sum(), (q, k, v)))
     for a, b in zip(*grads):
-        torch.testing.assert_close(a, b, atol=TOL, rtol=TOL)
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_backward_from_merged_out_and_lse_is_the_pieces_share(fused):
+    """Ring-attention property of the primitives: flash_backward of each key half, given the MERGED
+    out and lse, sums to the gradient of attention over all keys."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v, dout = (torch.randn(2, 3, 12, 8, generator=g, dtype=torch.float64) for _ in range(4))
+    out, lse = flash_forward(q, k, v, False, None, fused)
+    full = flash_backward(dout, q, k, v, out, lse, False, None, fused)
+    halves = [slice(0, 5), slice(5, 12)]
+    pieces = [flash_forward(q, k[:, :, s], v[:, :, s], False, None, fused) for s in halves]
+    merged, merged_lse = merge_attention(pieces)
+    torch.testing.assert_close(merged, out, atol=1e-12, rtol=1e-12)
+    dq = torch.zeros_like(q)
+    for s in halves:
+        gq, gk, gv = flash_backward(dout, q, k[:, :, s], v[:, :, s], merged, merged_lse, False, None, fused)
+        dq += gq
+        torch.testing.assert_close(gk, full[1][:, :, s], atol=1e-12, rtol=1e-12)
+        torch.testing.assert_close(gv, full[2][:, :, s], atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(dq, full[0], atol=1e-12, rtol=1e-12)
 
 
 def test_merge_of_split_keys_is_full_softmax():
@@ -97,8 +164,8 @@ def test_merge_of_split_keys_is_full_softmax():
     full, full_lse = attention_with_lse(q, k, v)
     halves = [attention_with_lse(q, k[:, :, s], v[:, :, s]) for s in (slice(0, 3), slice(3, 6))]
     out, lse = merge_attention(halves)
-    torch.testing.assert_close(out, full, atol=TOL, rtol=TOL)
-    torch.testing.assert_close(lse, full_lse, atol=TOL, rtol=TOL)
+    torch.testing.assert_close(out, full, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, full_lse, atol=1e-5, rtol=1e-5)
 
 
 def test_uncovered_positions_get_zero():
