@@ -58,3 +58,46 @@ def test_long_sequence_matches_the_math_stand_in_with_lse_gradient(dtype, tol):
     assert _rel(out, ref) < tol and _rel(lse, ref_lse) < 1e-3
     for a, b in zip(grads, ref_grads):
         assert _rel(a, b) < tol
+
+
+@pytest.mark.parametrize("dtype, kind, tol", [(torch.bfloat16, "flash", 2e-2), (torch.float16, "flash", 5e-3),
+                                              (torch.float32, "efficient", 1e-4)])
+@pytest.mark.parametrize("m", [40, 256])  # 40: the efficient kernel's lse is padded to 64 queries
+def test_primitives_backward_from_merged_out_and_lse(dtype, kind, tol, m):
+    """The CUDA kernels honour an out/lse given from outside (ring-attention style): the backward of two
+    key halves against the MERGED out and lse equals the full attention's gradient (fp32 math path)."""
+    from dstrain.ops.attention import flash_backward, flash_forward, kernel_for, merge_attention
+    g = torch.Generator(device="cuda").manual_seed(2)
+    q, k, v, dout = (torch.randn(2, 3, m, 64, device="cuda", generator=g) for _ in range(4))
+    ref_out, ref_lse = flash_forward(q, k, v, fused=False)
+    ref = flash_backward(dout, q, k, v, ref_out, ref_lse, fused=False)
+    q, k, v, dout = (t.to(dtype) for t in (q, k, v, dout))
+    assert kernel_for(q) == kind
+    halves = [slice(0, m // 3), slice(m // 3, m)]
+    merged, lse = merge_attention([flash_forward(q, k[:, :, s], v[:, :, s]) for s in halves])
+    assert _rel(merged, ref_out) < tol and _rel(lse, ref_lse) < 1e-3
+    dq = torch.zeros_like(q, dtype=torch.float32)
+    for s in halves:
+        gq, gk, gv = flash_backward(dout, q, k[:, :, s], v[:, :, s], merged, lse)
+        dq += gq.float()
+        assert _rel(gk, ref[1][:, :, s]) < tol and _rel(gv, ref[2][:, :, s]) < tol
+    assert _rel(dq, ref[0]) < tol
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-4)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_with_lse_gradient_on_cuda(dtype, tol, causal):
+    """attention_with_lse on CUDA kernels (the lse gradient through the extra head columns) against fp32 math."""
+    from dstrain.ops.attention import attention_with_lse
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v, up = (torch.randn(2, 4, 200, 64, device="cuda", generator=g) for _ in range(4))
+    gl = torch.randn(2, 4, 200, device="cuda", generator=g)
+
+    def run(fused, dt):
+        x = [t.to(dt).clone().requires_grad_() for t in (q, k, v)]
+        out, lse = attention_with_lse(*x, causal=causal, fused=fused)
+        ((out.float() * up).sum() + (lse.float() * gl).sum()).backward()
+        return [out.detach().float(), lse.detach().float()] + [t.grad.float() for t in x]
+
+    for a, b in zip(run(True, dtype), run(False, torch.float32)):
+        assert _rel(a, b) < tol
