@@ -117,10 +117,10 @@ class DilatedAttention(torch.autograd.Function):
         full = branches[0][1] == 1
         lse_dtype = torch.promote_types(q.dtype, torch.float32)
         if full:
-            out = torch.empty_like(q)
+            out = q.new_empty(q.shape)  # contiguous, whatever q's strides
             lse = torch.empty((b, h, n, 1), dtype=lse_dtype, device=q.device)
         else:  # uncovered positions keep out = 0, lse = -inf
-            out = torch.zeros_like(q)
+            out = q.new_zeros(q.shape)
             lse = torch.full((b, h, n, 1), float("-inf"), dtype=lse_dtype, device=q.device)
         for i, (w, r) in enumerate(branches):
             sel = _Selection(h, w, r, head_offset)
@@ -151,7 +151,7 @@ class DilatedAttention(torch.autograd.Function):
             dout = torch.zeros_like(out)
         dout = dout.to(q.dtype)
         full = ctx.branches[0][1] == 1
-        dq, dk, dv = ((torch.empty_like if full else torch.zeros_like)(t) for t in (q, k, v))
+        dq, dk, dv = ((t.new_empty if full else t.new_zeros)(t.shape) for t in (q, k, v))
         lse4 = lse.unsqueeze(-1)
         dlse4 = None if dlse is None else dlse.unsqueeze(-1)  # None unless the caller used lse
         for i, (w, r) in enumerate(ctx.branches):

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dstrain.ops.attention import attention_with_lse, merge_attention
-from dstrain.ops.dilated import Branch, branch_attention, dilated_attention, gather_dilated, scatter_dilated
+from dstrain.ops.dilated import Branch, dilated_attention, gather_dilated, scatter_dilated
 
 MODES = ("auto", "exchange", "ulysses")
 
@@ -204,14 +204,17 @@ class SequenceParallelDilatedCore(nn.Module):
                                     self.sparse_block, self.sparse_keep)
             return HeadsToSeq.apply(out.transpose(1, 2), self.group, self.sp)
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # [B, H, T, D]
+        sizes = [br.effective(n) for br in self.branches]
+        local = [Branch(w, r) for w, r in sizes if w <= t]
+        remote = [(w, r) for w, r in sizes if w > t]
         pieces = []
-        for br in self.branches:
-            w, r = br.effective(n)
-            if w <= t:
-                pieces.append(branch_attention(q, k, v, Branch(w, r), self.causal, self.head_offset,
-                                               self.sparse_block, self.sparse_keep))
-            else:
-                pieces.append(self._remote_branch(q, k, v, w, r))
+        if local:  # every local branch in one fused call (one output, one lse, no per-branch buffers)
+            out, lse = dilated_attention(q, k, v, local, self.causal, self.head_offset, self.sparse_block,
+                                         self.sparse_keep, return_lse=True)
+            if not remote:
+                return out.transpose(1, 2)
+            pieces.append((out, lse))
+        pieces += [self._remote_branch(q, k, v, w, r) for w, r in remote]
         out, _ = merge_attention(pieces)
         return out.transpose(1, 2)
 

@@ -8,7 +8,7 @@ gradients of q, k, v (for the same upstream gradient) are compared chunk by chun
 from tests.dist import spawn
 
 TOL = 1e-5
-# (segments, rates, causal, mode, head_offset) on N = 32 tokens, T = 16 per rank.
+# (segments, rates, causal, mode, head_offset[, sparse_block, sparse_keep]) on N = 32 tokens, T = 16 per rank.
 CASES = [
     ([8, 16, 32], [1, 2, 4], True, "exchange", 0),    # segment 32 spans both ranks
     ([8, 16, 32], [1, 2, 4], False, "exchange", 0),
@@ -18,6 +18,8 @@ CASES = [
     ([64, 4], [2, 1], True, "ulysses", 1),
     ([4, 8], [1, 2], True, "exchange", 0),            # every segment local: no communication
     ([8, 32], [1, 4], True, "auto", 0),
+    ([8, 16], [1, 2], True, "exchange", 1, 2, 0.5),   # block-sparse, every segment local
+    ([8, 16, 32], [1, 2, 4], True, "ulysses", 0, 2, 0.5),
 ]
 
 
@@ -29,19 +31,21 @@ def _check(rank, world, cases):
 
     state = dims.init_parallel(sp=world)
     results = []
-    for segs, rates, causal, mode, offset in cases:
+    for segs, rates, causal, mode, offset, *sparse in cases:
+        block, keep = sparse or (0, 1.0)
         g = torch.Generator().manual_seed(7)
         b, n, h, d = 2, 32, 4, 8
         q, k, v, up = (torch.randn(b, n, h, d, generator=g) for _ in range(4))
         full = [t.clone().requires_grad_() for t in (q, k, v)]
         branches = make_branches(segs, rates)
-        ref = dilated_attention(*(t.transpose(1, 2) for t in full), branches, causal, offset).transpose(1, 2)
+        ref = dilated_attention(*(t.transpose(1, 2) for t in full), branches, causal, offset, block,
+                                keep).transpose(1, 2)
         (ref * up).sum().backward()
         t = n // world
         part = slice(rank * t, (rank + 1) * t)
         local = [x[:, part].clone().requires_grad_() for x in (q, k, v)]
         core = SequenceParallelDilatedCore(branches, causal, state.sp_group, state.dims.sp_groups(), mode=mode,
-                                           head_offset=offset)
+                                           head_offset=offset, sparse_block=block, sparse_keep=keep)
         out = core(*local)
         (out * up[:, part]).sum().backward()
         errs = [float((out - ref[:, part]).detach().abs().max())]
@@ -59,4 +63,5 @@ def test_sequence_parallel_matches_single_process():
     for case, (mode, errs) in zip(CASES, results):
         if case[3] != "auto":
             assert mode == case[3]
-    assert results[-1][0] == "exchange"  # auto: 2 (2-1)/4 = 0.5 units of traffic < Ulysses' 2
+    auto = [mode for case, (mode, _) in zip(CASES, results) if case[3] == "auto"]
+    assert auto == ["exchange"]  # auto: 2 (2-1)/4 = 0.5 units of traffic < Ulysses' 2
