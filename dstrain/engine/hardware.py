@@ -164,8 +164,9 @@ def trace_activations(build: Callable[[], torch.nn.Module], make_inputs: Callabl
     """Activation bytes of one forward on ``make_inputs()`` (micro-batch 1), fp32, with and without checkpointing.
 
     Runs the real model under ``FakeTensorMode``: CPU kernels are chosen as for a
-    real run (so attention saves what the fused kernel saves, not an N x N matrix
-    as on the meta device), but no memory is allocated and nothing is computed.
+    real run, but no memory is allocated and nothing is computed. Attention is one
+    autograd function per call (``dstrain.ops``) that saves q, k, v, its output and
+    lse whichever kernel runs, so this trace is also the CUDA path's saved memory.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 

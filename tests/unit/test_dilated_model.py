@@ -74,6 +74,22 @@ def test_planner_traces_it_under_fake_tensors():
     assert 0 < acts.per_sample_checkpointed < acts.per_sample
 
 
+def test_planner_trace_is_the_same_on_every_kernel(monkeypatch):
+    """The trace runs the CPU kernel under fake tensors; with the kernels swapped for the math
+    stand-in (the CUDA path's algorithm on another kernel) it counts the same bytes: attention
+    saves q, k, v, out and lse whichever kernel runs, so a GPU plan is not a CPU-kernel estimate."""
+    import dstrain.ops.attention as attention
+    cfg = _debug()
+
+    def trace():
+        return hardware.trace_activations(lambda: SPEC.build(cfg), lambda: SPEC.inputs_for_trace(cfg, 1, 128),
+                                          lambda m, f: SPEC.parallelize(m, activation_checkpointing=f))
+
+    fused = trace()
+    monkeypatch.setattr(attention, "kernel_for", lambda q, fused=True, masked=False: "math")
+    assert trace() == fused
+
+
 def test_flops_count_attention_per_branch():
     with torch.device("meta"):
         m = DilatedLM(_debug())
