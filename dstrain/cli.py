@@ -42,6 +42,11 @@ def _adopt(cfg, world_size: int) -> list[tuple[str, object, str]]:
     return adopt_file_values(cfg, world_size)
 
 
+def _adopted_lines(adopted) -> list[str]:
+    from dstrain.engine.ds_config import format_override
+    return [f"dstrain: {key}={format_override(value)} adopted from {where}" for key, value, where in adopted]
+
+
 _TRAIN_STARTED = False
 """Set once a rank's checks have passed and its trainer starts (see :func:`_reports_failure`)."""
 
@@ -83,9 +88,9 @@ def cmd_train(args, overrides) -> int:
     adopted = _adopt(cfg, world)
     from dstrain.engine.ds_preflight import check_run
     check_run(cfg, world, "cpu" if os.environ.get("DS_ACCELERATOR") == "cpu" else "cuda")
-    if adopted and int(os.environ.get("RANK", 0)) == 0:
-        for key, value, where in adopted:
-            print(f"dstrain: {key}={value} adopted from {where}", flush=True)
+    if int(os.environ.get("RANK", 0)) == 0:
+        for line in _adopted_lines(adopted):
+            print(line, flush=True)
     from dstrain.trainers import get_trainer
     _TRAIN_STARTED = True
     try:
@@ -124,8 +129,6 @@ def cmd_launch(args, overrides) -> int:
     except (ValueError, OSError):
         sizes = None  # a bad launch spec: the command builder below names the problem
     adopted = _adopt(cfg, sizes[0] if sizes else 1)
-    for key, value, where in adopted:
-        print(f"dstrain: {key}={value} adopted from {where}", file=sys.stderr)
     from dstrain.engine.ds_preflight import adopted_overrides
     overrides = [*overrides, *adopted_overrides(adopted)]  # the ranks see them on their command line
     if args.master_port is None:  # one node: any free port; several: the one port every node can agree on
@@ -143,6 +146,8 @@ def cmd_launch(args, overrides) -> int:
         if problem:
             print(f"dstrain: error: {problem}", file=sys.stderr)
             return EXIT_CONFIG
+    for line in _adopted_lines(adopted):
+        print(line, file=sys.stderr)
     print(launcher.format_command(argv, launcher.env_delta(env)), flush=True)
 
     if "--hostfile" in argv:  # DeepSpeed reads ~/NAME and ./NAME, NAME = $DS_ENV_FILE or .deepspeed_env

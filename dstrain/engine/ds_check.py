@@ -105,6 +105,27 @@ def _strict_sections():
             "comms_logger": CommsLoggerConfig}
 
 
+def _pydantic_problems(section: str, model, err: Exception) -> list[str]:
+    """One line per error of a pydantic ValidationError, named by dotted key (unknown keys with a hint)."""
+    import difflib
+    errors = getattr(err, "errors", None)
+    if errors is None:
+        return [f"{section}: DeepSpeed rejects it: {' '.join(str(err).split())[:300]}"]
+    fields = getattr(model, "model_fields", {})
+    known = sorted(set(fields) | {f.alias for f in fields.values() if getattr(f, "alias", None)})
+    out = []
+    for item in errors():
+        loc = ".".join(str(x) for x in (section, *item.get("loc", ())))
+        if item.get("type") == "extra_forbidden":
+            name = str(item.get("loc", ("",))[-1])
+            close = difflib.get_close_matches(name, known, n=1) if len(item.get("loc", ())) == 1 else []
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            out.append(f"{loc}: unknown key{hint}; DeepSpeed rejects it")
+        else:
+            out.append(f"{loc}: {item.get('msg', 'invalid')}, file says {item.get('input')!r}")
+    return out
+
+
 def deepspeed_problems(cfg: dict, full_parse: bool = True) -> list[str]:
     """Problems DeepSpeed's own config classes find in a filled config (strict: unknown keys too).
 
@@ -130,8 +151,7 @@ def deepspeed_problems(cfg: dict, full_parse: bool = True) -> list[str]:
             try:
                 model(strict=True, **section)
             except Exception as err:  # pydantic's ValidationError: report, do not crash
-                detail = " ".join(str(err).split())
-                problems.append(f"{key}: DeepSpeed rejects it: {detail[:400]}")
+                problems += _pydantic_problems(key, model, err)
     if not problems and full_parse:
         one_rank = dict(cfg)
         mb, ga = cfg.get("train_micro_batch_size_per_gpu"), cfg.get("gradient_accumulation_steps")

@@ -120,17 +120,19 @@ def check_run(cfg: RunConfig, world_size: int, device_type: str, strict: bool = 
     a CPU is refused here too, naming the alternatives.
     """
     from dstrain.engine.ds_sections import section_problems
+    template, source = _template(cfg)
+    notes: list[str] = []
+    if template is not None:
+        found, notes = section_problems(template, device_type)
+        if found:  # before the filling, whose mismatch hints would not help
+            raise dsc.DSConfigError(source, found)
     if device_type == "cpu" and cfg.deepspeed.precision == "fp16":
         raise ConfigError("run config", "deepspeed.precision",
                           "fp16 does not run on the CPU accelerator (DeepSpeed raises 'Type fp16 is not supported'); "
                           "use --deepspeed.precision=bf16 or --deepspeed.precision=fp32")
-    template, source = _template(cfg)
     if template is None:
         return []
     dp = data_parallel_size(cfg, world_size)
-    found, notes = section_problems(template, device_type)
-    if found:  # before the filling, whose mismatch hints would not help
-        raise dsc.DSConfigError(source, found)
     precision = cfg.deepspeed.precision
     if precision == "auto":
         precision = next((k for k in ("bf16", "fp16") if _explicit(template, f"{k}.enabled") is True), "fp32")

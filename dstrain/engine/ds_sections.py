@@ -13,6 +13,7 @@ file's stage), so that no setting is dropped without the user hearing of it.
 from __future__ import annotations
 
 import importlib.util
+import os
 
 #: ZeRO keys read only at stage 3 (with DeepSpeed's aliases).
 STAGE3_ONLY = frozenset({
@@ -63,9 +64,11 @@ def _zero_problems(cfg: dict, device_type: str, problems: list[str], notes: list
     if not isinstance(stage, int) or isinstance(stage, bool):
         return  # ds_config names it
     if stage < 3:
-        for key in sorted(k for k in zo if k in STAGE3_ONLY and k not in ("offload_param", "cpu_offload_param")):
-            problems.append(f"zero_optimization.{key}: only ZeRO stage 3 reads it and the file has stage {stage} "
-                            f"(DeepSpeed would ignore it); remove it or set \"stage\": 3")
+        keys = sorted(k for k in zo if k in STAGE3_ONLY and k not in ("offload_param", "cpu_offload_param"))
+        if keys:
+            them = "it" if len(keys) == 1 else "them"
+            problems.append(f"zero_optimization.{', '.join(keys)}: only ZeRO stage 3 reads {them} and the file has "
+                            f"stage {stage} (DeepSpeed would ignore {them}); remove {them} or set \"stage\": 3")
     if stage == 0:
         off = zo.get("offload_optimizer")
         if (isinstance(off, dict) and str(off.get("device", "none")).lower() not in ("none", "auto")) \
@@ -82,8 +85,9 @@ def _zero_problems(cfg: dict, device_type: str, problems: list[str], notes: list
             if device_type == "cpu" and not _async_io_available():
                 problems.append(f"zero_optimization.{key}.device: NVMe offload needs DeepSpeed's async_io kernel "
                                 "(libaio), which is not available here; use \"cpu\"")
-            elif not block.get("nvme_path"):
-                problems.append(f"zero_optimization.{key}.nvme_path: NVMe offload needs a path to write to")
+            elif not block.get("nvme_path") or not os.path.isdir(str(block.get("nvme_path"))):
+                problems.append(f"zero_optimization.{key}.nvme_path: NVMe offload needs an existing folder to "
+                                f"swap to, file says {block.get('nvme_path')!r}")
 
 
 def _async_io_available() -> bool:

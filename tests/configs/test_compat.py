@@ -1,0 +1,180 @@
+"""Bring-your-own DeepSpeed JSONs: each trains 3 steps on 2 CPU ranks or is refused before launch in one line.
+
+The JSON files beside this test are written in the styles users copy from (HF Trainer's
+zero2/zero3 with "auto" and offload, Accelerate's, Megatron-DeepSpeed's, DeepSpeedExamples'
+bing_bert and GPT scripts; with and without optimizer and scheduler blocks; fp16 loss
+scaling, bf16, monitors, profilers). Every file goes through ``dstrain launch --dry-run``
+here (the checks a real launch runs before it starts any rank); real 2-rank runs cover a
+representative subset by default and every trainable file with ``-m slow``.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dstrain import cli
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+RECIPE = str(ROOT / "models" / "gpt" / "recipes" / "tiny.json")
+FILES = sorted(p.name for p in HERE.glob("*.json"))
+
+# file -> None (trains) or the text its one-line refusal must contain
+EXPECT: dict[str, str | None] = {
+    "accelerate_zero2_no_optimizer.json": None,
+    "accelerate_zero3_offload.json": None,
+    "examples_bing_bert_lamb.json": "optimizer.type: 'Lamb' runs DeepSpeed's FusedLamb CUDA kernel",
+    "examples_cifar_style_zero0.json": None,
+    "examples_gpt_adam_warmup.json": None,
+    "hf_trainer_fp16_auto_loss_scale.json": None,
+    "hf_trainer_zero2_auto.json": None,
+    "hf_trainer_zero2_offload.json": None,
+    "hf_trainer_zero3_auto.json": None,
+    "hf_trainer_zero3_offload.json": None,
+    "megatron_activation_block_off.json": None,
+    "megatron_activation_partitioning.json": "activation_checkpointing.partition_activations:",
+    "megatron_gpt_bf16_zero1.json": None,
+    "megatron_gpt_fp16_zero1.json": "fp16.enabled: fp16 does not run on the CPU accelerator",
+    "pipeline_section.json": "pipeline: DeepSpeed's pipeline engine needs a PipelineModule",
+    "wandb_offline.json": "wandb.enabled: the wandb package is not installed",
+    "warmup_cosine_auto_steps.json": None,
+    "warmup_decay_fixed_total_steps.json": "scheduler.params.total_num_steps: file says 1000, run gives 3; "
+                                           "use --train.steps=1000,",
+    "zero1_flops_profiler_no_optimizer.json": None,
+    "zero1_fp16_static_loss_scale.json": "fp16.enabled: fp16 does not run on the CPU accelerator",
+    "zero2_bf16_comm_dtypes.json": None,
+    "zero2_csv_monitor_comms_logger.json": None,
+    "zero2_with_stage3_keys.json": "zero_optimization.stage3_gather_16bit_weights_on_model_save, "
+                                   "stage3_max_live_parameters: only ZeRO stage 3 reads them",
+    "zero3_nvme_offload.json": "zero_optimization.offload_optimizer.",
+    "zero3_tensorboard_no_optimizer.json": None,
+    "zero3_typo_in_section.json": "zero_optimization.overlap_com: unknown key (did you mean 'overlap_comm'?)",
+}
+if importlib.util.find_spec("wandb") is not None:  # then it is honoured (offline) instead
+    EXPECT["wandb_offline.json"] = None
+
+# Real 2-rank runs by default: the issue's two crashes (no optimizer block, with a profiler / a monitor),
+# a Megatron-style batch (grad-accum derived, bf16 adopted) and DeepSpeedExamples' Adam + WarmupLR.
+DEFAULT_RUNS = {"zero1_flops_profiler_no_optimizer.json", "zero3_tensorboard_no_optimizer.json",
+                "megatron_gpt_bf16_zero1.json", "examples_gpt_adam_warmup.json"}
+
+QUICK = ["--train.steps=3", "--data.seq_len=64", "--data.max_bytes=1000000", "--train.log_every=1",
+         "--train.eval_batches=1", "--output.tensorboard=false", "--output.progress=false",
+         "--deepspeed.values_from_file=true"]
+
+
+def test_the_suite_has_twenty_files_each_with_an_expectation():
+    assert len(FILES) >= 20
+    assert sorted(EXPECT) == FILES
+    trains = [f for f, e in EXPECT.items() if e is None]
+    assert len(trains) >= 10 and len(FILES) - len(trains) >= 5
+
+
+@pytest.fixture
+def no_child(monkeypatch, tmp_path):
+    def refuse(*args, **kwargs):
+        raise AssertionError("nothing may start")
+
+    monkeypatch.setattr(subprocess, "Popen", refuse)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_checked_before_launch(name, capsys, no_child, tmp_path):
+    out_dir = tmp_path / "run"
+    code = cli.main(["launch", "--dry-run", "--nproc", "2", "--accelerator", "cpu", RECIPE,
+                     f"--deepspeed.profile={HERE / name}", *QUICK, f"--output.dir={out_dir}"])
+    out, err = capsys.readouterr()
+    expected = EXPECT[name]
+    if expected is None:
+        assert code == 0, err
+        command = out.strip().splitlines()
+        assert len(command) == 1 and "--module dstrain.cli train" in command[0]
+        assert "error" not in err
+    else:
+        assert code == 2 and out == ""
+        lines = err.strip().splitlines()
+        assert len(lines) == 1, err  # one line, naming the file and the key
+        assert lines[0].startswith(f"dstrain: error: {HERE / name}: ") and expected in lines[0], lines[0]
+    assert not out_dir.exists() and not any(tmp_path.iterdir())  # nothing written either way
+
+
+def test_disagreeing_values_refused_without_the_switch(capsys, no_child):
+    args = [a for a in QUICK if "values_from_file" not in a]
+    code = cli.main(["launch", "--dry-run", "--nproc", "2", "--accelerator", "cpu", RECIPE,
+                     f"--deepspeed.profile={HERE / 'megatron_gpt_bf16_zero1.json'}", *args])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "gradient_accumulation_steps: file implies 2 (train_batch_size 16, train_micro_batch_size_per_gpu 4 " \
+           "on 2 data-parallel ranks), run gives 1" in err
+    assert "use --train.micro_batch=4 --train.grad_accum=2, or set them to \"auto\" in the file" in err
+    # the same file with the switch: each adopted value reported, and passed to the ranks
+    code = cli.main(["launch", "--dry-run", "--nproc", "2", "--accelerator", "cpu", RECIPE,
+                     f"--deepspeed.profile={HERE / 'megatron_gpt_bf16_zero1.json'}", *QUICK])
+    out, err = capsys.readouterr()
+    assert code == 0
+    assert "dstrain: train.micro_batch=4 adopted from train_micro_batch_size_per_gpu" in err
+    assert "dstrain: train.grad_accum=2 adopted from gradient_accumulation_steps" in err
+    assert "dstrain: deepspeed.precision=bf16 adopted from bf16.enabled" in err
+    assert out.split()[-3:] == ["--train.micro_batch=4", "--train.grad_accum=2", "--deepspeed.precision=bf16"]
+
+
+# --------------------------------------------------------------------------- real 2-rank runs
+
+
+def _launch(name: str, out: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "dstrain.cli", "launch", "--nproc", "2", RECIPE,
+           f"--deepspeed.profile={HERE / name}", *QUICK, f"--output.dir={out}", "--checkpoint.every=0"]
+    return subprocess.run(cmd, env=env, cwd=out.parent, capture_output=True, text=True, timeout=600)
+
+
+def _autos(node, path="") -> list[str]:
+    """Dotted paths of every "auto" value left in a config."""
+    if isinstance(node, dict):
+        return [p for k, v in node.items() for p in _autos(v, f"{path}.{k}" if path else k)]
+    if isinstance(node, list):
+        return [p for i, v in enumerate(node) for p in _autos(v, f"{path}[{i}]")]
+    return [path] if node == "auto" else []
+
+
+def _run_params():
+    for name in FILES:
+        if EXPECT[name] is not None:
+            continue
+        marks = [pytest.mark.dist] + ([] if name in DEFAULT_RUNS else [pytest.mark.slow])
+        yield pytest.param(name, marks=marks, id=name)
+
+
+@pytest.mark.parametrize("name", list(_run_params()))
+def test_trains_three_steps_on_two_cpu_ranks(name, tmp_path):
+    out = tmp_path / "run"
+    proc = _launch(name, out)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-6000:]
+    assert "Traceback" not in text
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()
+             if "train/loss" in line]
+    assert steps == [1, 2, 3]
+    resolved = json.loads((out / "ds_config.json").read_text())  # what DeepSpeed got
+    assert _autos(resolved) == []
+    user = json.loads((HERE / name).read_text())
+    assert resolved.get("zero_optimization", {}).get("stage", 0) == user.get("zero_optimization", {}).get("stage", 0)
+    for section, key in (("tensorboard", "output_path"), ("csv_monitor", "output_path"),
+                         ("flops_profiler", "output_file")):
+        if user.get(section, {}).get("enabled") is True:  # relative paths land inside the run folder
+            path = Path(resolved[section][key])
+            assert path.is_relative_to(out.resolve()), path
+            assert path.exists() and (path.is_file() or any(path.rglob("*"))), path
+    assert not (tmp_path / "tb_logs").exists() and not (tmp_path / "csv").exists()
+    plan = (out / "plan.txt").read_text()
+    if "optimizer" not in user:  # the trainer's own optimizer, from the run config's numbers
+        line = next(x for x in plan.splitlines() if x.startswith("optimizer:"))
+        assert "from the run config" in line or "the JSON has no optimizer block" in line, line

@@ -1,0 +1,57 @@
+"""Failed launches leave nothing behind: refused before launch, or crashed and killed after the ranks started.
+
+A refusal is one line, exit 2, nothing started or written. After the ranks started, the
+first rank to fail reports once (the others' collateral gloo errors stay quiet), and the
+ranks' shared-memory allreduce buffers in /dev/shm are gone when ``dstrain launch`` returns.
+"""
+from __future__ import annotations
+
+import glob
+import os
+from pathlib import Path
+
+from dstrain.launcher import find_free_port
+from tests.dist.harness import launch, overrides
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def shm_buffers(port: int) -> list[str]:
+    """This user's DeepSpeed CPU allreduce buffers of the job on ``port``."""
+    return glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*")
+
+
+def test_refused_before_launch_starts_and_writes_nothing(tmp_path):
+    port = find_free_port()
+    before = shm_buffers(port)
+    out = tmp_path / "run"
+    proc = launch([*overrides(out, 3), f"--deepspeed.profile={CONFIGS / 'megatron_gpt_fp16_zero1.json'}",
+                   "--master-port", str(port)], check=False, timeout=300)
+    assert proc.returncode == 2 and proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "megatron_gpt_fp16_zero1.json: fp16.enabled" in lines[0]
+    assert not out.exists()
+    assert shm_buffers(port) == before == []
+
+
+def test_crash_inside_ranks_is_reported_once_and_releases_shared_memory(tmp_path):
+    corpus = tmp_path / "corpus.csv"  # an unsupported corpus file: rank 0 fails after the process group is up
+    corpus.write_text("a,b\n1,2\n")
+    port = find_free_port()
+    proc = launch([*overrides(tmp_path / "run", 3), f"--data.corpus={corpus}", "--master-port", str(port)],
+                  check=False, timeout=600)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "deepspeed_shm_comm_op built successfully" in text  # the buffers existed
+    assert text.count("Traceback") == 1, text[-6000:]  # rank 0's, not rank 1's collateral gloo error
+    assert "corpus" in text and "Connection closed" not in text and "Connection reset" not in text
+    assert shm_buffers(port) == []
+
+
+def test_killed_rank_releases_shared_memory(tmp_path):
+    port = find_free_port()
+    proc = launch([*overrides(tmp_path / "run", 3), "--master-port", str(port)],
+                  env={"DSTRAIN_FAULT_AFTER_STEP": "1"}, check=False, timeout=600)
+    assert proc.returncode != 0  # rank 0 died without any clean-up of its own (os._exit)
+    assert "deepspeed_shm_comm_op built successfully" in proc.stdout + proc.stderr
+    assert shm_buffers(port) == []
