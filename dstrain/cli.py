@@ -92,12 +92,16 @@ def cmd_train(args, overrides) -> int:
         for line in _adopted_lines(adopted):
             print(line, flush=True)
     from dstrain.trainers import get_trainer
+    out = Path(cfg.output.dir)
+    fresh = not out.exists()
     _TRAIN_STARTED = True
     try:
         summary = get_trainer(cfg.trainer).train(cfg)
     except BaseException:
         if os.environ.get("DS_ACCELERATOR") == "cpu":  # peers are failing too; the file goes either way
             release_cpu_comm_buffer(int(os.environ.get("RANK", 0)))
+        if fresh and int(os.environ.get("RANK", 0)) == 0:
+            _remove_if_only_cache(out)
         raise
     shutdown_distributed()  # a barrier first: every peer is done with this rank's shared memory
     if os.environ.get("DS_ACCELERATOR") == "cpu":
@@ -105,6 +109,16 @@ def cmd_train(args, overrides) -> int:
     if int(os.environ.get("RANK", 0)) == 0:
         print(json.dumps(summary), flush=True)
     return 0
+
+
+def _remove_if_only_cache(out: Path) -> None:
+    """A run folder this failed run created and left holding nothing but the data cache: removed."""
+    import shutil
+    try:
+        if out.is_dir() and {p.name for p in out.iterdir()} <= {".cache"}:
+            shutil.rmtree(out, ignore_errors=True)
+    except OSError:
+        pass
 
 
 def cmd_launch(args, overrides) -> int:
@@ -118,6 +132,9 @@ def cmd_launch(args, overrides) -> int:
     return value is its exit status (128+N when killed by signal N).
     """
     cfg = _load(args.recipe, overrides)  # fail here, once, rather than on every rank
+    if args.max_restarts < 0:
+        print(f"dstrain: error: --max-restarts must not be negative, got {args.max_restarts}", file=sys.stderr)
+        return EXIT_CONFIG
     import contextlib
     import shutil
     import signal
@@ -171,27 +188,42 @@ def cmd_launch(args, overrides) -> int:
     if args.dry_run:
         return 0
 
-    env["DSTRAIN_FAILURE_DIR"] = failures = tempfile.mkdtemp(prefix="dstrain-job-")  # see _reports_failure
-    proc = subprocess.Popen(argv, env=env, start_new_session=True)  # own group: Ctrl-C reaches us only
+    def run_once(argv, env) -> int:
+        env["DSTRAIN_FAILURE_DIR"] = failures = tempfile.mkdtemp(prefix="dstrain-job-")  # see _reports_failure
+        proc = subprocess.Popen(argv, env=env, start_new_session=True)  # own group: Ctrl-C reaches us only
 
-    def forward(signum, _frame):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signum)
+        def forward(signum, _frame):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signum)
 
-    signals = [signal.SIGINT, signal.SIGTERM]
-    if signal.getsignal(signal.SIGHUP) == signal.SIG_DFL:  # nohup sets it to SIG_IGN: keep it so
-        signals.append(signal.SIGHUP)
-    previous = {sig: signal.signal(sig, forward) for sig in signals}
-    try:
-        code = proc.wait()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        if env.get("DS_ACCELERATOR") == "cpu":  # ranks that crashed or were killed leave theirs behind
-            from dstrain.runtime import release_job_comm_buffers
-            release_job_comm_buffers(args.master_port)
-        shutil.rmtree(failures, ignore_errors=True)
-    return 128 - code if code < 0 else code
+        signals = [signal.SIGINT, signal.SIGTERM]
+        if signal.getsignal(signal.SIGHUP) == signal.SIG_DFL:  # nohup sets it to SIG_IGN: keep it so
+            signals.append(signal.SIGHUP)
+        previous = {sig: signal.signal(sig, forward) for sig in signals}
+        try:
+            code = proc.wait()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            if env.get("DS_ACCELERATOR") == "cpu":  # ranks that crashed or were killed leave theirs behind
+                from dstrain.runtime import release_job_comm_buffers
+                release_job_comm_buffers(args.master_port)
+            shutil.rmtree(failures, ignore_errors=True)
+        return 128 - code if code < 0 else code
+
+    def attempt(restart: bool) -> int:
+        if not restart:
+            return run_once(argv, env)
+        if args.hostfile is None and (args.num_nodes or 1) == 1:
+            args.master_port = launcher.find_free_port()  # the dead attempt's port may linger
+        again, again_env = build(launcher.spec_from_args(args, [*overrides, "--resume"]))
+        print(launcher.format_command(again, launcher.env_delta(again_env)), flush=True)
+        return run_once(again, again_env)
+
+    from dstrain import checkpoint as ckpt
+    from dstrain.supervise import run_with_restarts
+    return run_with_restarts(attempt, args.max_restarts, lambda line: print(line, file=sys.stderr, flush=True),
+                             lambda: ckpt.find_latest(Path(cfg.output.dir) / "checkpoints"))
 
 
 def _check_before_launch(cfg, args, accelerator: str) -> str | None:
@@ -242,6 +274,8 @@ def cmd_plan(args, overrides) -> int:
         cfg.deepspeed.device_memory = args.device_memory
     from dstrain.engine.factory import plan_engine
     world = args.world_size or 1
+    for line in _adopted_lines(_adopt(cfg, world)):
+        print(line, file=sys.stderr)
     device = args.device or ("cuda" if args.device_memory else None)
     plan = plan_engine(cfg, world, ranks_per_node=min(world, args.gpus_per_node), device_type=device)
     print(plan.explanation)
@@ -305,6 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--launcher", choices=["deepspeed", "torchrun"], default="deepspeed")
     la.add_argument("--resume", action="store_true", help="ranks continue from the latest complete checkpoint")
     la.add_argument("--dry-run", action="store_true", help="print the command, do not run it")
+    la.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                    help="when the job fails, start it again from the latest complete checkpoint, at most K times")
     la.set_defaults(func=cmd_launch)
 
     pl = sub.add_parser("plan", allow_abbrev=False, help="print the memory plan without training")

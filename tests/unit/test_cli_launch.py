@@ -191,3 +191,67 @@ def test_sigterm_is_forwarded_to_the_child_group(capsys, monkeypatch, tmp_path):
     code, _, _ = launch(capsys, RECIPE)
     assert code == 128 + signal.SIGTERM and time.monotonic() - started < 30
     assert signal.getsignal(signal.SIGTERM) is before  # handlers restored
+
+
+# --------------------------------------------------------------------------- refusals and failures
+
+
+def test_refused_launch_starts_and_writes_nothing(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("a refused launch started something"))
+    user = tmp_path / "user.json"
+    user.write_text('{"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2}}')
+    out = tmp_path / "run"
+    code, stdout, err = launch(capsys, "--nproc", "2", "--accelerator", "cpu", RECIPE, f"--deepspeed.profile={user}",
+                               f"--output.dir={out}")
+    assert code == 2 and stdout == ""
+    assert err.strip().splitlines() == [
+        f"dstrain: error: {user}: the file disagrees with the run config: train_micro_batch_size_per_gpu: file says "
+        "4, run gives 8; use --train.micro_batch=4, or set them to \"auto\" in the file, or pass "
+        "--deepspeed.values_from_file=true to take them from the file"]
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["user.json"]
+
+
+class FailingTrainer:
+    """Creates the data cache in the run folder, as the LM trainer does first, then fails."""
+
+    def __init__(self, out: Path):
+        self.out = out
+
+    def train(self, cfg):
+        (self.out / ".cache" / "datasets").mkdir(parents=True)
+        raise RuntimeError("boom after the cache was written")
+
+
+@pytest.mark.parametrize("existed", [False, True])
+def test_failed_rank_reports_once_and_leaves_no_cache_only_folder(capsys, monkeypatch, tmp_path, existed):
+    from dstrain import trainers
+    out = tmp_path / "run"
+    if existed:
+        out.mkdir()
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    for var in ("RANK", "WORLD_SIZE", "DSTRAIN_FAILURE_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(trainers, "get_trainer", lambda name: FailingTrainer(out))
+    monkeypatch.setattr(cli, "_TRAIN_STARTED", False)
+    assert cli.main(["train", RECIPE, f"--output.dir={out}", "--deepspeed.profile=zero1"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("Traceback") == 1 and "boom after the cache was written" in err
+    assert out.exists() == existed  # a folder this run created for nothing but the cache is removed
+    if existed:
+        assert (out / ".cache").exists()  # someone else's folder: left as it is
+
+
+def test_train_refuses_before_the_trainer_starts(capsys, monkeypatch, tmp_path):
+    from dstrain import trainers
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(trainers, "get_trainer", lambda name: pytest.fail("the trainer must not start"))
+    monkeypatch.setattr(cli, "_TRAIN_STARTED", False)
+    for rank, printed in (("0", True), ("1", False)):  # every rank refuses; rank 0 says why
+        monkeypatch.setenv("RANK", rank)
+        code = cli.main(["train", RECIPE, "--deepspeed.profile=zero1", "--deepspeed.precision=fp16",
+                         f"--output.dir={tmp_path / 'run'}"])
+        err = capsys.readouterr().err
+        assert code == 2 and ("deepspeed.precision: fp16 does not run on the CPU accelerator" in err) == printed
+        assert printed or err == ""
+    assert not (tmp_path / "run").exists()
