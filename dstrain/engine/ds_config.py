@@ -556,10 +556,13 @@ def fill_ds_config(template: dict, values: RunValues, source: str) -> dict:
     section when the run needs it), and ZeRO bucket sizes from the hidden size h:
     reduce/allgather buckets h*h, stage3 prefetch 0.9*h*h, stage3 persistence threshold 10*h.
 
-    Rejected: explicit values that disagree with the run (floats with a relative tolerance),
-    explicit batch keys that disagree among themselves, "auto" anywhere else (named by dotted
-    path, since DeepSpeed would silently drop it), unknown top-level keys, offload_param
-    below stage 3, and fp16 with bf16.
+    Rejected: explicit values that disagree with the run (floats with a relative tolerance;
+    the batch keys as DeepSpeed derives them, any two of the three with the data-parallel
+    size: :func:`implied_batch`), explicit batch keys that disagree among themselves, "auto"
+    anywhere else (named by dotted path, since DeepSpeed would silently drop it), unknown
+    top-level keys, offload_param below stage 3, and fp16 with bf16. When every problem is
+    a disagreement the error is one line ending with the overrides that remove them
+    (``DSConfigError.fixes``).
     """
     if not isinstance(template, dict):
         raise DSConfigError(source, f"config must be a JSON object, got {type(template).__name__}")
