@@ -174,7 +174,7 @@ def check_ds_file(path: str | Path, device_type: str | None = None, world_size: 
     source = str(path)
     cfg = load_ds_json(path)
     if device_type is None:
-        device_type = _this_device()
+        device_type = this_device()
     try:
         values = values_from_file(cfg, world_size=world_size)
     except DSConfigError as err:
@@ -199,7 +199,7 @@ def check_ds_file(path: str | Path, device_type: str | None = None, world_size: 
             f"{''.join('; ' + n for n in notes)}")
 
 
-def _this_device() -> str:
+def this_device() -> str:
     try:
         import torch
         return "cuda" if torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu" else "cpu"

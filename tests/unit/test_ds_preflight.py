@@ -195,3 +195,14 @@ def test_first_failing_rank_reports_the_others_stay_quiet(tmp_path, monkeypatch)
     assert (tmp_path / "first_failure").read_text() == "1"
     monkeypatch.delenv("DSTRAIN_FAILURE_DIR")
     assert cli._reports_failure()       # ranks started by hand: each reports
+
+
+def test_plan_applies_the_launch_checks(tmp_path, capsys):
+    bogus = tmp_path / "bogus.json"
+    bogus.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto",
+                                 "zero_optimization": {"stage": 3, "offload_param": {"device": "gpu"}}}))
+    code = cli.main(["plan", str(RECIPE), f"--deepspeed.profile={bogus}", "--world-size", "2", "--device", "cpu"])
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == ""
+    assert captured.err.strip() == (f"dstrain: error: {bogus}: zero_optimization.offload_param.device: Input should "
+                                    "be 'none', 'cpu' or 'nvme', file says 'gpu'")
