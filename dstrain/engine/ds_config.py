@@ -104,8 +104,10 @@ class DSConfigError(ValueError):
         self.fixes = dict(fixes or {})
         hint = ""
         if self.fixes:
+            adoptable = set(self.fixes) - NOT_ADOPTED
             hint = (f"use {' '.join(f'--{k}={v}' for k, v in self.fixes.items())}, or set them to \"auto\" in "
-                    "the file, or pass --deepspeed.values_from_file=true to take them from the file")
+                    "the file" + (", or pass --deepspeed.values_from_file=true to take them from the file"
+                                  if adoptable else ""))
         if mismatches and mismatches == len(self.problems) and hint:
             msg = f"{self.source}: the file disagrees with the run config: {'; '.join(self.problems)}; {hint}"
         elif len(self.problems) == 1 and not hint:
@@ -151,6 +153,9 @@ def format_override(value) -> str:
         return repr(value)
     return str(value)
 
+
+#: Run-config keys that ``deepspeed.values_from_file`` never takes from the file (the run decides its length).
+NOT_ADOPTED = frozenset({"train.steps"})
 
 #: Where each value a DeepSpeed JSON may fix lives in the run config.
 RUN_KEYS: dict[str, str] = {

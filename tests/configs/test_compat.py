@@ -45,7 +45,7 @@ EXPECT: dict[str, str | None] = {
     "wandb_offline.json": "wandb.enabled: the wandb package is not installed",
     "warmup_cosine_auto_steps.json": None,
     "warmup_decay_fixed_total_steps.json": "scheduler.params.total_num_steps: file says 1000, run gives 3; "
-                                           "use --train.steps=1000,",
+                                           "use --train.steps=1000, or set them to \"auto\" in the file",
     "zero1_flops_profiler_no_optimizer.json": None,
     "zero1_fp16_static_loss_scale.json": "fp16.enabled: fp16 does not run on the CPU accelerator",
     "zero2_bf16_comm_dtypes.json": None,
@@ -103,6 +103,7 @@ def test_checked_before_launch(name, capsys, no_child, tmp_path):
         lines = err.strip().splitlines()
         assert len(lines) == 1, err  # one line, naming the file and the key
         assert lines[0].startswith(f"dstrain: error: {HERE / name}: ") and expected in lines[0], lines[0]
+        assert "values_from_file" not in lines[0]  # the switch is on: no point suggesting it
     assert not out_dir.exists() and not any(tmp_path.iterdir())  # nothing written either way
 
 
