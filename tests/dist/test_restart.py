@@ -1,0 +1,45 @@
+"""``dstrain launch --max-restarts``: a rank dies at a random step, the job restarts from the latest
+complete checkpoint on its own, and ends with the uninterrupted run's weights (fp32, CPU, 1e-6)."""
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dstrain import checkpoint as ckpt
+from tests.dist import harness
+
+STEPS, EVERY = 8, 2
+
+
+def _export(out, dest):
+    from dstrain.cli import main
+    assert main(["export", str(out), str(dest)]) == 0
+    return load_file(str(dest))
+
+
+def test_killed_rank_restarts_from_checkpoint_and_matches_uninterrupted(tmp_path):
+    extra = ("--deepspeed.profile=zero2", f"--checkpoint.every={EVERY}", "--checkpoint.keep=4")
+    full, faulty = tmp_path / "full", tmp_path / "faulty"
+    harness.launch(harness.overrides(full, STEPS, *extra))
+
+    step = random.Random().randint(EVERY + 1, STEPS - 1)  # after a checkpoint, before the end
+    rank = random.Random().randint(0, 1)
+    proc = harness.launch([*harness.overrides(faulty, STEPS, *extra), "--max-restarts", "2"],
+                          env={"DSTRAIN_FAULT_AFTER_STEP": str(step), "DSTRAIN_FAULT_RANK": str(rank),
+                               "DSTRAIN_FAULT_ONCE": str(tmp_path / "fired")})
+    assert (tmp_path / "fired").exists(), "the fault never fired"
+    log = proc.stdout + proc.stderr
+    assert "restart 1/2 from checkpoint" in log and "restart 2/2" not in log, log[-3000:]
+    assert ckpt.find_latest(faulty / "checkpoints") == ckpt.tag_for(STEPS)
+
+    a, b = _export(full, tmp_path / "a.safetensors"), _export(faulty, tmp_path / "b.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-6, msg=name)
+
+
+def test_without_restarts_the_failure_is_the_exit_status(tmp_path):
+    proc = harness.launch(harness.overrides(tmp_path / "run", 4, "--checkpoint.every=2"),
+                          env={"DSTRAIN_FAULT_AFTER_STEP": "3"}, check=False)
+    assert proc.returncode != 0 and "job failed" not in proc.stdout + proc.stderr  # no restart attempted
