@@ -3,11 +3,13 @@
     python benchmarks/attention.py                              # this machine's device, its default lengths
     python benchmarks/attention.py --lengths 8192,32768 --repeats 3 --out /tmp/att
     python benchmarks/attention.py --device cuda --lengths 8192,32768,131072,524288,1048576
+    python benchmarks/attention.py --device cuda --profile 131072   # where one dilated step's time goes
 
 Each (method, N) point runs in a fresh subprocess, so that its memory high-water mark is
 its own. Per point: one warm-up forward+backward, then the median of ``--repeats`` timed
-ones (CUDA: events around each call; CPU: ``perf_counter``). Inputs ``[1, heads, N, dim]``,
-causal; bf16 on CUDA, fp32 on CPU (``--dtype``). Dense is
+ones (CUDA: events around each call; CPU: ``perf_counter``). Inputs ``[1, heads, N, dim]``
+(laid out ``[1, N, heads, dim]`` in memory as a model produces them, ``--layout``), causal;
+bf16 on CUDA, fp32 on CPU (``--dtype``). Dense is
 ``F.scaled_dot_product_attention(is_causal=True)`` (flash kernels on both devices);
 dilated is ``dstrain.ops.dilated.dilated_attention`` with the given branches.
 
@@ -59,9 +61,8 @@ def _point(method: str, n: int, a) -> dict:
     torch.randn(64, 64, device=dev) @ torch.randn(64, 64, device=dev)  # load kernels before the baseline
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     g = torch.Generator(device=dev).manual_seed(0)
-    q, k, v = (torch.randn(1, a.heads, n, a.dim, generator=g, device=dev, dtype=dtype).requires_grad_()
-               for _ in range(3))
-    grad = torch.randn(1, a.heads, n, a.dim, generator=g, device=dev, dtype=dtype)
+    q, k, v = (_input(a, n, dev, dtype, g).requires_grad_() for _ in range(3))
+    grad = _input(a, n, dev, dtype, g)
 
     def step(count_saved: bool = False) -> int:
         saved: dict[int, int] = {}
@@ -116,6 +117,39 @@ def _point(method: str, n: int, a) -> dict:
             "extra_bytes": int(extra), "saved_bytes": int(saved_bytes)}
 
 
+def _input(a, n: int, dev, dtype, g=None):
+    """``[1, heads, N, dim]``; ``--layout bnhd``: laid out ``[1, N, heads, dim]`` in memory, as the
+    transposed output of a model's q/k/v projections."""
+    import torch
+    if a.layout == "bnhd":
+        return torch.randn(1, n, a.heads, a.dim, generator=g, device=dev, dtype=dtype).transpose(1, 2)
+    return torch.randn(1, a.heads, n, a.dim, generator=g, device=dev, dtype=dtype)
+
+
+def _profile(n: int, a) -> None:
+    """One dilated forward+backward at N under the profiler (after a warm-up); prints the top ops."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    sys.path.insert(0, str(ROOT))
+    from dstrain.ops.dilated import dilated_attention, make_branches
+
+    cuda = a.device == "cuda"
+    torch.set_num_threads(a.threads)
+    dev, dtype = torch.device(a.device), getattr(torch, a.dtype)
+    q, k, v = (_input(a, n, dev, dtype).requires_grad_() for _ in range(3))
+    grad = _input(a, n, dev, dtype)
+    branches = make_branches(a.segments, a.rates)
+    for record in (False, True):
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=acts) if record else _Null() as prof:
+            dilated_attention(q, k, v, branches, causal=True).backward(grad)
+            if cuda:
+                torch.cuda.synchronize()
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=30))
+
+
 class _Null:
     def __enter__(self):
         return self
@@ -128,7 +162,7 @@ def _run_point(a, method: str, n: int) -> dict:
     cmd = [sys.executable, __file__, "--point", method, str(n), "--device", a.device, "--dtype", a.dtype,
            "--heads", str(a.heads), "--dim", str(a.dim), "--segments", ",".join(map(str, a.segments)),
            "--rates", ",".join(map(str, a.rates)), "--repeats", str(a.repeats), "--threads", str(a.threads),
-           "--slow-dense", str(a.slow_dense)]
+           "--slow-dense", str(a.slow_dense), "--layout", a.layout]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:
         return {"method": method, "n": n, "error": proc.stderr.strip().splitlines()[-1][-300:]}
@@ -212,24 +246,31 @@ def main(argv=None) -> int:
     p.add_argument("--lengths", help="comma-separated N (default per device)")
     p.add_argument("--heads", type=int, default=12)
     p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--layout", choices=("bnhd", "bhnd"), default="bnhd",
+                   help="memory layout of q, k, v and the output gradient (default: bnhd, as a model's)")
     p.add_argument("--segments", default="2048,4096,8192")
     p.add_argument("--rates", default="1,2,4")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, help="timed runs per point (default: 5 on cuda, 3 on cpu)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--dense-max", type=int, help="skip dense above this N (default per device)")
     p.add_argument("--slow-dense", type=int, default=1 << 62, help="time dense once (no repeats) above this N")
     p.add_argument("--slope-from", type=int, help="fit the slope from this N up (default: second length)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--profile", type=int, metavar="N", help="profile one dilated step at N and exit")
     p.add_argument("--point", nargs=2, metavar=("METHOD", "N"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.device is None:
         import torch
         a.device = "cuda" if torch.cuda.is_available() else "cpu"
     a.dtype = a.dtype or ("bfloat16" if a.device == "cuda" else "float32")
+    a.repeats = a.repeats or (5 if a.device == "cuda" else 3)
     a.segments = [int(x) for x in str(a.segments).split(",")]
     a.rates = [int(x) for x in str(a.rates).split(",")]
     if a.point:
         print(json.dumps(_point(a.point[0], int(a.point[1]), a)))
+        return 0
+    if a.profile:
+        _profile(a.profile, a)
         return 0
     import torch
     lengths = [int(x) for x in (a.lengths or DEFAULT_LENGTHS[a.device]).split(",")]
@@ -251,7 +292,8 @@ def main(argv=None) -> int:
     result = {"benchmark": "attention", "device": _device_info(a.device, a.threads),
               "command": "python benchmarks/attention.py " + shlex.join("OUT" if x.startswith("/") else x for x in argv),
               "versions": {"python": platform.python_version(), "torch": torch.__version__},
-              "config": {"heads": a.heads, "dim": a.dim, "segments": a.segments, "rates": a.rates,
+              "config": {"heads": a.heads, "dim": a.dim, "layout": a.layout, "segments": a.segments,
+                         "rates": a.rates,
                          "dtype": a.dtype, "causal": True, "batch": 1, "repeats": a.repeats},
               "memory_methods": {"extra_bytes": ("cuda: max_memory_allocated during the step minus the bytes "
                                                  "allocated before it (the inputs)" if a.device == "cuda" else

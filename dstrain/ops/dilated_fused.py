@@ -55,16 +55,20 @@ class _Selection:
         _, h, s, m, r, c = x6.shape
         return torch.diagonal(x6.reshape(1, h // r, r, s, m, r, c), dim1=2, dim2=5)
 
+    def _indexed(self, x6):  # [1, H, s, m, r, C] -> [s, m, H, r, C] (a view, to index heads and offsets)
+        return x6[0].permute(1, 2, 0, 3, 4)
+
     def read(self, x):
-        """``[s, H, m, C]``: a view when ``r == 1``, else a copy."""
+        """``[s, H, m, C]``: a view when ``r == 1``; else a copy laid out ``[s, m, H, C]`` in memory
+        (sequence-major, what the flash kernels take without further copies)."""
         x6 = self._six(x)
         s, m, c = x6.shape[2], x6.shape[3], x6.shape[-1]
         if self.r == 1:
             return x6[0, :, :, :, 0].transpose(0, 1)
-        if self.diagonal:
-            return self._diag(x6)[0].permute(1, 0, 4, 2, 3).reshape(s, self.h, m, c)
+        if self.diagonal:  # [H/r, s, m, C, r] -> [s, m, H/r, r, C]; head a * r + c has offset c
+            return self._diag(x6)[0].permute(1, 2, 0, 4, 3).reshape(s, m, self.h, c).transpose(1, 2)
         heads, offs = self.heads.to(x.device), self.offs.to(x.device)
-        return x6[0, heads, :, :, offs].transpose(0, 1)  # [H, s, m, C] -> [s, H, m, C]
+        return self._indexed(x6)[:, :, heads, offs].transpose(1, 2)
 
     def update(self, x, y, op: str = "copy", weight=None):
         """In place at the covered positions of ``x``: store (copy), add, or ``lerp`` towards
@@ -77,9 +81,9 @@ class _Selection:
         elif self.diagonal:  # [H/r, s, m, C, r] view; map [s, H, m, C] onto it
             dst = self._diag(x6)[0]
             fit = lambda t: t.reshape(s, self.h // self.r, self.r, m, t.shape[-1]).permute(1, 0, 3, 4, 2)  # noqa
-        else:  # heads not aligned with the rate: read-modify-write through indexing
+        else:  # heads not aligned with the rate: read-modify-write through indexing ([s, m, H, C])
             heads, offs = self.heads.to(x.device), self.offs.to(x.device)
-            dst, fit = x6[0, heads, :, :, offs].transpose(0, 1), (lambda t: t)
+            dst, fit = self._indexed(x6)[:, :, heads, offs], (lambda t: t.transpose(1, 2))
         if op == "copy":
             dst.copy_(fit(y))
         elif op == "add":
@@ -87,7 +91,7 @@ class _Selection:
         else:
             dst.lerp_(fit(y).to(dst.dtype), fit(weight.unsqueeze(-1)).to(dst.dtype))
         if indexed:
-            x6[0, heads, :, :, offs] = dst.transpose(0, 1)
+            self._indexed(x6)[:, :, heads, offs] = dst
 
 
 def _groups(n: int, w: int, h: int, d: int):
@@ -117,10 +121,10 @@ class DilatedAttention(torch.autograd.Function):
         full = branches[0][1] == 1
         lse_dtype = torch.promote_types(q.dtype, torch.float32)
         if full:
-            out = q.new_empty(q.shape)  # contiguous, whatever q's strides
+            out = torch.empty_like(q)  # q's layout: [B, N, H, D] memory from a model's projections
             lse = torch.empty((b, h, n, 1), dtype=lse_dtype, device=q.device)
         else:  # uncovered positions keep out = 0, lse = -inf
-            out = q.new_zeros(q.shape)
+            out = torch.zeros_like(q)
             lse = torch.full((b, h, n, 1), float("-inf"), dtype=lse_dtype, device=q.device)
         for i, (w, r) in enumerate(branches):
             sel = _Selection(h, w, r, head_offset)
@@ -151,7 +155,7 @@ class DilatedAttention(torch.autograd.Function):
             dout = torch.zeros_like(out)
         dout = dout.to(q.dtype)
         full = ctx.branches[0][1] == 1
-        dq, dk, dv = ((t.new_empty if full else t.new_zeros)(t.shape) for t in (q, k, v))
+        dq, dk, dv = ((torch.empty_like if full else torch.zeros_like)(t) for t in (q, k, v))
         lse4 = lse.unsqueeze(-1)
         dlse4 = None if dlse is None else dlse.unsqueeze(-1)  # None unless the caller used lse
         for i, (w, r) in enumerate(ctx.branches):
@@ -174,6 +178,4 @@ def fused_dilated_attention(q, k, v, branches: Sequence[tuple[int, int]], causal
     """``(out, lse)`` of multi-branch dilated attention; ``branches`` are effective ``(w, r)`` pairs."""
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    # A branch with r = 1 first: it covers every position, so it is written rather than merged.
-    order = sorted(branches, key=lambda br: br[1] != 1)
-    return DilatedAttention.apply(q, k, v, tuple(order), causal, head_offset, float(scale), fused)
+    return DilatedAttention.apply(q, k, v, tuple(branches), causal, head_offset, float(scale), fused)

@@ -30,16 +30,20 @@ def configs(draw):
                 head_offset=draw(st.integers(0, 3)), seed=draw(st.integers(0, 2**16)))
 
 
-def _inputs(c, dtype=torch.float64):
+def _inputs(c, dtype=torch.float64, seq_major=False):
+    """q, k, v ``[B, H, N, D]``; ``seq_major``: laid out ``[B, N, H, D]`` in memory, as a model's projections."""
     g = torch.Generator().manual_seed(c["seed"])
-    return [torch.randn(c["b"], c["h"], c["n"], c["d"], generator=g, dtype=torch.float64).to(dtype).requires_grad_()
-            for _ in range(3)]
+    x = [torch.randn(c["b"], c["h"], c["n"], c["d"], generator=g, dtype=torch.float64).to(dtype) for _ in range(3)]
+    if seq_major:
+        x = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in x]
+    return [t.requires_grad_() for t in x]
 
 
-def _compare(c, sparse_block=0, sparse_keep=1.0, dtype=torch.float64, fused=True, with_lse=False):
+def _compare(c, sparse_block=0, sparse_keep=1.0, dtype=torch.float64, fused=True, with_lse=False,
+             seq_major=False):
     """Output (and lse), and the gradients of q, k, v for a random loss on them, against the reference."""
     tol = TOL[dtype]
-    q, k, v = _inputs(c, dtype)
+    q, k, v = _inputs(c, dtype, seq_major)
     out, lse = dilated_attention(q, k, v, make_branches(c["segs"], c["rates"]), c["causal"], c["head_offset"],
                                  sparse_block, sparse_keep, return_lse=True, fused=fused)
     ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
@@ -75,6 +79,13 @@ def test_fast_path_matches_brute_force_fp64(c):
 def test_fast_path_matches_brute_force_fp32(c):
     """The CPU flash kernel in fp32 against the fp64 reference, to 1e-4."""
     _compare(c, dtype=torch.float32)
+
+
+@settings(max_examples=20, deadline=None)
+@given(configs(), st.booleans())
+def test_sequence_major_inputs_match_brute_force(c, fused):
+    """q, k, v laid out [B, N, H, D] in memory (transposed views, as the model passes them)."""
+    _compare(c, fused=fused, with_lse=True, seq_major=True)
 
 
 @settings(max_examples=25, deadline=None)
