@@ -4,16 +4,21 @@ A *branch* ``(w, r)`` cuts the sequence into segments of ``w`` tokens (the whole
 sequence when it is shorter than ``w``); inside a segment only every ``r``-th
 position takes part, and head ``j`` starts at offset ``j mod r`` (the *global*
 head index, so heads split across ranks keep their offsets), so the heads
-together cover every position. Each branch is one attention call over
-``[B * segments, H, w / r, D]``; the branches are merged with weights
-proportional to their softmax denominators (:func:`~dstrain.ops.attention.merge_attention`).
-A position a branch does not select for a head contributes nothing there.
+together cover every position. Each branch is one fused attention call over
+``[B * segments, H, w / r, D]`` that also returns its log-sum-exp, and the branches are
+merged with weights proportional to their softmax denominators. All branches run as
+one autograd function (:mod:`dstrain.ops.dilated_fused`): one output and one running
+lse, no per-branch full-size buffers, saved tensors q, k, v, out, lse; the backward
+hands each branch's kernel the merged output and lse. A position a branch does not
+select for a head contributes nothing there.
 
 Block-sparse variant: with ``sparse_block = b`` and ``sparse_keep = f < 1``, the
 ``w / r`` dilated positions of a segment form blocks of ``b``; each query block keeps
 only the ``max(1, ceil(f * n_blocks))`` key blocks nearest to it (its own block
 first, then the previous ones; non-causal: by distance, lower index on ties),
-among the blocks causality allows.
+among the blocks causality allows. It runs one masked kernel call per branch
+(:func:`branch_attention`, full-size per-branch results merged through autograd by
+:func:`~dstrain.ops.attention.merge_attention`).
 """
 from __future__ import annotations
 
