@@ -120,7 +120,11 @@ def plan_engine(cfg: RunConfig, world_size: int, hw=None, hw_notes: str = "",
                                         f"precision {precision}, activation checkpointing "
                                         f"{'on' if ckpt else 'off'}, torch.compile {'on' if compile_ else 'off'}"
                                         f" (train.compile={cfg.train.compile})",
-                                        amp_note, optimizer.description, *section_notes) if x)
+                                        amp_note, optimizer.description,
+                                        "learning-rate schedule: the DeepSpeed JSON's scheduler block"
+                                        if "scheduler" in resolved else "learning-rate schedule: dstrain's "
+                                        "warm-up + cosine (the JSON has no scheduler block)",
+                                        *section_notes) if x)
     # A full fp32 copy of the model on every local rank at once must leave half the RAM free.
     shard = (4 * stats.params * hw.ranks_per_node > 0.5 * hw.host_memory
              if ds.zero_init == "auto" else ds.zero_init)
