@@ -145,14 +145,12 @@ def user_sections(resolved: dict, out_dir: str, source: str) -> tuple[dict, list
     Relative monitor paths (``tensorboard.output_path``, ``csv_monitor.output_path``,
     ``flops_profiler.output_file``) resolve inside the run's output folder, and an enabled
     monitor without one writes there too (DeepSpeed's default is the working directory).
-    ``wandb`` needs the wandb package (run it offline with ``WANDB_MODE=offline``).
     DeepSpeed's ``activation_checkpointing`` block acts only on models that call
     ``deepspeed.checkpointing``; dstrain's models checkpoint through their own
     ``parallelize`` (``deepspeed.activation_checkpointing``), so a block that turns any
     of its features on is refused by name, and an all-off block is dropped with a note.
     Returns ``(the JSON for DeepSpeed, notes)``; raises DSConfigError naming the key.
     """
-    import importlib.util
     import os
     out = dict(resolved)
     notes = []
@@ -166,10 +164,6 @@ def user_sections(resolved: dict, out_dir: str, source: str) -> tuple[dict, list
         if not os.path.isabs(str(path)):
             out[section] = {**block, key: os.path.join(out_dir, str(path))}
             notes.append(f"{section}.{key} -> {out[section][key]}")
-    wandb = out.get("wandb")
-    if isinstance(wandb, dict) and wandb.get("enabled") is True and importlib.util.find_spec("wandb") is None:
-        raise dsc.DSConfigError(source, "wandb.enabled: the wandb package is not installed here (pip install "
-                                        "wandb, and WANDB_MODE=offline without network), or set it to false")
     ac = out.get("activation_checkpointing")
     if isinstance(ac, dict):
         on = [k for k in _DS_CHECKPOINTING_KEYS if ac.get(k) is True]
