@@ -33,7 +33,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -187,192 +186,6 @@ def check_result(result: dict) -> list[str]:
         if not isinstance(prof.get("ratio"), float) or "goal_met" not in prof:
             problems.append(f"{name}: no ratio/goal")
     return problems
-
-
-# ---------------------------------------------------------------- worker (one rank of one job)
-
-def _device_sync(device) -> None:
-    import torch
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _rss_now() -> int:
-    import psutil
-    return int(psutil.Process().memory_info().rss)
-
-
-def _plain_step_fn(model, cfg, precision, device, world, compiled: bool = False):
-    """The reference: torch DDP (world > 1), torch AdamW over dstrain's param groups, clipping.
-
-    ``compiled``: the strongest plain loop: ``torch.compile`` on the model and AdamW's
-    fused kernel on CUDA (foreach on CPU).
-    """
-    import torch
-    from dstrain.engine.factory import param_groups, scheduler_factory
-    t = cfg.train
-    ddp = world > 1
-    groups = param_groups(model, t.weight_decay)
-    if compiled:
-        model = torch.compile(model, dynamic=False)
-    if ddp:
-        ids = [device.index] if device.type == "cuda" else None
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
-    fused = {"fused": True} if compiled and device.type == "cuda" else {}
-    opt = torch.optim.AdamW(groups, lr=t.lr, betas=tuple(t.betas), eps=t.eps, **fused)
-    sched = scheduler_factory(t)(opt)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
-
-    def step(micro):
-        losses = []
-        for k, (x, y) in enumerate(micro):
-            sync = model.no_sync() if ddp and k < len(micro) - 1 else contextlib.nullcontext()
-            amp = torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()
-            with sync:
-                with amp:
-                    loss = model(x, y)
-                scaler.scale(loss / len(micro)).backward()
-            losses.append(loss.item())
-        if t.grad_clip > 0:
-            scaler.unscale_(opt)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
-        scaler.step(opt)
-        scaler.update()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        return sum(losses) / len(losses)
-
-    model.train()
-    return step, f"torch.optim.{type(opt).__name__} (foreach={opt.defaults.get('foreach')}, " \
-                 f"fused={opt.defaults.get('fused')})" + (" + DDP" if ddp else "") + \
-        (" + torch.compile" if compiled else "")
-
-
-def _dstrain_step_fn(engine):
-    def step(micro):
-        losses = []
-        for x, y in micro:
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-        return sum(losses) / len(losses)
-
-    engine.train()
-    inner = getattr(engine.ds.optimizer, "optimizer", None)
-    name = type(engine.ds.optimizer).__name__ + (f" over {type(inner).__name__}" if inner is not None else "")
-    return step, name
-
-
-def run_worker(opts: BenchOptions) -> int:
-    """One rank of one job: build, warm up, time, gather, and (rank 0) write the job's JSON."""
-    import torch
-    import torch.distributed as dist
-    from dstrain import runtime
-    from dstrain.config import load_run_config
-    from dstrain.data.sampler import WindowSampler, get_batch
-    from dstrain.engine import hardware
-    from dstrain.engine.factory import create_engine, plan_engine
-    from dstrain.metrics import peak_memory_bytes
-    from dstrain.trainers.lm import load_token_streams
-    from models import registry
-
-    cfg = load_run_config(opts.recipe, opts.overrides)
-    cfg.deepspeed.profile = opts.profile
-    world = runtime.init_distributed()
-    start_memory = _rss_now()
-    spec = registry.get_spec(cfg.model.name)
-    mcfg = registry.make_model_config(cfg.model.name, cfg.model.size, cfg.model.args)
-    train_tokens, _ = load_token_streams(cfg, world)
-    plan = plan_engine(cfg, world.world_size, ranks_per_node=world.local_world_size,
-                       device_type=world.device.type) if world.is_main else None
-    plan = runtime.broadcast_object(plan)
-
-    # Every rank measures the matmul peak at the same time: what one rank gets while all are busy.
-    runtime.barrier()
-    peak, how = hardware.peak_flops(plan.precision)
-    peaks = [peak]
-    if world.world_size > 1 and world.device.type == "cpu":
-        box = [None] * world.world_size
-        dist.all_gather_object(box, peak)
-        peaks = box
-
-    t, seq = cfg.train, cfg.data.seq_len
-    sampler = WindowSampler(len(train_tokens), seq, cfg.data.seed)
-    total = opts.warmup + opts.steps
-    batches = []
-    for s in range(total):
-        idx = sampler.local_batch_indices(s, t.micro_batch, t.grad_accum, world.rank, world.world_size)
-        batches.append([tuple(v.to(world.device) for v in get_batch(train_tokens, row, seq)) for row in idx])
-
-    runtime.seed_everything(t.seed)  # identical initial weights on every rank and in both jobs
-    if opts.mode in ("plain", "plain_compiled"):
-        model = spec.parallelize(spec.build(mcfg), activation_checkpointing=plan.activation_checkpointing)
-        step, optimizer = _plain_step_fn(model.to(world.device), cfg, plan.precision, world.device,
-                                         world.world_size, compiled=opts.mode == "plain_compiled")
-    else:
-        engine = create_engine(lambda: spec.build(mcfg), spec.parallelize, plan, t)
-        step, optimizer = _dstrain_step_fn(engine)
-    runtime.seed_everything(t.seed + 7919 * (world.rank + 1))
-
-    times, cpu_times, losses = [], [], []
-    prof_dir = os.environ.get("DSTRAIN_BENCH_CPROFILE")  # where the time goes: one .pstats per rank
-    prof = None
-    for s in range(total):
-        if prof_dir and s == opts.warmup:
-            import cProfile
-            prof = cProfile.Profile()
-            prof.enable()
-        runtime.barrier()
-        _device_sync(world.device)
-        t0, c0 = time.perf_counter(), time.process_time()
-        losses.append(step(batches[s]))
-        _device_sync(world.device)
-        times.append(time.perf_counter() - t0)
-        cpu_times.append(time.process_time() - c0)
-    if prof is not None:
-        prof.disable()
-        prof.dump_stats(os.path.join(prof_dir, f"{opts.mode}_{opts.profile}_rank{world.rank}.pstats"))
-
-    stats = torch.tensor(times[opts.warmup:] + cpu_times[opts.warmup:]
-                         + [float(peak_memory_bytes()), float(start_memory)],
-                         dtype=torch.float64, device=world.device)
-    mean_losses = torch.tensor(losses, dtype=torch.float64, device=world.device)
-    if world.world_size > 1:
-        dist.all_reduce(stats, op=dist.ReduceOp.MAX)
-        dist.all_reduce(mean_losses)
-        mean_losses /= world.world_size
-    if world.is_main:
-        with torch.device("meta"):
-            meta_model = spec.build(mcfg)
-        fpt = meta_model.flops_per_token(seq) if hasattr(meta_model, "flops_per_token") else None
-        values = stats.tolist()
-        job = {"mode": opts.mode, "profile": opts.profile, "zero": plan.zero, "precision": plan.precision,
-               "activation_checkpointing": plan.activation_checkpointing, "optimizer": optimizer,
-               "step_times_s": values[:opts.steps], "cpu_times_s": values[opts.steps:-2],
-               "peak_memory_bytes": int(values[-2]), "estimated_memory_bytes": _estimate(plan, opts.profile),
-               "compiled": plan.compile if opts.mode == "dstrain" else opts.mode == "plain_compiled",
-               "start_memory_bytes": int(values[-1]), "losses": mean_losses.tolist(),
-               "peak_flops": {"per_rank": peaks, "how": how}, "threads_per_rank": torch.get_num_threads(),
-               "flops_per_token": fpt, "params": sum(p.numel() for p in meta_model.parameters()),
-               "tokens_per_step": cfg.tokens_per_step * world.world_size, "world_size": world.world_size}
-        Path(opts.result).write_text(json.dumps(job))
-    runtime.barrier()
-    if world.device.type == "cpu":
-        runtime.release_cpu_comm_buffer(world.rank)
-    runtime.shutdown_distributed()
-    return 0
-
-
-def _estimate(plan, profile: str) -> int | None:
-    """The factory's device-memory estimate for ``profile`` (None when it was not planned)."""
-    if plan.plan is None:
-        return None
-    for e in plan.plan.estimates:
-        if e.profile == profile and e.activation_checkpointing == plan.activation_checkpointing:
-            return int(e.device_total)
-    return None
 
 
 # ---------------------------------------------------------------- parent (launches the jobs)
@@ -595,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     opts = parse_args(argv)
     if opts.worker:
+        from dstrain.bench_worker import run_worker
         return run_worker(opts)
     from dstrain.config import ConfigError
     from dstrain.engine.ds_config import DSConfigError

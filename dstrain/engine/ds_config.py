@@ -1,80 +1,27 @@
-"""Read DeepSpeed JSON profiles, fill their "auto" values, reject what DeepSpeed would get wrong.
+"""Fill a DeepSpeed JSON's "auto" values from the run, reject what DeepSpeed would get wrong.
 
 DeepSpeed 0.19 silently ignores unknown top-level keys and silently drops a key set to
 "auto" inside a pydantic section, so a profile with a typo or an unfilled "auto" trains
 with a value nobody chose. This module fills every "auto" it knows from the run's own
 values, collects every disagreement between the file and the run, and raises them
-together in one :class:`DSConfigError`.
+together in one :class:`DSConfigError`. Finding and reading the files is
+``ds_files.py``'s job (its names are re-exported here).
 
 The module is pure: no deepspeed or torch import.
 """
 from __future__ import annotations
 
 import copy
-import difflib
 import json
 import math
-import os
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+
+from dstrain.engine.ds_files import (DEEPSPEED_NATIVE_AUTO, KNOWN_TOP_LEVEL_KEYS, NOT_ADOPTED,  # noqa: F401
+                                     REMOVED_TOP_LEVEL_KEYS, DSConfigError, ds_configs_dir,
+                                     format_override, list_profiles, load_ds_json,
+                                     resolve_profile_path, validate_top_level, _top_level_problems)
 
 AUTO = "auto"
-
-#: Every top-level key DeepSpeed 0.19.8 reads (deepspeed/runtime/config.py, runtime/constants.py,
-#: deepspeed/__init__.py and the section parsers they call).
-KNOWN_TOP_LEVEL_KEYS: frozenset[str] = frozenset({
-    # batch
-    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-    "managed_gradient_accumulation",
-    # optimizer / scheduler
-    "optimizer", "scheduler", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
-    "gradient_clipping",
-    # precision
-    "bf16", "bfloat16", "fp16", "torch_autocast", "data_types",
-    # communication
-    "communication_data_type", "seq_parallel_communication_data_type", "prescale_gradients",
-    "gradient_predivide_factor", "gradient_allreduce_op", "disable_allgather",
-    # ZeRO and parallelism
-    "zero_optimization", "pipeline", "tensor_parallel", "expert_parallel",
-    "use_data_before_expert_parallelism", "sequence_parallel_size", "data_parallel_size",
-    "hybrid_engine",
-    # memory / activations
-    "activation_checkpointing", "aio",
-    # logging and monitoring
-    "steps_per_print", "wall_clock_breakdown", "memory_breakdown", "dump_state", "log_level",
-    "flops_profiler", "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger", "timers",
-    # checkpointing
-    "checkpoint", "datastates_ckpt",
-    # misc
-    "compile", "autotuning", "data_efficiency", "dataloader_drop_last", "disable_python_gc",
-    "vocabulary_size", "weight_quantization",
-})
-
-#: Top-level keys DeepSpeed 0.19 removed; DeepSpeed itself raises on them at start-up.
-REMOVED_TOP_LEVEL_KEYS: dict[str, str] = {
-    "amp": "NVIDIA Apex AMP was removed from DeepSpeed; use bf16, fp16 or torch_autocast",
-    "elasticity": "elastic training was removed from DeepSpeed; set the batch keys directly",
-    "nebula": "Nebula checkpointing was removed from DeepSpeed",
-    "compression_training": "the compression library was removed from DeepSpeed",
-    "quantize_training": "MoQ / quantize_training was removed from DeepSpeed",
-    "sparse_gradients": "sparse_gradients was removed from DeepSpeed",
-    "eigenvalue": "eigenvalue MoQ was removed from DeepSpeed",
-    "sparse_attention": "sparse attention was removed from DeepSpeed",
-    "graph_harvesting": "graph harvesting was removed from DeepSpeed",
-    "curriculum_learning": "use data_efficiency.data_sampling.curriculum_learning instead",
-    "progressive_layer_drop": "progressive layer drop was removed from DeepSpeed",
-}
-
-#: Places where "auto" is a value DeepSpeed itself understands, so it is left alone.
-DEEPSPEED_NATIVE_AUTO: frozenset[str] = frozenset({
-    "pipeline.stages", "data_types.keep_in_fp32_modules",
-    "zero_optimization.zenflow.select_strategy", "zero_optimization.zenflow.select_interval",
-    "zero_optimization.zenflow.update_interval",
-    "expert_parallel.score_apply", "expert_parallel.combine_impl",
-    "expert_parallel.row_weighting_impl", "expert_parallel.score_func", "expert_parallel.top_k",
-    "expert_parallel.routed_scaling_factor",
-})
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 _REL_TOL = 1e-6
@@ -87,36 +34,6 @@ _SCHED_FILL_MISSING = {
     "warmupdecaylr": ("total_num_steps", "warmup_num_steps", "warmup_max_lr"),
     "warmuplr": ("warmup_num_steps", "warmup_max_lr"),
 }
-
-
-class DSConfigError(ValueError):
-    """A DeepSpeed JSON profile that dstrain refuses; the message names the file and every problem.
-
-    ``fixes`` maps run-config keys to the values that would make the run agree with the
-    file (``{"train.lr": "0.0003"}``); when every problem is such a disagreement the
-    message is one line ending with the overrides to use.
-    """
-
-    def __init__(self, source: str, problems: str | list[str], fixes: dict[str, str] | None = None,
-                 mismatches: int = 0):
-        self.source = str(source)
-        self.problems = [problems] if isinstance(problems, str) else list(problems)
-        self.fixes = dict(fixes or {})
-        hint = ""
-        if self.fixes:
-            adoptable = set(self.fixes) - NOT_ADOPTED
-            hint = (f"use {' '.join(f'--{k}={v}' for k, v in self.fixes.items())}, or set them to \"auto\" in "
-                    "the file" + (", or pass --deepspeed.values_from_file=true to take them from the file"
-                                  if adoptable else ""))
-        if mismatches and mismatches == len(self.problems) and hint:
-            msg = f"{self.source}: the file disagrees with the run config: {'; '.join(self.problems)}; {hint}"
-        elif len(self.problems) == 1 and not hint:
-            msg = f"{self.source}: {self.problems[0]}"
-        else:
-            items = self.problems + ([hint] if hint else [])
-            body = "\n".join(f"  - {p}" for p in items)
-            msg = f"{self.source}: {len(self.problems)} problems:\n{body}"
-        super().__init__(msg)
 
 
 class _Problems(list):
@@ -143,20 +60,6 @@ class _Problems(list):
         return DSConfigError(source, list(self), fixes if not self.unfixable else {}, self.mismatches)
 
 
-def format_override(value) -> str:
-    """A value as it is written after ``--key=`` on the command line (JSON, no spaces)."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (list, tuple)):
-        return "[" + ",".join(format_override(v) for v in value) + "]"
-    if isinstance(value, float):
-        return repr(value)
-    return str(value)
-
-
-#: Run-config keys that ``deepspeed.values_from_file`` never takes from the file (the run decides its length).
-NOT_ADOPTED = frozenset({"train.steps"})
-
 #: Where each value a DeepSpeed JSON may fix lives in the run config.
 RUN_KEYS: dict[str, str] = {
     "train_micro_batch_size_per_gpu": "train.micro_batch",
@@ -173,96 +76,6 @@ RUN_KEYS: dict[str, str] = {
     "bf16.enabled": "deepspeed.precision",
     "fp16.enabled": "deepspeed.precision",
 }
-
-
-def ds_configs_dir() -> Path:
-    """The folder of shipped profiles: ``$DSTRAIN_DS_CONFIGS`` if set, else the repo's ``ds_configs/``."""
-    env = os.environ.get("DSTRAIN_DS_CONFIGS")
-    if env:
-        return Path(env).expanduser()
-    return Path(__file__).resolve().parents[2] / "ds_configs"
-
-
-def list_profiles() -> list[str]:
-    """Names (file stems) of the ``*.json`` profiles in :func:`ds_configs_dir`, sorted."""
-    folder = ds_configs_dir()
-    if not folder.is_dir():
-        return []
-    return sorted(p.stem for p in folder.glob("*.json") if p.is_file())
-
-
-def resolve_profile_path(name_or_path: str) -> Path:
-    """Turn a profile name (``"zero2"``) or a path to a ``.json`` file into an existing path."""
-    text = str(name_or_path)
-    as_path = Path(text).expanduser()
-    looks_like_path = text.endswith(".json") or os.sep in text or "/" in text
-    if looks_like_path:
-        if as_path.is_file():
-            return as_path
-        if text.endswith(".json") and os.sep not in text and "/" not in text:
-            candidate = ds_configs_dir() / text
-            if candidate.is_file():
-                return candidate
-        raise DSConfigError(text, "no such DeepSpeed config file")
-    candidate = ds_configs_dir() / f"{text}.json"
-    if candidate.is_file():
-        return candidate
-    names = list_profiles()
-    hint = difflib.get_close_matches(text, names, n=1)
-    msg = f"unknown DeepSpeed profile {text!r}; available in {ds_configs_dir()}: {', '.join(names) or '(none)'}"
-    if hint:
-        msg += f" (did you mean {hint[0]!r}?)"
-    raise DSConfigError(text, msg)
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
-    out: dict = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r}")
-        out[key] = value
-    return out
-
-
-def load_ds_json(path) -> dict:
-    """Read a DeepSpeed JSON file; bad JSON or duplicate keys give a DSConfigError with line and column."""
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise DSConfigError(str(path), f"cannot read: {exc.strerror or exc}") from exc
-    try:
-        data = json.loads(text, object_pairs_hook=_no_duplicates)
-    except json.JSONDecodeError as exc:
-        raise DSConfigError(str(path), f"invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from exc
-    except ValueError as exc:  # duplicate key
-        raise DSConfigError(str(path), str(exc)) from exc
-    if not isinstance(data, dict):
-        raise DSConfigError(str(path), f"top level must be a JSON object, got {type(data).__name__}")
-    return data
-
-
-def _top_level_problems(cfg: dict) -> list[str]:
-    problems = []
-    for key in cfg:
-        if key in KNOWN_TOP_LEVEL_KEYS:
-            continue
-        if key in REMOVED_TOP_LEVEL_KEYS:
-            problems.append(f"top-level key {key!r} is no longer supported: {REMOVED_TOP_LEVEL_KEYS[key]}")
-            continue
-        hint = difflib.get_close_matches(str(key), sorted(KNOWN_TOP_LEVEL_KEYS), n=1, cutoff=0.6)
-        suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
-        problems.append(f"unknown top-level key {key!r}{suggestion}; DeepSpeed would silently ignore it")
-    return problems
-
-
-def validate_top_level(cfg: dict, source: str) -> None:
-    """Reject unknown or removed top-level keys, all of them at once, each with a close-match hint."""
-    if not isinstance(cfg, dict):
-        raise DSConfigError(source, f"config must be a JSON object, got {type(cfg).__name__}")
-    problems = _top_level_problems(cfg)
-    if problems:
-        raise DSConfigError(source, problems)
 
 
 @dataclass(frozen=True)
