@@ -1,9 +1,11 @@
-"""Data x tensor x sequence parallel degrees, their rank layout and process groups.
+"""Data x tensor x sequence x pipeline parallel degrees, their rank layout and process groups.
 
 Layout (tensor parallelism innermost, as fairscale lays out its model-parallel
-groups)::
+groups; pipeline stages outermost, as DeepSpeed's pipeline topologies lay them out)::
 
-    rank = (dp_index * sp + sp_index) * tp + tp_index
+    rank = ((pp_index * dp + dp_index) * sp + sp_index) * tp + tp_index
+
+* pipeline group: the ``pp`` ranks with the same (dp, sp, tp) index, one per stage;
 
 * tensor-parallel group: ``tp`` consecutive ranks (fairscale's model-parallel group);
 * sequence-parallel group: the ``sp`` ranks of one replica that share a tp index;
@@ -15,6 +17,14 @@ groups)::
 
 :class:`ParallelDims` is pure and validates itself; :func:`init_parallel` builds the
 groups once per process (collectively) and :func:`current` returns them.
+
+Pipeline parallelism (``pp > 1``) is supported with data parallelism only for now:
+pp with tp or sp is refused in one line (DeepSpeed's pipeline engine would need
+fairscale's groups to follow its ``PipeModelDataParallelTopology``, and sequence
+parallelism has no axis there). :meth:`ParallelDims.topology` gives the DeepSpeed
+topology of the same layout; the pipeline engine builds its groups from it, so
+its stages and data-parallel groups are the ones :meth:`pipe_groups` and
+:meth:`dp_groups` list (tests/unit/test_dims.py checks that rank for rank).
 """
 from __future__ import annotations
 
@@ -24,33 +34,43 @@ from typing import Any
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Degrees of data (dp), tensor (tp) and sequence (sp) parallelism; ``dp * tp * sp = world``."""
+    """Degrees of data (dp), tensor (tp), sequence (sp) and pipeline (pp) parallelism;
+    ``dp * tp * sp * pp = world``."""
 
     dp: int
     tp: int = 1
     sp: int = 1
+    pp: int = 1
 
     def __post_init__(self):
-        for name in ("dp", "tp", "sp"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"parallel degree {name} must be a positive integer, got {value!r}")
+        for name in ("dp", "tp", "sp", "pp"):
+            _check_degree(name, getattr(self, name))
+        if self.pp > 1 and self.tp * self.sp > 1:
+            raise ValueError(f"pipeline parallelism (pp = {self.pp}) is supported with data parallelism only; "
+                             f"got tp = {self.tp}, sp = {self.sp} (set both to 1)")
 
     @classmethod
-    def from_world(cls, world_size: int, tp: int = 1, sp: int = 1) -> "ParallelDims":
+    def from_world(cls, world_size: int, tp: int = 1, sp: int = 1, pp: int = 1) -> "ParallelDims":
         """Derive dp from the world size; ValueError naming the numbers if they do not divide."""
         if world_size < 1:
             raise ValueError(f"world size must be positive, got {world_size}")
-        for name, value in (("tp", tp), ("sp", sp)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"parallel degree {name} must be a positive integer, got {value!r}")
-        if world_size % (tp * sp):
+        for name, value in (("tp", tp), ("sp", sp), ("pp", pp)):
+            _check_degree(name, value)
+        if pp == 1 and world_size % (tp * sp):
             raise ValueError(f"world size {world_size} is not divisible by tp x sp = {tp} x {sp} = {tp * sp}; "
                              f"use a world size that is a multiple of {tp * sp}")
-        return cls(dp=world_size // (tp * sp), tp=tp, sp=sp)
+        if world_size % (tp * sp * pp):
+            raise ValueError(f"world size {world_size} is not divisible by tp x sp x pp = {tp} x {sp} x {pp} = "
+                             f"{tp * sp * pp}; use a world size that is a multiple of {tp * sp * pp}")
+        return cls(dp=world_size // (tp * sp * pp), tp=tp, sp=sp, pp=pp)
 
     @property
     def world_size(self) -> int:
+        return self.dp * self.tp * self.sp * self.pp
+
+    @property
+    def stage_size(self) -> int:
+        """Ranks of one pipeline stage: dp x sp x tp."""
         return self.dp * self.tp * self.sp
 
     @property
@@ -60,29 +80,68 @@ class ParallelDims:
 
     def check_world(self, world_size: int) -> None:
         if self.world_size != world_size:
-            raise ValueError(f"dp x tp x sp = {self.dp} x {self.tp} x {self.sp} = {self.world_size} "
-                             f"does not match the world size {world_size}")
+            pp = f" x {self.pp}" if self.pp > 1 else ""
+            raise ValueError(f"dp x tp x sp{' x pp' if pp else ''} = {self.dp} x {self.tp} x {self.sp}{pp} = "
+                             f"{self.world_size} does not match the world size {world_size}")
 
     def coords(self, rank: int) -> tuple[int, int, int]:
-        """``(dp_index, sp_index, tp_index)`` of a global rank."""
+        """``(dp_index, sp_index, tp_index)`` of a global rank (the same on every pipeline stage)."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside a world of {self.world_size}")
+        rank %= self.stage_size
         return rank // (self.sp * self.tp), (rank // self.tp) % self.sp, rank % self.tp
 
-    def rank_of(self, dp_index: int, sp_index: int, tp_index: int) -> int:
-        return (dp_index * self.sp + sp_index) * self.tp + tp_index
+    def stage_of(self, rank: int) -> int:
+        """Pipeline stage (pp index) of a global rank."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside a world of {self.world_size}")
+        return rank // self.stage_size
+
+    def rank_of(self, dp_index: int, sp_index: int, tp_index: int, pp_index: int = 0) -> int:
+        return ((pp_index * self.dp + dp_index) * self.sp + sp_index) * self.tp + tp_index
+
+    def _each(self, *axes):
+        """Every combination of the named axes' indices (outermost first), as dicts."""
+        sizes = {"pp": self.pp, "dp": self.dp, "sp": self.sp, "tp": self.tp}
+        combos = [{}]
+        for axis in axes:
+            combos = [{**c, axis: i} for c in combos for i in range(sizes[axis])]
+        return combos
+
+    def _groups(self, inner: tuple[str, ...]) -> list[list[int]]:
+        outer = tuple(a for a in ("pp", "dp", "sp", "tp") if a not in inner)
+        at = lambda c: self.rank_of(c["dp"], c["sp"], c["tp"], c["pp"])  # noqa: E731
+        return [[at({**o, **i}) for i in self._each(*inner)] for o in self._each(*outer)]
 
     def tp_groups(self) -> list[list[int]]:
-        return [[self.rank_of(d, s, t) for t in range(self.tp)] for d in range(self.dp) for s in range(self.sp)]
+        return self._groups(("tp",))
 
     def sp_groups(self) -> list[list[int]]:
-        return [[self.rank_of(d, s, t) for s in range(self.sp)] for d in range(self.dp) for t in range(self.tp)]
+        return self._groups(("sp",))
 
     def dp_groups(self) -> list[list[int]]:
-        return [[self.rank_of(d, s, t) for d in range(self.dp)] for s in range(self.sp) for t in range(self.tp)]
+        return self._groups(("dp",))
 
     def replica_groups(self) -> list[list[int]]:
-        return [[self.rank_of(d, s, t) for d in range(self.dp) for s in range(self.sp)] for t in range(self.tp)]
+        return self._groups(("dp", "sp"))
+
+    def pipe_groups(self) -> list[list[int]]:
+        """One group per (dp, sp, tp) index: its ranks on stage 0, 1, ..., pp - 1."""
+        return self._groups(("pp",))
+
+    def topology(self):
+        """DeepSpeed's process topology of this layout (for ``PipelineModule(topology=...)``)."""
+        from deepspeed.runtime.pipe.topology import PipeDataParallelTopology, PipeModelDataParallelTopology
+        if self.sp > 1:
+            raise ValueError(f"DeepSpeed's pipeline topologies have no sequence-parallel axis (sp = {self.sp})")
+        if self.tp > 1:
+            return PipeModelDataParallelTopology(num_pp=self.pp, num_mp=self.tp, num_dp=self.dp)
+        return PipeDataParallelTopology(num_pp=self.pp, num_dp=self.dp)
+
+
+def _check_degree(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"parallel degree {name} must be a positive integer, got {value!r}")
 
 
 @dataclass
@@ -112,6 +171,11 @@ class ParallelState:
     def replica_rank(self) -> int:
         return self.dp_rank * self.dims.sp + self.sp_rank
 
+    @property
+    def pp_rank(self) -> int:
+        """Pipeline stage of this rank."""
+        return self.dims.stage_of(self.rank)
+
 
 _STATE: ParallelState | None = None
 
@@ -127,23 +191,28 @@ def _new_groups(all_ranks: list[list[int]], rank: int, backend=None):
     return mine
 
 
-def init_parallel(tp: int = 1, sp: int = 1) -> ParallelState:
+def init_parallel(tp: int = 1, sp: int = 1, pp: int = 1) -> ParallelState:
     """Build the groups of dp x tp x sp over the started default process group (once per process).
 
     tp > 1 also initialises fairscale's model-parallel state (its model-parallel group
-    is our tensor-parallel group, its data-parallel group our replica group).
+    is our tensor-parallel group, its data-parallel group our replica group). With
+    pp > 1 (data parallelism only) no group is built here: DeepSpeed's pipeline engine
+    builds its stage and data-parallel groups from :meth:`ParallelDims.topology`.
     """
     global _STATE
     import torch.distributed as dist
     if not dist.is_initialized():
         raise RuntimeError("init_parallel needs torch.distributed to be initialised first")
-    dims = ParallelDims.from_world(dist.get_world_size(), tp, sp)
+    dims = ParallelDims.from_world(dist.get_world_size(), tp, sp, pp)
     rank = dist.get_rank()
     if _STATE is not None:
         if _STATE.dims != dims:
             raise RuntimeError(f"parallel groups already built for {_STATE.dims}, asked for {dims}")
         return _STATE
     state = ParallelState(dims=dims, rank=rank)
+    if pp > 1:
+        _STATE = state
+        return state
     if tp > 1:
         from fairscale.nn.model_parallel import initialize as fs
         fs.initialize_model_parallel(tp)

@@ -53,3 +53,44 @@ def test_exchange_traffic_and_auto_mode():
         choose_mode("ulysses", br, 32, 2, heads=3, sparse=False)
     with pytest.raises(ValueError, match="block-sparse"):
         choose_mode("exchange", br, 32, 2, heads=4, sparse=True)
+
+
+def test_pp_joins_the_product_and_names_the_numbers():
+    d = ParallelDims.from_world(8, pp=2)
+    assert (d.dp, d.pp, d.world_size, d.stage_size) == (4, 2, 8, 4)
+    with pytest.raises(ValueError, match="world size 6 is not divisible by tp x sp x pp = 1 x 1 x 4 = 4"):
+        ParallelDims.from_world(6, pp=4)
+    with pytest.raises(ValueError, match="pp must be a positive integer, got 0"):
+        ParallelDims.from_world(4, pp=0)
+    with pytest.raises(ValueError, match="1 x 1 x 1 x 2 = 2 does not match the world size 4"):
+        ParallelDims(dp=1, pp=2).check_world(4)
+
+
+@pytest.mark.parametrize("tp,sp", [(2, 1), (1, 2)])
+def test_pp_with_tp_or_sp_is_refused_in_one_line(tp, sp):
+    with pytest.raises(ValueError, match=r"pipeline parallelism \(pp = 2\) is supported with data parallelism "
+                                         "only") as err:
+        ParallelDims.from_world(8, tp=tp, sp=sp, pp=2)
+    assert "\n" not in str(err.value)
+
+
+def test_pp_layout_stages_outermost():
+    d = ParallelDims(dp=2, pp=3)
+    assert d.pipe_groups() == [[0, 2, 4], [1, 3, 5]]
+    assert d.dp_groups() == [[0, 1], [2, 3], [4, 5]]
+    assert [d.stage_of(r) for r in range(6)] == [0, 0, 1, 1, 2, 2]
+    assert [d.coords(r)[0] for r in range(6)] == [0, 1, 0, 1, 0, 1]
+    for r in range(6):
+        assert d.rank_of(*d.coords(r), d.stage_of(r)) == r
+
+
+@pytest.mark.parametrize("dp,pp,tp", [(2, 2, 1), (1, 4, 1), (3, 2, 1), (2, 1, 2)])
+def test_groups_agree_with_deepspeed_topology(dp, pp, tp):
+    d = ParallelDims(dp=dp, pp=pp, tp=tp)
+    topo = d.topology()
+    assert topo.world_size() == d.world_size
+    for r in range(d.world_size):
+        coord = topo.get_coord(r)
+        assert (coord.pipe, coord.data) == (d.stage_of(r), d.coords(r)[0])
+    assert sorted(topo.get_axis_comm_lists("pipe")) == sorted(d.pipe_groups())
+    assert sorted(topo.get_axis_comm_lists("data")) == sorted(d.dp_groups())
