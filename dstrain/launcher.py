@@ -1,18 +1,20 @@
-"""Pure builders of launch commands for deepspeed, torchrun and SLURM.
+"""Pure builders of launch commands for deepspeed and torchrun (SLURM: :mod:`dstrain.slurm`).
 
 Every builder returns ``(argv, env)``: the command to run and the complete
 environment to run it with (``base_env`` plus what dstrain adds; ``base_env`` is
 never modified). Nothing here starts a process and DeepSpeed is never imported;
 the only impure bits are small functions (accelerator detection, local host
 names, CPU count, free port) that the builders take as injectable arguments.
+Hostfiles are read and checked by :mod:`dstrain.hostfile`; the spec and helpers
+every builder shares live in :mod:`dstrain.launch_common` (which ``slurm`` imports
+too, so neither of launcher and slurm needs the other's internals). The names of
+both are re-exported here: ``from dstrain.launcher import env_from_slurm,
+parse_hostfile, LaunchSpec`` keeps working.
 
 Each rank ends up running ``python -m dstrain.cli train RECIPE [overrides...]``
 and reads RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT from the
 environment (set by the deepspeed launcher or torchrun, or mapped from SLURM's
-variables by :func:`dstrain.slurm.env_from_slurm`). The SLURM helpers live in
-:mod:`dstrain.slurm`, which imports this module; this module imports it only
-lazily (module ``__getattr__``, ``main``), so there is no import cycle and
-``from dstrain.launcher import env_from_slurm`` keeps working.
+variables by :func:`dstrain.slurm.env_from_slurm`).
 
 ``python -m dstrain.launcher --print RECIPE.json`` prints the command it would run.
 """
@@ -21,173 +23,40 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shlex
-import socket
 import sys
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Collection, Mapping, Sequence
+from typing import Collection, Mapping, Sequence
 
-DEFAULT_MASTER_PORT = 29500
-ACCELERATORS = ("auto", "cpu", "cuda")
-TRAIN_MODULE = "dstrain.cli"
-LOCAL_HOST_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+from dstrain.hostfile import HostfileError, parse_hostfile, select_hosts
+from dstrain.launch_common import (  # noqa: F401  (re-exported)
+    ACCELERATORS,
+    DEFAULT_MASTER_PORT,
+    LOCAL_HOST_NAMES,
+    TRAIN_MODULE,
+    Detect,
+    Env,
+    LaunchSpec,
+    _apply_cpu_env,
+    _is_int,
+    _resolve_accelerator,
+    _start_env,
+    _train_args,
+    available_cpus,
+    detect_accelerator,
+    find_free_port,
+    local_hostnames,
+)
+from dstrain.slurm import build_srun_command, env_from_slurm, expand_nodelist  # noqa: F401  (re-exported)
+
 # Prefixes of variables DeepSpeed's runner (0.19.x, runner.EXPORT_ENVS plus the
 # accelerator's export_envs()) forwards by itself to ranks on other hosts.
 DEEPSPEED_EXPORTED_PREFIXES = ("MLFLOW", "PYTHON", "MV2", "UCX")
 DEEPSPEED_CUDA_EXPORTED_PREFIXES = ("NCCL",)
 
-Env = dict[str, str]
-Detect = Callable[[], str]
-
-# Names that moved to dstrain.slurm; resolved lazily by __getattr__ below.
-_SLURM_NAMES = frozenset({"build_srun_command", "env_from_slurm", "expand_nodelist"})
-
-
-def __getattr__(name: str):
-    if name in _SLURM_NAMES:
-        from dstrain import slurm
-
-        return getattr(slurm, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-@dataclass(frozen=True)
-class LaunchSpec:
-    """What to launch and where.
-
-    ``nproc`` is processes per node. With a hostfile, the default ``nproc=1``
-    means "one process per slot"; ``nproc > 1`` uses slots ``[0, nproc)`` on each
-    host and must not exceed any host's slots. ``include``/``exclude`` use
-    DeepSpeed's syntax (``host[:slot,slot][@host...]``) and replace ``nproc`` and
-    ``num_nodes`` (DeepSpeed rejects the combination). ``master_addr`` is only
-    used for multi-node runs: DeepSpeed's local launch always uses 127.0.0.1.
-    """
-
-    recipe: str
-    overrides: tuple[str, ...] = ()
-    nproc: int = 1
-    hostfile: str | None = None
-    num_nodes: int | None = None
-    master_addr: str | None = None
-    master_port: int = DEFAULT_MASTER_PORT
-    include: str | None = None
-    exclude: str | None = None
-    accelerator: str = "auto"
-
-    def __post_init__(self) -> None:
-        if isinstance(self.overrides, list):
-            object.__setattr__(self, "overrides", tuple(self.overrides))
-
-    def validate(self) -> None:
-        """Raise ValueError listing every problem with this spec."""
-        errors = []
-        if not isinstance(self.recipe, str) or not self.recipe:
-            errors.append(f"recipe must be a non-empty path, got {self.recipe!r}")
-        if not isinstance(self.overrides, tuple) or not all(isinstance(o, str) for o in self.overrides):
-            errors.append(f"overrides must be a tuple of strings, got {self.overrides!r}")
-        if not _is_int(self.nproc) or self.nproc < 1:
-            errors.append(f"nproc (processes per node) must be an integer >= 1, got {self.nproc!r}")
-        if not _is_int(self.master_port) or not 1 <= self.master_port <= 65535:
-            errors.append(f"master_port must be an integer in 1..65535, got {self.master_port!r}")
-        if self.num_nodes is not None and (not _is_int(self.num_nodes) or self.num_nodes < 1):
-            errors.append(f"num_nodes must be an integer >= 1, got {self.num_nodes!r}")
-        if self.include and self.exclude:
-            errors.append("include and exclude are mutually exclusive; give one of them")
-        if (self.include or self.exclude) and (self.num_nodes is not None or self.nproc != 1):
-            errors.append("include/exclude choose the slots themselves; leave nproc=1 and num_nodes unset "
-                          "(DeepSpeed rejects --num_gpus/--num_nodes with them)")
-        if self.hostfile is not None and not os.path.isfile(self.hostfile):
-            errors.append(f"hostfile {self.hostfile!r} does not exist or is not a file")
-        if self.accelerator not in ACCELERATORS:
-            errors.append(f"accelerator must be one of {', '.join(ACCELERATORS)}, got {self.accelerator!r}")
-        if errors:
-            raise ValueError("invalid launch spec: " + "; ".join(errors))
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-# --------------------------------------------------------------------------- impure helpers
-
-
-def detect_accelerator() -> str:
-    """Return "cuda" if torch sees a CUDA device, else "cpu" (imports torch lazily)."""
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def local_hostnames() -> frozenset[str]:
-    """Names under which a hostfile may refer to this machine."""
-    name = socket.gethostname()
-    return LOCAL_HOST_NAMES | {name, name.split(".")[0]}
-
-
-def available_cpus() -> int:
-    """CPUs this process may run on (affinity mask where the OS has one)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-def find_free_port() -> int:
-    """Return a TCP port that was free on 127.0.0.1 a moment ago (bind to port 0)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-# --------------------------------------------------------------------------- hostfile
-
-
-# "host slots=N", optionally followed by key=value fields (e.g. OpenMPI's max_slots=N), ignored.
-_HOSTFILE_LINE = re.compile(r"^(\S+)\s+slots=(\d+)(?:\s+\S+=\S*)*\s*$")
-
-
-def parse_hostfile(path: str | os.PathLike) -> list[tuple[str, int]]:
-    """Read a DeepSpeed hostfile: ``hostname slots=N`` per line, ``#`` comments.
-
-    Returns ``[(host, slots), ...]`` in file order. Raises ValueError naming the
-    file and line for a malformed line, zero slots, a duplicate host, or a file
-    with no hosts at all.
-    """
-    hosts: list[tuple[str, int]] = []
-    seen: dict[str, int] = {}
-    with open(path, encoding="utf-8") as fh:
-        for lineno, raw in enumerate(fh, start=1):
-            line = raw.split("#", 1)[0].strip()
-            if not line:
-                continue
-            match = _HOSTFILE_LINE.match(line)
-            if match is None:
-                raise ValueError(f"{path}:{lineno}: expected 'hostname slots=N', got {raw.strip()!r}")
-            host, slots = match.group(1), int(match.group(2))
-            if slots < 1:
-                raise ValueError(f"{path}:{lineno}: host {host!r} has slots={slots}; need at least 1")
-            if host in seen:
-                raise ValueError(f"{path}:{lineno}: host {host!r} already listed on line {seen[host]}")
-            seen[host] = lineno
-            hosts.append((host, slots))
-    if not hosts:
-        raise ValueError(f"{path}: no hosts found (expected lines like 'worker-0 slots=8')")
-    return hosts
-
-
 def _hostfile_hosts(spec: LaunchSpec) -> list[tuple[str, int]]:
-    hosts = parse_hostfile(spec.hostfile)
-    if spec.num_nodes is not None:
-        if spec.num_nodes > len(hosts):
-            raise ValueError(f"num_nodes={spec.num_nodes} but hostfile {spec.hostfile!r} lists only {len(hosts)} host(s)")
-        hosts = hosts[: spec.num_nodes]
-    if spec.nproc > 1:
-        short = [f"{h} (slots={s})" for h, s in hosts if s < spec.nproc]
-        if short:
-            raise ValueError(f"nproc={spec.nproc} exceeds the slots of {', '.join(short)} in {spec.hostfile!r}")
-    return hosts
+    return select_hosts(parse_hostfile(spec.hostfile), spec.hostfile, spec.num_nodes, spec.nproc,
+                        spec.include, spec.exclude)
 
 
 def launch_world_size(spec: LaunchSpec, torchrun: bool = False,
@@ -218,29 +87,6 @@ def _rename_filter_host(filter_str: str, old: str, new: str) -> str:
 # --------------------------------------------------------------------------- environment
 
 
-def _resolve_accelerator(spec: LaunchSpec, env: Mapping[str, str], detect: Detect) -> str:
-    if spec.accelerator != "auto":
-        return spec.accelerator
-    preset = env.get("DS_ACCELERATOR")
-    if preset:  # "cpu", "cuda", or another DeepSpeed accelerator whose env we leave alone
-        return preset
-    found = detect()
-    if found not in ("cpu", "cuda"):
-        raise ValueError(f"accelerator detection returned {found!r}; expected 'cpu' or 'cuda'")
-    return found
-
-
-def _start_env(base_env: Mapping[str, str] | None) -> Env:
-    return dict(os.environ if base_env is None else base_env)
-
-
-def _apply_cpu_env(env: Env, procs_per_node: int, cpu_count: int | None) -> None:
-    env["DS_ACCELERATOR"] = "cpu"
-    if "OMP_NUM_THREADS" not in env:
-        cpus = available_cpus() if cpu_count is None else cpu_count
-        env["OMP_NUM_THREADS"] = str(max(1, cpus // max(1, procs_per_node)))
-
-
 def env_delta(env: Mapping[str, str], base_env: Mapping[str, str] | None = None) -> Env:
     """Variables of ``env`` that are new or changed relative to ``base_env`` (default os.environ)."""
     base = os.environ if base_env is None else base_env
@@ -265,10 +111,6 @@ def format_command(argv: Sequence[str], env_delta: Mapping[str, str] | None = No
     """A copy-pasteable shell line ``VAR=value ... cmd args`` with every word quoted."""
     words = [f"{k}={shlex.quote(v)}" for k, v in (env_delta or {}).items()]
     return " ".join(words + [shlex.quote(a) for a in argv])
-
-
-def _train_args(spec: LaunchSpec) -> list[str]:
-    return ["-m", TRAIN_MODULE, "train", spec.recipe, *spec.overrides]
 
 
 # --------------------------------------------------------------------------- deepspeed
@@ -505,8 +347,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.backend == "torchrun":
             cmd, env = build_torchrun_command(spec)
         else:
-            from dstrain.slurm import build_srun_command
-
             cmd, env = build_srun_command(spec, nodes=args.nodes)
     except (ValueError, OSError) as err:
         parser.error(str(err))

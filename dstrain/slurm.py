@@ -2,9 +2,10 @@
 
 :func:`env_from_slurm` is what each rank calls (through ``dstrain.runtime``) when
 started by ``srun`` rather than by a launcher; :func:`build_srun_command` is the
-SLURM counterpart of the builders in :mod:`dstrain.launcher`. This module imports
-``launcher``, never the reverse at load time (``launcher`` re-exports these three
-names lazily, so ``from dstrain.launcher import env_from_slurm`` still works).
+SLURM counterpart of the builders in :mod:`dstrain.launcher`. Both import what
+they share from :mod:`dstrain.launch_common`; ``launcher`` re-exports the names
+here (``from dstrain.launcher import env_from_slurm`` works), this module never
+imports ``launcher``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import re
 import sys
 from typing import Mapping
 
-from dstrain.launcher import (
+from dstrain.launch_common import (
     DEFAULT_MASTER_PORT,
     Detect,
     Env,
@@ -25,7 +26,7 @@ from dstrain.launcher import (
     detect_accelerator,
 )
 
-__all__ = ["build_srun_command", "env_from_slurm", "expand_nodelist"]
+__all__ = ["build_srun_command", "env_from_slurm", "expand_nodelist", "tasks_per_node_counts"]
 
 
 def build_srun_command(
@@ -110,14 +111,20 @@ def _expand_item(item: str, whole: str) -> list[str]:
     return [name + tail for name in names for tail in _expand_item(rest, whole)]
 
 
-def _tasks_on_node(tasks_per_node: str, node_id: int) -> int | None:
-    """Pick node ``node_id``'s count from SLURM's ``"2(x3),1"`` format."""
+def tasks_per_node_counts(tasks_per_node: str) -> list[int] | None:
+    """Expand SLURM's ``"2(x3),1"`` format to ``[2, 2, 2, 1]``; None when malformed."""
     counts: list[int] = []
     for part in tasks_per_node.split(","):
         match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
         if match is None:
             return None
         counts += [int(match.group(1))] * int(match.group(2) or 1)
+    return counts
+
+
+def _tasks_on_node(tasks_per_node: str, node_id: int) -> int | None:
+    """Pick node ``node_id``'s count from SLURM's ``"2(x3),1"`` format."""
+    counts = tasks_per_node_counts(tasks_per_node) or []
     return counts[node_id] if 0 <= node_id < len(counts) else None
 
 
