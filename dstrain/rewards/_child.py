@@ -4,7 +4,9 @@
 
     python -I -B -c STUB <this source> launch <config json> <result fd>
 
-and :data:`STUB` executes it in a private globals dictionary. Two stages follow.
+and :data:`STUB` executes it in a private globals dictionary. Two stages follow (the
+fork server, ``_server.py``, replaces the second by a loop that forks one child per
+program and calls :func:`_execute` there).
 
 ``launch`` (trusted, before any untrusted byte is read): tries ``unshare`` of a
 network and a PID namespace (falling back to a user namespace, then to no namespace,
@@ -59,7 +61,6 @@ def _launch(cfg: dict, result_fd: int) -> None:
     """Stage 1: isolate this process, limit it, and exec the ``run`` stage."""
     import ctypes
     import os
-    import resource
     import sys
 
     notes = []
@@ -91,15 +92,13 @@ def _launch(cfg: dict, result_fd: int) -> None:
         notes.append(f"uid={cfg['uid']}")
     if libc is not None and libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0:
         notes.append("nonewprivs")
-    limits = ((resource.RLIMIT_CPU, cfg["cpu"], cfg["cpu"] + 1), (resource.RLIMIT_AS, cfg["mem"], cfg["mem"]),
-              (resource.RLIMIT_FSIZE, cfg["fsize"], cfg["fsize"]), (resource.RLIMIT_NOFILE, cfg["nofile"], cfg["nofile"]), (resource.RLIMIT_CORE, 0, 0))
-    for which, soft, hard in limits:
-        try:
-            resource.setrlimit(which, (soft, hard))
-        except (ValueError, OSError):
-            pass
-    argv = [sys.executable, "-I", "-B", "-c", STUB, sys.argv[1], "run", str(result_fd), ",".join(notes) or "none",
-            str(cfg["nproc"])]
+    _set_limits(cfg)
+    isolation = ",".join(notes) or "none"
+    if cfg.get("stage") == "serve":  # a fork server (see _server.py): per-program limits come with each job
+        argv = [sys.executable, "-I", "-B", "-c", STUB, sys.argv[1], "serve", sys.argv[5], isolation]
+    else:
+        argv = [sys.executable, "-I", "-B", "-c", STUB, sys.argv[1], "run", str(result_fd), isolation,
+                str(cfg["nproc"])]
     if not pid_ns:
         os.execv(sys.executable, argv)
     pid = os.fork()  # the child is the init of the new PID namespace
@@ -115,6 +114,25 @@ def _launch(cfg: dict, result_fd: int) -> None:
         except InterruptedError:
             continue
     os._exit(128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))
+
+
+def _set_limits(cfg: dict) -> None:
+    """Sets the resource limits ``cfg`` names (``cpu``, ``mem``, ``fsize``, ``nofile``; a
+    missing or None entry is left as it is) and ``RLIMIT_CORE=0``."""
+    import resource
+
+    limits = [(resource.RLIMIT_CORE, 0, 0)]
+    if cfg.get("cpu") is not None:
+        limits.append((resource.RLIMIT_CPU, cfg["cpu"], cfg["cpu"] + 1))
+    for key, which in (("mem", resource.RLIMIT_AS), ("fsize", resource.RLIMIT_FSIZE),
+                       ("nofile", resource.RLIMIT_NOFILE)):
+        if cfg.get(key) is not None:
+            limits.append((which, cfg[key], cfg[key]))
+    for which, soft, hard in limits:
+        try:
+            resource.setrlimit(which, (soft, hard))
+        except (ValueError, OSError):
+            pass
 
 
 def _make_hook(tmp: str, read_roots: tuple, violations: list):
@@ -401,10 +419,31 @@ def _worker(job: dict, prepared: list, box: list, user_classes: list, done) -> N
 
 
 def _run(result_fd: int, isolation: str, max_processes: int) -> None:
-    """Stage 2: read the job, install the hook, run the worker, report with the nonce."""
+    """Stage 2: read the job from stdin, then :func:`_execute` it."""
+    import json
+    import os
+
+    chunks = []
+    while True:
+        chunk = os.read(0, 1 << 16)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    job = json.loads(b"".join(chunks))
+    del chunks
+    _execute(job, result_fd, isolation, max_processes)
+
+
+def _execute(job: dict, result_fd: int, isolation: str, max_processes: int) -> None:
+    """Install the hook, run the worker, report with the nonce, leave with ``os._exit``.
+
+    Runs in a process of its own (a spawned interpreter, or a child forked by the fork
+    server) whose working directory is the program's private temporary directory."""
     import _thread
     import builtins
-    import json
     import os
     import resource
     import sys
@@ -419,17 +458,6 @@ def _run(result_fd: int, isolation: str, max_processes: int) -> None:
     write, fstat, exit_now, sleep, count = os.write, os.fstat, os._exit, time.sleep, _thread._count
     st = fstat(result_fd)
     pipe_id = (st.st_dev, st.st_ino)
-    chunks = []
-    while True:
-        chunk = os.read(0, 1 << 16)
-        if not chunk:
-            break
-        chunks.append(chunk)
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
-    job = json.loads(b"".join(chunks))
-    del chunks
     nonce = job.pop("nonce").encode()
     tmp = os.path.realpath(os.getcwd())
     roots = {tmp, "/dev/null", "/dev/urandom", "/dev/zero", "/proc/cpuinfo", "/proc/meminfo",
@@ -479,5 +507,8 @@ if __name__ == "__sandbox__":
 
     if _sys.argv[2] == "launch":
         _launch(_json.loads(_sys.argv[3]), int(_sys.argv[4]))
+    elif _sys.argv[2] == "serve":
+        exec(compile(_sys.argv[3], "<sandbox-server>", "exec"), globals())
+        _serve(_sys.argv[4])
     else:
         _run(int(_sys.argv[3]), _sys.argv[4], int(_sys.argv[5]))

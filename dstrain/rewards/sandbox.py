@@ -1,7 +1,15 @@
 """Run untrusted generated programs and their tests in a separate, locked-down process.
 
-Nothing generated ever runs in the trainer's process. :func:`run_program` starts, for
-each program, ``python -I -B`` (:data:`sys.executable`) in a fresh temporary directory
+Nothing generated ever runs in the trainer's process. Two modes (``SandboxLimits.mode``):
+
+* ``"fork_server"`` (the default on Linux): a long-lived, already-isolated server
+  interpreter per worker, with the usual modules imported, forks a fresh child per
+  program; the child gets a new session, its own temporary directory, the environment
+  below, the resource limits and the audit hook, then runs the program exactly as a
+  spawned one does. Nothing a program changes reaches the next one (its changes live
+  in its forked copy). A dead or stuck server is replaced. See ``forkserver.py``.
+* ``"spawn"`` (the default elsewhere): :func:`run_program` starts, for
+  each program, ``python -I -B`` (:data:`sys.executable`) in a fresh temporary directory
 (removed afterwards), in a new session, with an environment of four variables
 (``PATH``, ``LANG``, ``HOME`` and ``TMPDIR``, the last two pointing at that directory),
 writes the job to its stdin, and collects stdout/stderr (at most
@@ -47,6 +55,7 @@ the audit hook alone.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pwd
@@ -68,6 +77,12 @@ from typing import Sequence
 from dstrain.rewards import _child
 
 STATUSES = ("passed", "failed", "timeout", "error", "crash")
+MODES = ("fork_server", "spawn")
+
+
+def default_mode() -> str:
+    """``"fork_server"`` on Linux (it relies on ``fork`` and ``/proc``), ``"spawn"`` elsewhere."""
+    return "fork_server" if sys.platform.startswith("linux") else "spawn"
 _CHILD_SOURCE = Path(_child.__file__).read_text()
 _RESULT_CAP = 1 << 16
 
@@ -85,7 +100,8 @@ class SandboxLimits:
     is killed (and how much of each is kept). ``namespaces`` tries network and PID
     namespaces; ``drop_root`` runs as ``nobody`` when the trainer is root and the
     interpreter allows it; ``tmp_root`` is where temporary directories are made
-    (default: the system's).
+    (default: the system's). ``mode`` is ``"fork_server"``, ``"spawn"`` or ``""`` (the
+    platform's default, :func:`default_mode`); see the module docstring.
     """
 
     cpu_seconds: int = 5
@@ -98,8 +114,12 @@ class SandboxLimits:
     namespaces: bool = True
     drop_root: bool = True
     tmp_root: str | None = None
+    mode: str = ""
 
     def __post_init__(self) -> None:
+        if self.mode not in ("",) + MODES:
+            raise ValueError(f"SandboxLimits.mode must be one of {', '.join(MODES)} (or empty for the default), "
+                             f"got {self.mode!r}")
         for name in ("cpu_seconds", "wall_seconds", "memory_bytes", "file_size_bytes",
                      "max_processes", "open_files", "output_bytes"):
             if not getattr(self, name) > 0:
@@ -273,15 +293,48 @@ def _parse_result(data: bytes, nonce: bytes) -> tuple | None:
 
 
 def run_program(program: str, tests: Sequence[str], setup: str = "",
-                limits: SandboxLimits | None = None) -> ExecResult:
+                limits: SandboxLimits | None = None, servers=None) -> ExecResult:
     """Runs ``program``, then ``setup``, then each test statement in a fresh sandboxed
-    interpreter and reports how many tests passed (see the module docstring).
+    process and reports how many tests passed (see the module docstring).
 
     ``setup`` runs after the program and before the tests, in the same namespace (MBPP's
-    ``test_setup_code`` builds objects from the program's classes).
+    ``test_setup_code`` builds objects from the program's classes). In fork-server mode
+    ``servers`` (a :class:`~dstrain.rewards.forkserver.ServerSet`) supplies the server;
+    by default a process-wide set shared by calls without a pool.
     """
     limits = limits or SandboxLimits()
     tests = [str(t) for t in tests]
+    if (limits.mode or default_mode()) == "fork_server":
+        return _run_forked(str(program), tests, str(setup or ""), limits, servers)
+    return _run_spawned(str(program), tests, str(setup or ""), limits)
+
+
+def _run_forked(program: str, tests: list[str], setup: str, limits: SandboxLimits, servers) -> ExecResult:
+    from dstrain.rewards.forkserver import ServerLost, shared_servers
+    servers = servers or shared_servers(limits.namespaces, limits.drop_root, limits.tmp_root)
+    start = time.monotonic()
+    nonce = secrets.token_hex(16)
+    job = {"nonce": nonce, "program": program, "setup": setup, "tests": tests, "wall": float(limits.wall_seconds),
+           "cap": int(limits.output_bytes),
+           "limits": {"cpu": int(limits.cpu_seconds), "mem": int(limits.memory_bytes),
+                      "fsize": int(limits.file_size_bytes), "nofile": int(limits.open_files),
+                      "nproc": int(limits.max_processes)}}
+    for attempt in range(2):  # a server found dead before the program started is replaced, once
+        server = servers.acquire()
+        try:
+            reply, out, err, res = server.run(job, limits.wall_seconds)
+            break
+        except ServerLost as lost:
+            if lost.ran or attempt:
+                return ExecResult("crash", 0, len(tests), time.monotonic() - start, f"sandbox server lost: {lost}")
+        finally:
+            servers.release(server)
+    return _interpret(reply["ending"], int(reply["returncode"]), float(reply["cpu"]),
+                      _parse_result(res, nonce.encode()), len(tests), time.monotonic() - start, limits,
+                      out.decode("utf-8", "replace"), err.decode("utf-8", "replace"))
+
+
+def _run_spawned(program: str, tests: list[str], setup: str, limits: SandboxLimits) -> ExecResult:
     start = time.monotonic()
     tmp = tempfile.mkdtemp(prefix="dstrain-sbx-", dir=limits.tmp_root)
     proc = collector = None
@@ -357,7 +410,9 @@ def _interpret(ending: str, returncode: int, cpu: float, record: tuple | None, n
     if ending == "timeout":
         return result("timeout", f"wall-clock limit of {limits.wall_seconds:g} s")
     sig = -returncode if returncode < 0 else (returncode - 128 if returncode > 128 else 0)
-    if sig in (signal.SIGXCPU, signal.SIGKILL) and cpu >= limits.cpu_seconds - 0.05:
+    # SIGXCPU comes from RLIMIT_CPU (the kernel's CPU clock can run slightly ahead of rusage);
+    # SIGKILL is the hard limit only when the CPU time says so (the wall-clock kill is "timeout" above).
+    if sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu >= limits.cpu_seconds - 0.05):
         return result("timeout", f"CPU limit of {limits.cpu_seconds} s")
     tail = stderr.strip().splitlines()[-1:] or [""]
     how = f"killed by {signal.Signals(sig).name}" if sig in signal.valid_signals() else f"exit code {returncode}"
@@ -366,26 +421,37 @@ def _interpret(ending: str, returncode: int, cpu: float, record: tuple | None, n
 
 class SandboxPool:
     """Runs several sandboxed programs at once: ``workers`` threads, each managing one
-    child process at a time. Use as a context manager or call :meth:`close`."""
+    child process at a time (in fork-server mode, each through its own warm server,
+    started on first use and stopped by :meth:`close`). Use as a context manager or
+    call :meth:`close`. ``mode`` overrides ``limits.mode``."""
 
-    def __init__(self, workers: int = 4, limits: SandboxLimits | None = None) -> None:
+    def __init__(self, workers: int = 4, limits: SandboxLimits | None = None, mode: str | None = None) -> None:
         if workers < 1:
             raise ValueError(f"SandboxPool needs at least one worker, got {workers}")
         self.workers = workers
         self.limits = limits or SandboxLimits()
+        if mode is not None:
+            self.limits = dataclasses.replace(self.limits, mode=mode)
+        self.mode = self.limits.mode or default_mode()
+        self.servers = None
+        if self.mode == "fork_server":
+            from dstrain.rewards.forkserver import ServerSet
+            self.servers = ServerSet(self.limits.namespaces, self.limits.drop_root, self.limits.tmp_root)
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dstrain-sandbox")
 
     def run(self, program: str, tests: Sequence[str], setup: str = "") -> ExecResult:
-        return self._executor.submit(run_program, program, tests, setup, self.limits).result()
+        return self._executor.submit(run_program, program, tests, setup, self.limits, self.servers).result()
 
     def run_many(self, jobs: Sequence[tuple[str, Sequence[str], str]]) -> list[ExecResult]:
         """Runs ``(program, tests, setup)`` jobs concurrently; results in job order."""
-        futures = [self._executor.submit(run_program, program, tests, setup, self.limits)
+        futures = [self._executor.submit(run_program, program, tests, setup, self.limits, self.servers)
                    for program, tests, setup in jobs]
         return [f.result() for f in futures]
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
+        if self.servers is not None:
+            self.servers.close()
 
     def __enter__(self) -> "SandboxPool":
         return self

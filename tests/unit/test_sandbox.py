@@ -1,7 +1,11 @@
 """The code-execution sandbox: results of ordinary programs, and adversarial programs
-that must be contained (reward 0, the parent process and its files untouched)."""
+that must be contained (reward 0, the parent process and its files untouched).
+
+Every test runs in both modes: through a warm fork server and with a spawned
+interpreter per program."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import resource
 import socket
@@ -13,15 +17,26 @@ import uuid
 
 import pytest
 
-from dstrain.rewards.sandbox import ExecResult, SandboxLimits, SandboxPool, run_program
+from dstrain.rewards.sandbox import MODES, ExecResult, SandboxLimits, SandboxPool, run_program
 
 WALL = 2.0
 LIMITS = SandboxLimits(cpu_seconds=5, wall_seconds=WALL, memory_bytes=512 << 20, output_bytes=1 << 16)
 SLACK = 1.5
+MODE = {"now": MODES[0]}
+
+
+@pytest.fixture(autouse=True, params=MODES)
+def mode(request):
+    MODE["now"] = request.param
+    yield request.param
+
+
+def in_mode(limits: SandboxLimits) -> SandboxLimits:
+    return dataclasses.replace(limits, mode=MODE["now"])
 
 
 def run(program: str, tests=("assert True",), setup: str = "", limits: SandboxLimits = LIMITS) -> ExecResult:
-    return run_program(textwrap.dedent(program), list(tests), setup, limits)
+    return run_program(textwrap.dedent(program), list(tests), setup, in_mode(limits))
 
 
 def processes_with(marker: str) -> list[int]:
@@ -300,7 +315,7 @@ def test_frame_access_is_refused_but_not_fatal():
 
 def test_pool_runs_a_batch_of_infinite_loops_concurrently():
     start = time.monotonic()
-    with SandboxPool(workers=4, limits=LIMITS) as pool:
+    with SandboxPool(workers=4, limits=in_mode(LIMITS)) as pool:
         results = pool.run_many([("while True:\n    pass\n", ["assert True"], "")] * 8)
     elapsed = time.monotonic() - start
     assert [r.status for r in results] == ["timeout"] * 8
@@ -309,7 +324,7 @@ def test_pool_runs_a_batch_of_infinite_loops_concurrently():
 
 def test_pool_preserves_order():
     jobs = [(f"def f():\n    return {i}\n", [f"assert f() == {i if i % 3 else -1}"], "") for i in range(7)]
-    with SandboxPool(workers=3, limits=LIMITS) as pool:
+    with SandboxPool(workers=3, limits=in_mode(LIMITS)) as pool:
         results = pool.run_many(jobs)
     assert [r.status for r in results] == ["failed" if i % 3 == 0 else "passed" for i in range(7)]
 
@@ -322,9 +337,12 @@ def test_limits_are_validated():
 
 
 def test_no_processes_or_directories_are_left_behind(tmp_path):
-    limits = SandboxLimits(wall_seconds=WALL, memory_bytes=512 << 20, tmp_root=str(tmp_path))
-    run("while True:\n    pass\n", limits=limits)
-    run("def f():\n    return 1\n", ["assert f() == 1"], limits=limits)
+    limits = in_mode(SandboxLimits(wall_seconds=WALL, memory_bytes=512 << 20, tmp_root=str(tmp_path)))
+    with SandboxPool(workers=2, limits=limits) as pool:
+        pool.run("while True:\n    pass\n", ["assert True"])
+        pool.run("def f():\n    return 1\n", ["assert f() == 1"])
+        for server_dir in tmp_path.iterdir():  # a warm server keeps its own (empty) folder while it lives
+            assert server_dir.name.startswith("dstrain-fsrv-") and list(server_dir.iterdir()) == []
     assert list(tmp_path.iterdir()) == []
 
 
