@@ -92,6 +92,16 @@ class TrainConfig:
     optimizer: str = "auto"
     """Optimizer implementation: auto | torch_fused | torch_foreach | deepspeed. auto: PyTorch's fused AdamW
     on CUDA, its foreach AdamW on CPU, DeepSpeed's CPU Adam under optimizer offload (see dstrain.engine.optim)."""
+    nonfinite: str = "stop"
+    """What a NaN/Inf loss on any rank does (every rank agrees through one all-reduce per step): stop (leave
+    the step's update undone, save the last good state as a checkpoint and exit non-zero naming the step
+    and rank) | skip (drop that step's update on every rank, count it as ``train/skipped_steps``)."""
+    max_consecutive_skips: int = 5
+    """Under nonfinite=skip, this many skipped steps in a row end the run with an error."""
+    collective_timeout_s: float = 1800.0
+    """How long a collective may wait before it fails (torch.distributed's timeout); a watchdog thread also
+    ends a rank whose step phase (forward, backward, step, allreduce, save) lasts longer, naming rank,
+    step and phase, so that ``dstrain launch --max-restarts`` restarts the job."""
 
 
 @dataclass
@@ -118,6 +128,9 @@ class DeepSpeedConfig:
     """A named DeepSpeed JSON's explicit batch sizes, lr (and Adam numbers), gradient clipping, warm-up and
     precision replace the run config's (each adopted value is reported); false: a disagreement is refused
     before launch with the overrides that would make them agree."""
+    comm_dtype: str = "auto"
+    """auto | fp32 | bf16 | fp16: the dtype gradients are reduced in (DeepSpeed's ``communication_data_type``);
+    auto leaves it to the DeepSpeed JSON (DeepSpeed's default: the training precision)."""
     zero_init: Any = "auto"
     """ZeRO-3: build the model already sharded (``deepspeed.zero.Init``): auto | true | false.
     auto does so when a full fp32 copy per local rank would take over half the RAM."""
@@ -125,7 +138,7 @@ class DeepSpeedConfig:
 
 @dataclass
 class ParallelConfig:
-    """Model parallelism inside each data-parallel replica (dp = world / (tp * sp))."""
+    """Model parallelism inside each data-parallel replica (dp = world / (tp * sp * pp))."""
 
     tp: int = 1
     """Tensor-parallel degree (fairscale layers; the model's parallelize.py says which)."""
@@ -133,6 +146,12 @@ class ParallelConfig:
     """Sequence-parallel degree: each sample's tokens are split over sp ranks."""
     sp_mode: str = "auto"
     """auto | exchange | ulysses: how sequence-parallel attention communicates (see dstrain.parallel.sequence)."""
+    pp: int = 1
+    """Pipeline-parallel degree: the model is cut into pp stages (DeepSpeed's pipeline engine, 1F1B
+    over train.grad_accum micro-batches); dp = world / pp. Data parallelism only besides it."""
+    pp_partition: str = "parameters"
+    """parameters | uniform | cost: how layers are split into stages (balanced parameter counts, equal
+    layer counts, or measured forward + backward time per layer kind)."""
 
 
 @dataclass
@@ -145,6 +164,9 @@ class CheckpointConfig:
     """Complete checkpoints kept on disk (older ones are deleted)."""
     resume: bool = False
     """Continue from the latest complete checkpoint in the output folder."""
+    async_write: bool = False
+    """Copy the state to host memory, then write it in a background thread while training goes on (the
+    next save waits for the previous one; COMPLETE is written after every rank's files are on disk)."""
 
 
 @dataclass
@@ -154,6 +176,9 @@ class OutputConfig:
     dir: str = "runs/default"
     tensorboard: bool = True
     progress: bool = True
+    comms: bool = False
+    """Log every collective's bytes and time per step (``comm/*`` records; DeepSpeed's comms logger,
+    which synchronises each op to time it)."""
 
 
 @dataclass
@@ -331,6 +356,11 @@ def validate(cfg: RunConfig, source: str) -> None:
     _check(len(t.betas) == 2 and all(0.0 <= b < 1.0 for b in t.betas), source, "train.betas",
            f"must be two numbers in [0, 1), got {list(t.betas)}")
     _check(t.eps > 0, source, "train.eps", f"must be positive, got {t.eps}")
+    _check(t.nonfinite in ("stop", "skip"), source, "train.nonfinite", f"must be stop or skip, got {t.nonfinite!r}")
+    _check(t.max_consecutive_skips >= 1, source, "train.max_consecutive_skips",
+           f"must be at least 1, got {t.max_consecutive_skips}")
+    _check(t.collective_timeout_s > 0, source, "train.collective_timeout_s",
+           f"must be positive, got {t.collective_timeout_s}")
     _check(ds.precision in ("auto", "fp32", "bf16", "fp16"), source, "deepspeed.precision",
            f"must be auto, fp32, bf16 or fp16, got {ds.precision!r}")
     _check(ds.activation_checkpointing in ("auto", True, False), source,
@@ -342,6 +372,8 @@ def validate(cfg: RunConfig, source: str) -> None:
            f"must be auto, torch_fused, torch_foreach or deepspeed, got {t.optimizer!r}")
     _check(ds.mixed_precision in ("auto", "deepspeed", "autocast"), source, "deepspeed.mixed_precision",
            f"must be auto, deepspeed or autocast, got {ds.mixed_precision!r}")
+    _check(ds.comm_dtype in ("auto", "fp32", "bf16", "fp16"), source, "deepspeed.comm_dtype",
+           f"must be auto, fp32, bf16 or fp16, got {ds.comm_dtype!r}")
     _check(ds.zero_init in ("auto", True, False), source, "deepspeed.zero_init",
            f"must be auto, true or false, got {json.dumps(ds.zero_init)}")
     _check(0.0 < ds.margin <= 1.0, source, "deepspeed.margin", f"must be in (0, 1], got {ds.margin}")
@@ -368,9 +400,14 @@ def validate(cfg: RunConfig, source: str) -> None:
 
 def _validate_parallel(cfg: RunConfig, source: str) -> None:
     par = cfg.parallel
-    for key in ("tp", "sp"):
+    for key in ("tp", "sp", "pp"):
         value = getattr(par, key)
         _check(value >= 1, source, f"parallel.{key}", f"must be at least 1, got {value}")
+    _check(par.pp == 1 or par.tp * par.sp == 1, source, "parallel.pp",
+           f"pipeline parallelism (pp = {par.pp}) is supported with data parallelism only; "
+           f"got tp = {par.tp}, sp = {par.sp} (set both to 1)")
+    _check(par.pp_partition in ("parameters", "uniform", "cost"), source, "parallel.pp_partition",
+           f"must be parameters, uniform or cost, got {par.pp_partition!r}")
     _check(par.sp_mode in ("auto", "exchange", "ulysses"), source, "parallel.sp_mode",
            f"must be auto, exchange or ulysses, got {par.sp_mode!r}")
     _check(cfg.data.seq_len % par.sp == 0, source, "data.seq_len",

@@ -42,6 +42,8 @@ class ModelSpec:
         rl: policy families only: the toolkit RL trainers use (``build(config, ds_config=None)``,
             ``load_tokenizer``, ``generate``, ``pack``, ``token_logprobs``, ``token_entropy``,
             ``reference(config, placement, train_ds_config=None)``); None for other models.
+        pipeline: ``pipeline(config, activation_checkpointing) -> dstrain.parallel.pipeline.PipelineParts``
+            for models that can be cut into pipeline stages (``parallel.pp > 1``); None otherwise.
     """
 
     name: str
@@ -51,6 +53,7 @@ class ModelSpec:
     parallelize: Callable[..., torch.nn.Module]
     example_inputs: Callable[[Any, int, int], tuple] | None = None
     rl: Any = None
+    pipeline: Callable[..., Any] | None = None
 
     def inputs_for_trace(self, config: Any, micro_batch: int, seq_len: int) -> tuple:
         """Arguments of one loss-returning forward (see ``example_inputs``)."""

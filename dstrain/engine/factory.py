@@ -15,6 +15,7 @@ import math
 import torch
 
 from dstrain.config import RunConfig, TrainConfig
+from dstrain.comms import comms_sections
 from dstrain.engine import cuda_env
 from dstrain.engine import ds_config as dsc
 from dstrain.engine import hardware
@@ -42,6 +43,8 @@ class EnginePlan:
     """Which optimizer implementation runs (None: DeepSpeed builds what ``ds_config`` names)."""
     compile: bool = False
     """``torch.compile`` the model inside the engine (``train.compile``)."""
+    pipeline: Any = None
+    """``dstrain.parallel.pipeline.PipelineSetup`` when ``parallel.pp > 1`` (the stage split), else None."""
 
     @property
     def zero(self) -> dict:
@@ -78,7 +81,7 @@ def plan_engine(cfg: RunConfig, world_size: int, hw=None, hw_notes: str = "",
     from dstrain.parallel.dims import ParallelDims
     spec, mcfg = _model_parts(cfg)
     par = cfg.parallel
-    dims = ParallelDims.from_world(world_size, par.tp, par.sp)
+    dims = ParallelDims.from_world(world_size, par.tp, par.sp, par.pp)
     build = lambda: spec.build(mcfg)  # noqa: E731
     stats = hardware.model_stats(build)
     if hw is None:
@@ -91,9 +94,12 @@ def plan_engine(cfg: RunConfig, world_size: int, hw=None, hw_notes: str = "",
         build, lambda: spec.inputs_for_trace(mcfg, 1, cfg.data.seq_len // dims.sp),
         lambda m, flag: spec.parallelize(m, activation_checkpointing=flag))
     ds = cfg.deepspeed
-    plan = choose_plan(stats, hw, acts, dims.replica_size, cfg.train.micro_batch,
-                       precision=ds.precision, activation_checkpointing=ds.activation_checkpointing,
-                       margin=ds.margin)
+    pipe, stage_text = None, ""
+    if dims.pp > 1:
+        from dstrain.parallel.pipeline import plan_stages
+        pipe, plan, stage_text = plan_stages(spec, mcfg, cfg, dims, hw, acts)
+    else:
+        plan = _plan_or_suggest_pp(spec, mcfg, cfg, stats, hw, acts, dims, world_size)
     if ds.profile == "auto":
         profile, precision, ckpt = plan.profile, plan.precision, plan.activation_checkpointing
         why = f"profile {profile}: {plan.reason}"
@@ -106,17 +112,25 @@ def plan_engine(cfg: RunConfig, world_size: int, hw=None, hw_notes: str = "",
         why = f"profile {profile}: named in the run config (the factory would pick {plan.profile})"
     template = dsc.load_ds_json(dsc.resolve_profile_path(profile))
     source = str(dsc.resolve_profile_path(profile))
+    if pipe is not None:
+        from dstrain.parallel.pipeline import check_profile
+        check_profile(template, source)
     values = run_values(cfg, dims.dp, precision, stats.hidden_size)
     resolved = dsc.fill_ds_config(fill_zero_sizes(template, stats.params, stats.hidden_size), values, source)
     optimizer, resolved = choose_optimizer(resolved, cfg.train.optimizer, hw.device_type, values)
     resolved, amp_note = mixed_precision(resolved, template, ds.mixed_precision, hw.device_type)
     resolved, section_notes = user_sections(resolved, cfg.output.dir, source)
+    resolved, comm_notes = comms_sections(resolved, cfg.output.comms, ds.comm_dtype, source)
+    section_notes += comm_notes
     compile_ = cfg.train.compile if isinstance(cfg.train.compile, bool) else hw.device_type == "cuda"
     table = format_plan(plan, stats, hw, dims.replica_size, cfg.train.micro_batch)
     layout = (f"parallel layout: dp {dims.dp} x tp {dims.tp} x sp {dims.sp} = {world_size} ranks; model states "
               f"planned for the full model partitioned over dp x sp = {dims.replica_size}, activations "
               f"traced at {cfg.data.seq_len // dims.sp} tokens per rank" if dims.tp * dims.sp > 1 else "")
-    explanation = "\n".join(x for x in (hw_notes, layout, table, why,
+    if pipe is not None:
+        layout = (f"parallel layout: pp {dims.pp} x dp {dims.dp} = {world_size} ranks; the table's model states "
+                  f"and activations are the fullest stage's")
+    explanation = "\n".join(x for x in (hw_notes, layout, table, stage_text, why,
                                         f"precision {precision}, activation checkpointing "
                                         f"{'on' if ckpt else 'off'}, torch.compile {'on' if compile_ else 'off'}"
                                         f" (train.compile={cfg.train.compile})",
@@ -130,7 +144,27 @@ def plan_engine(cfg: RunConfig, world_size: int, hw=None, hw_notes: str = "",
              if ds.zero_init == "auto" else ds.zero_init)
     return EnginePlan(profile=profile, ds_config=resolved, precision=precision,
                       activation_checkpointing=ckpt, explanation=explanation, plan=plan,
-                      shard_at_build=shard, optimizer=optimizer, compile=compile_)
+                      shard_at_build=shard and pipe is None, optimizer=optimizer, compile=compile_,
+                      pipeline=pipe)
+
+
+def _plan_or_suggest_pp(spec, mcfg, cfg, stats, hw, acts, dims, world_size):
+    """``choose_plan``; when no ZeRO profile fits, the error names a pipeline degree that would."""
+    from dstrain.engine.profiles import PlanError, suggest_pp
+    ds = cfg.deepspeed
+    try:
+        return choose_plan(stats, hw, acts, dims.replica_size, cfg.train.micro_batch, precision=ds.precision,
+                           activation_checkpointing=ds.activation_checkpointing, margin=ds.margin)
+    except PlanError as err:
+        if spec.pipeline is None or dims.tp * dims.sp > 1:
+            raise
+        counts = spec.pipeline(mcfg, False).param_counts()
+        pp = suggest_pp(counts, hw, acts, world_size, cfg.train.micro_batch, cfg.train.grad_accum,
+                        precision=ds.precision, margin=ds.margin)
+        if pp is None:
+            raise
+        raise PlanError(f"{err}; or cut the model into pipeline stages: --parallel.pp={pp} fits "
+                        f"(ZeRO-0/1 per stage, dp {world_size // pp})", err.estimates) from None
 
 
 _MONITOR_PATHS = (("tensorboard", "output_path"), ("csv_monitor", "output_path"),
@@ -347,7 +381,7 @@ def _init_sharded(model: torch.nn.Module) -> None:
 
 def create_engine(build_model: Callable[[], torch.nn.Module],
                   parallelize: Callable[..., Any], plan: EnginePlan,
-                  train: TrainConfig, parallel=None, sp_mode: str = "auto") -> Engine:
+                  train: TrainConfig, parallel=None, sp_mode: str = "auto", pipeline_parts=None) -> Engine:
     """Build the model (sharded at construction under ZeRO-3) and start DeepSpeed.
 
     This is the only call of ``deepspeed.initialize`` in dstrain. The learning
@@ -358,6 +392,8 @@ def create_engine(build_model: Callable[[], torch.nn.Module],
     """
     import deepspeed
 
+    if plan.pipeline is not None:
+        return _create_pipeline_engine(build_model, pipeline_parts, plan, train)
     if plan.zero["stage"] == 3 and plan.shard_at_build:
         with deepspeed.zero.Init(config_dict_or_path=plan.ds_config):
             model = build_model()
@@ -385,6 +421,24 @@ def create_engine(build_model: Callable[[], torch.nn.Module],
     if plan.compile:
         compile_engine(ds_engine)
     return Engine(ds_engine, plan, group_names, parallel)
+
+
+def _create_pipeline_engine(build_model, pipeline_parts, plan: EnginePlan, train: TrainConfig):
+    """DeepSpeed's pipeline engine over this stage's layers (``plan.pipeline`` says the split)."""
+    import deepspeed
+
+    from dstrain.parallel.pipeline import PipelineEngine, build_engine_module
+    if pipeline_parts is None:
+        raise ValueError("parallel.pp > 1 needs the model's pipeline layers (ModelSpec.pipeline)")
+    module = build_engine_module(build_model, pipeline_parts, plan.pipeline, plan.activation_checkpointing)
+    scheduler = None if "scheduler" in plan.ds_config else scheduler_factory(train)
+    groups = [g for g in param_groups(module, train.weight_decay) if g["params"]]
+    names = {id(p): n for n, p in module.named_parameters()}
+    cuda_env.apply()
+    client = plan.optimizer.factory() if plan.optimizer is not None else None
+    ds_engine, _, _, _ = deepspeed.initialize(
+        model=module, model_parameters=groups, optimizer=client, lr_scheduler=scheduler, config=plan.ds_config)
+    return PipelineEngine(ds_engine, plan, [[names[id(p)] for p in g["params"]] for g in groups])
 
 
 def compile_engine(ds_engine) -> None:

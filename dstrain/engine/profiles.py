@@ -331,3 +331,156 @@ def format_plan(plan: Plan, stats: ModelStats, hw: Hardware, world_size: int, mi
     for r in rows:
         lines.append("  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1])
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- pipeline stages
+
+PIPELINE_PROFILES = ("zero0", "zero1")  # DeepSpeed's pipeline engine refuses ZeRO-2 and ZeRO-3
+
+
+def uniform_split(n: int, parts: int) -> list[int]:
+    """Boundaries of ``parts`` contiguous runs of ``n`` layers, sizes differing by at most one (larger first)."""
+    if not 1 <= parts <= n:
+        raise ValueError(f"{n} layers cannot fill {parts} pipeline stages; use pp <= {n}")
+    base, extra = divmod(n, parts)
+    bounds = [0]
+    for s in range(parts):
+        bounds.append(bounds[-1] + base + (1 if s < extra else 0))
+    return bounds
+
+
+def balanced_split(weights, parts: int) -> list[int]:
+    """Boundaries of ``parts`` contiguous, non-empty runs of ``weights`` minimising the heaviest run.
+
+    Dynamic programme over (layers, stages); among equally heavy splits the one with the
+    earliest boundaries is taken.
+    """
+    n = len(weights)
+    if not 1 <= parts <= n:
+        raise ValueError(f"{n} layers cannot fill {parts} pipeline stages; use pp <= {n}")
+    if any(w < 0 for w in weights):
+        raise ValueError("layer weights must not be negative")
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + float(w))
+    inf = float("inf")
+    best = [[inf] * (parts + 1) for _ in range(n + 1)]  # best[i][j]: first i layers in j stages
+    cut = [[0] * (parts + 1) for _ in range(n + 1)]
+    best[0][0] = 0.0
+    for j in range(1, parts + 1):
+        for i in range(j, n - (parts - j) + 1):
+            for k in range(j - 1, i):
+                cost = max(best[k][j - 1], prefix[i] - prefix[k])
+                if cost < best[i][j] - 1e-12 * max(1.0, cost):
+                    best[i][j], cut[i][j] = cost, k
+    bounds, i = [n], n
+    for j in range(parts, 0, -1):
+        i = cut[i][j]
+        bounds.append(i)
+    return bounds[::-1]
+
+
+@dataclass(frozen=True)
+class StageEstimate:
+    """Memory of one pipeline stage under one profile: its parameters' states and in-flight activations."""
+
+    stage: int
+    params: int
+    in_flight: int
+    model_states: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.model_states + self.activations
+
+
+def stage_estimates(profile: str, layer_params, bounds, acts: Activations, dp: int, micro_batch: int,
+                    grad_accum: int, precision: str, ckpt: bool) -> list[StageEstimate]:
+    """Per-stage bytes under 1F1B: stage s holds min(pp - s, grad_accum) micro-batches' activations.
+
+    A stage's model states are the profile's bytes for its own parameters (ZeRO-1 partitions
+    them over the dp ranks of the stage). Activations are the traced whole-model bytes per
+    sample, shared equally among the layers (an approximation: the output layer's logits
+    make the last stage's per-sample share larger than this).
+    """
+    if profile not in PIPELINE_PROFILES:
+        raise ValueError(f"{profile} is incompatible with pipeline parallelism (DeepSpeed's pipeline engine "
+                         f"takes ZeRO-0 or ZeRO-1 only)")
+    pp, layers = len(bounds) - 1, len(layer_params)
+    per_sample = acts.per_sample_checkpointed if ckpt else acts.per_sample
+    scale = 1.0 if _PRECISION_ALIASES.get(precision, precision) == "fp32" else 0.5
+    out = []
+    for s in range(pp):
+        lo, hi = bounds[s], bounds[s + 1]
+        params = int(sum(layer_params[lo:hi]))
+        states, _ = model_state_bytes(profile, ModelStats(max(params, 1), 0, 0, 0), dp, precision, 1)
+        flight = min(pp - s, grad_accum)
+        act = int(round(per_sample * (hi - lo) / layers * micro_batch * flight * scale))
+        out.append(StageEstimate(s, params, flight, states, act))
+    return out
+
+
+def choose_pipeline_plan(layer_params, bounds, hw: Hardware, acts: Activations, dp: int, micro_batch: int,
+                         grad_accum: int, precision: str = "auto", activation_checkpointing: str | bool = "auto",
+                         margin: float = 0.85) -> tuple[Plan, list[StageEstimate]]:
+    """The profile (ZeRO-0, then ZeRO-1) and checkpointing under which the fullest stage fits.
+
+    Same walk as :func:`choose_plan` over the two profiles the pipeline engine takes; each
+    candidate is judged by its largest stage. Returns the plan and the chosen candidate's
+    per-stage estimates; PlanError when nothing fits.
+    """
+    prec, prec_reason = choose_precision(hw, precision)
+    if activation_checkpointing == "auto":
+        passes = [False, True]
+    elif isinstance(activation_checkpointing, bool):
+        passes = [activation_checkpointing]
+    else:
+        raise ValueError(f"activation_checkpointing must be 'auto', True or False, got {activation_checkpointing!r}")
+    budget = margin * hw.device_memory
+    tried: list[ProfileEstimate] = []
+    for ckpt in passes:
+        for profile in PIPELINE_PROFILES:
+            stages = stage_estimates(profile, layer_params, bounds, acts, dp, micro_batch, grad_accum, prec, ckpt)
+            worst = max(stages, key=lambda e: e.total)
+            why = (f"stage {worst.stage} needs {format_bytes(worst.total)} > {format_bytes(budget)} budget"
+                   if worst.total > budget else "")
+            est = ProfileEstimate(profile, ckpt, worst.model_states, worst.activations, worst.total, 0, not why, why)
+            tried.append(est)
+            if est.fits:
+                reason = "; ".join([f"{_label(e)} {e.why_not}" for e in tried[:-1]] +
+                                   [f"{_label(est)} fits on every stage (largest: stage {worst.stage}, "
+                                    f"{format_bytes(worst.model_states)} model states + "
+                                    f"{format_bytes(worst.activations)} activations of {worst.in_flight} "
+                                    f"in-flight micro-batches)"]) + "."
+                return Plan(profile, prec, ckpt, tuple(tried), reason, prec_reason, margin), stages
+    raise PlanError(_nothing_fits(tried, hw, margin), tuple(tried))
+
+
+def suggest_pp(layer_params, hw: Hardware, acts: Activations, world_size: int, micro_batch: int,
+               grad_accum: int, precision: str = "auto", margin: float = 0.85, split=None) -> int | None:
+    """The smallest pipeline degree (dividing the world, at most the layer count) whose plan fits, or None.
+
+    ``split(pp) -> bounds`` cuts the layers (default: balanced parameter counts).
+    """
+    if split is None:
+        split = lambda pp: balanced_split(layer_params, pp)  # noqa: E731
+    for pp in range(2, min(world_size, len(layer_params)) + 1):
+        if world_size % pp:
+            continue
+        try:
+            choose_pipeline_plan(layer_params, split(pp), hw, acts, world_size // pp, micro_batch, grad_accum,
+                                 precision, "auto", margin)
+        except PlanError:
+            continue
+        return pp
+    return None
+
+
+def format_stages(stages: list[StageEstimate], names: list[str]) -> str:
+    """The stage split with each stage's memory under the chosen profile."""
+    lines = ["pipeline stages (1F1B; stage s holds min(pp - s, grad_accum) micro-batches in flight):"]
+    for e, name in zip(stages, names):
+        lines.append(f"  {name}: {format_bytes(e.model_states)} model states + {format_bytes(e.activations)} "
+                     f"activations ({e.in_flight} in flight) = {format_bytes(e.total)}")
+    return "\n".join(lines)

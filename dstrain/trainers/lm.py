@@ -61,8 +61,12 @@ class LMTrainer:
         self.plan = plan_and_record(cfg, self.world, self.out)
 
         runtime.seed_everything(cfg.train.seed)  # identical initial weights on every rank
+        pipeline_parts = (None if self.spec.pipeline is None
+                          else lambda ckpt: self.spec.pipeline(self.model_cfg, ckpt))
         self.engine = create_engine(lambda: self.spec.build(self.model_cfg), self.spec.parallelize,
-                                    self.plan, cfg.train, parallel=self.parallel, sp_mode=cfg.parallel.sp_mode)
+                                    self.plan, cfg.train, parallel=self.parallel, sp_mode=cfg.parallel.sp_mode,
+                                    pipeline_parts=pipeline_parts)
+        self.pipelined = getattr(self.engine, "is_pipeline", False)
         # Per-rank dropout; tensor-parallel ranks share a seed (their replicated activations must agree).
         runtime.seed_everything(cfg.train.seed + 7919 * (self.world.rank // cfg.parallel.tp + 1))
         self.start_step = 0
@@ -95,6 +99,9 @@ class LMTrainer:
         t = self.cfg.train
         indices = self.sampler.local_batch_indices(step, t.micro_batch, t.grad_accum,
                                                    self.dp_rank, self.dp_world)
+        if self.pipelined:  # DeepSpeed's 1F1B over the grad_accum micro-batches; the loss is the dp mean
+            return self.engine.train_batch(
+                get_batch(self.train_tokens, micro, self.cfg.data.seq_len) for micro in indices)
         total = 0.0
         for micro in indices:
             x, y = self._local(*get_batch(self.train_tokens, micro, self.cfg.data.seq_len))
@@ -114,6 +121,9 @@ class LMTrainer:
         for b in range(t.eval_batches):
             idx = val.local_batch_indices(b, t.micro_batch, 1, self.dp_rank, self.dp_world)[0]
             x, y = self._local(*get_batch(self.val_tokens, idx, seq))
+            if self.pipelined:
+                losses.append(self.engine.eval_batch(iter([(x, y)])))
+                continue
             losses.append(self.engine(x.to(self.engine.device), y.to(self.engine.device)).item())
         self.engine.train()
         return reduce_mean({"loss": sum(losses) / len(losses)})["loss"]
@@ -175,11 +185,11 @@ class LMTrainer:
 def _parallel_layout(cfg: RunConfig, world: runtime.World):
     """(ParallelState or None, data-parallel rank, data-parallel world size) of this rank."""
     par = cfg.parallel
-    if par.tp * par.sp == 1:
+    if par.tp * par.sp * par.pp == 1:
         return None, world.rank, world.world_size
     from dstrain.parallel.dims import init_parallel
     try:
-        state = init_parallel(par.tp, par.sp)
+        state = init_parallel(par.tp, par.sp, par.pp)
     except ValueError as err:
         from dstrain.config import ConfigError
         raise ConfigError("run config", "parallel", str(err)) from None

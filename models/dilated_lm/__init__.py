@@ -9,6 +9,12 @@ from .parallelize import parallelize_dilated_lm
 from .sizes import SIZES
 
 
+def _pipeline_parts(cfg, activation_checkpointing=False):
+    """Pipeline layers (imported when asked for: they need DeepSpeed)."""
+    from .pipeline import pipeline_parts
+    return pipeline_parts(cfg, activation_checkpointing)
+
+
 def example_inputs(config: DilatedLMConfig, micro_batch: int, seq_len: int) -> tuple:
     """``(input_ids, targets)`` for activation tracing; ids stay below the real vocabulary."""
     ids = torch.zeros(micro_batch, seq_len, dtype=torch.long)
@@ -22,6 +28,7 @@ SPEC = ModelSpec(
     build=DilatedLM,
     parallelize=parallelize_dilated_lm,
     example_inputs=example_inputs,
+    pipeline=_pipeline_parts,
 )
 
 __all__ = ["DilatedLM", "DilatedLMConfig", "SIZES", "SPEC", "parallelize_dilated_lm"]

@@ -1,0 +1,342 @@
+"""Pipeline parallelism through DeepSpeed's ``PipelineModule``: stage split, weights in and out.
+
+A model that can be pipelined describes itself as :class:`PipelineParts` (its
+``models/<m>/pipeline.py``): a sequence of ``LayerSpec``s (embedding, blocks, final
+norm + head), the prefix each layer's parameters carry in the plain model's state
+dict (``""`` for the embedding and the head, ``"blocks.3."`` for block 3), and a
+loss function equal to the plain model's. From that this module
+
+* splits the layers into ``pp`` contiguous stages (:func:`partition`): by
+  parameters, uniformly, or by a measured cost (forward + backward time of one
+  layer of each kind, :func:`measure_costs`);
+* builds the :class:`StagedPipelineModule` with exactly that split (the plan and
+  the engine cannot disagree) and copies a plain model's initial weights into
+  the layers this stage owns (:func:`load_plain_weights`), so a pipelined run
+  starts from the same weights as a plain one;
+* maps a pipeline checkpoint's ``layer_XX-model_states.pt`` files back to the
+  plain model's names (:func:`plain_state_dict`), which ``dstrain export`` uses.
+
+Tied layers (``TiedLayerSpec``) are refused: neither dstrain LM ties its embedding
+to its output layer, and the export mapping would need DeepSpeed's tied-key rules.
+"""
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+PARTITION_METHODS = ("parameters", "uniform", "cost")
+_LAYER_FILE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$|^layer_(\d+)-model_states\.pt$")
+
+
+@dataclass
+class PipelineParts:
+    """A model as a sequence of layers DeepSpeed can cut into stages."""
+
+    layers: list
+    """``deepspeed.pipe.LayerSpec`` per layer; layer i's output is layer i+1's input."""
+    prefixes: list[str]
+    """Plain state-dict prefix of each layer's parameters."""
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    """``loss_fn(last layer's output, labels)``: the plain model's loss."""
+    kinds: list[str] = field(default_factory=list)
+    """A name per layer; layers of the same kind cost the same (for ``cost`` partitioning)."""
+    example_input: Callable[[int, int], torch.Tensor] | None = None
+    """``(micro_batch, seq_len) -> first layer's input`` for measuring costs."""
+
+    def __post_init__(self):
+        from deepspeed.pipe import TiedLayerSpec
+        if len(self.layers) != len(self.prefixes):
+            raise ValueError(f"{len(self.layers)} layers but {len(self.prefixes)} name prefixes")
+        if any(isinstance(spec, TiedLayerSpec) for spec in self.layers):
+            raise ValueError("tied layers (TiedLayerSpec) are not supported by dstrain's pipeline export; "
+                             "untie the embedding and the output layer")
+        if not self.kinds:
+            self.kinds = [spec.typename.__name__ for spec in self.layers]
+
+    def param_counts(self) -> list[int]:
+        """Parameters of each layer, built on the meta device (no memory)."""
+        with torch.device("meta"):
+            return [sum(p.numel() for p in spec.build().parameters()) for spec in self.layers]
+
+
+def partition(weights: Sequence[float], stages: int, method: str = "parameters") -> list[int]:
+    """Stage boundaries ``[0, b1, ..., len(weights)]`` (stage s owns layers ``b_s .. b_{s+1} - 1``).
+
+    ``uniform``: equal numbers of layers; ``parameters`` / ``cost``: the contiguous split
+    whose heaviest stage is lightest (``weights``: parameter counts or measured costs).
+    """
+    from dstrain.engine.profiles import balanced_split, uniform_split
+    if method not in PARTITION_METHODS:
+        raise ValueError(f"unknown pipeline partition method {method!r}; use one of {', '.join(PARTITION_METHODS)}")
+    if method == "uniform":
+        return uniform_split(len(weights), stages)
+    return balanced_split(weights, stages)
+
+
+def measure_costs(parts: PipelineParts, micro_batch: int, seq_len: int, repeats: int = 3) -> list[float]:
+    """Seconds of forward + backward of one layer of each kind (median of ``repeats``), per layer.
+
+    Layers of one kind are timed once (a block stands for every block); the input of
+    each kind is what the layers before it produce from ``parts.example_input``.
+    """
+    if parts.example_input is None:
+        raise ValueError("cost partitioning needs PipelineParts.example_input")
+    x = parts.example_input(micro_batch, seq_len)
+    seen: dict[str, float] = {}
+    costs = []
+    for spec, kind in zip(parts.layers, parts.kinds):
+        if kind in seen:
+            costs.append(seen[kind])
+            continue
+        layer = spec.build()
+        times = []
+        for _ in range(repeats):
+            inp = x.detach().requires_grad_(x.is_floating_point())
+            start = time.perf_counter()
+            out = layer(inp)
+            out.float().square().mean().backward()
+            times.append(time.perf_counter() - start)
+        seen[kind] = sorted(times)[len(times) // 2]
+        costs.append(seen[kind])
+        with torch.no_grad():
+            x = layer(x)
+        del layer
+    return costs
+
+
+def stage_split(parts: PipelineParts, stages: int, method: str, micro_batch: int = 1,
+                seq_len: int = 0) -> tuple[list[int], list[float]]:
+    """``(boundaries, weights)`` for ``method`` (weights: parameter counts, ones, or seconds)."""
+    if method == "cost":
+        weights = measure_costs(parts, micro_batch, seq_len)
+    elif method == "uniform":
+        weights = [1.0] * len(parts.layers)
+    else:
+        weights = [float(n) for n in parts.param_counts()]
+    return partition(weights, stages, method), weights
+
+
+def describe_split(parts: PipelineParts, bounds: list[int], counts: list[int]) -> list[str]:
+    """One line per stage: its layers and parameter count."""
+    lines = []
+    for s in range(len(bounds) - 1):
+        lo, hi = bounds[s], bounds[s + 1]
+        kinds = parts.kinds[lo:hi]
+        names = ", ".join(f"{k} x{kinds.count(k)}" if kinds.count(k) > 1 else k for k in dict.fromkeys(kinds))
+        lines.append(f"stage {s}: layers {lo}..{hi - 1} ({names}), {sum(counts[lo:hi]):,} params")
+    return lines
+
+
+def _staged_module_class():
+    from deepspeed.pipe import PipelineModule
+
+    class StagedPipelineModule(PipelineModule):
+        """A ``PipelineModule`` whose stage boundaries are given, not recomputed."""
+
+        def __init__(self, layers, bounds: list[int], **kwargs):
+            object.__setattr__(self, "_given_bounds", list(bounds))
+            super().__init__(layers=layers, partition_method="uniform", **kwargs)
+
+        def _partition_layers(self, method="uniform"):
+            stage = self._topo.get_coord(self.global_rank).pipe
+            self.parts = list(self._given_bounds)
+            if len(self.parts) != self.num_stages + 1:
+                raise ValueError(f"stage split {self.parts} does not have {self.num_stages} stages")
+            self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
+
+    return StagedPipelineModule
+
+
+def build_pipeline_module(parts: PipelineParts, bounds: list[int], topology) -> nn.Module:
+    """The DeepSpeed ``PipelineModule`` of ``parts`` cut at ``bounds``; only this stage's layers are built.
+
+    Every parameter is tagged ``model_parallel = True``: each stage owns distinct
+    parameters, and DeepSpeed's gradient norm (fp32 clipping, ZeRO-1) counts a
+    parameter on a rank whose model-parallel rank (= stage) is not 0 only if it carries the tag.
+    """
+    module = _staged_module_class()(parts.layers, bounds, topology=topology, loss_fn=parts.loss_fn)
+    for p in module.parameters():
+        p.model_parallel = True
+    return module
+
+
+def local_layers(module) -> dict[int, nn.Module]:
+    """Global layer index -> layer, for the layers this stage owns."""
+    return {module._local_start + i: layer for i, layer in enumerate(module.forward_funcs)
+            if isinstance(layer, nn.Module)}
+
+
+@torch.no_grad()
+def load_plain_weights(module, parts: PipelineParts, plain_state: dict[str, torch.Tensor]) -> None:
+    """Copy a plain model's state dict into this stage's layers (names through ``parts.prefixes``)."""
+    for idx, layer in local_layers(module).items():
+        for name, tensor in layer.state_dict().items():
+            key = parts.prefixes[idx] + name
+            if key not in plain_state:
+                raise KeyError(f"pipeline layer {idx} parameter {name!r}: no {key!r} in the plain model")
+            tensor.copy_(plain_state[key])
+
+
+def plain_state_dict(tag_dir: str | Path, prefixes: Sequence[str]) -> dict[str, torch.Tensor]:
+    """The plain model's state dict from a pipeline checkpoint's ``layer_XX-model_states.pt`` files."""
+    tag_dir = Path(tag_dir)
+    files: dict[int, Path] = {}
+    for path in tag_dir.iterdir():
+        match = _LAYER_FILE.match(path.name)
+        if match:
+            idx = int(match.group(1) or match.group(3))
+            if match.group(2) not in (None, "00"):
+                raise ValueError(f"{path}: tensor-parallel pipeline checkpoints are not supported by export")
+            files[idx] = path
+    if not files:
+        raise FileNotFoundError(f"{tag_dir}: no layer_XX-model_states.pt files (not a pipeline checkpoint)")
+    if max(files) >= len(prefixes):
+        raise ValueError(f"{tag_dir}: layer {max(files)} saved but the model has {len(prefixes)} layers")
+    state = {}
+    for idx in sorted(files):
+        for name, tensor in torch.load(files[idx], map_location="cpu", weights_only=True).items():
+            state[prefixes[idx] + name] = tensor
+    return state
+
+
+# ---------------------------------------------------------------- planning and the engine
+
+@dataclass
+class PipelineSetup:
+    """The stage split decided at plan time (picklable: rank 0 plans, every rank builds)."""
+
+    pp: int
+    dp: int
+    method: str
+    bounds: list[int]
+    stage_lines: list[str]
+
+
+def plan_stages(spec, model_cfg, cfg, dims, hw, acts):
+    """``(PipelineSetup, Plan, per-stage text)`` of a run with ``parallel.pp > 1``.
+
+    The split follows ``parallel.pp_partition``; the profile is chosen among ZeRO-0 and
+    ZeRO-1 by the fullest stage's memory (``profiles.choose_pipeline_plan``).
+    """
+    from dstrain.engine.profiles import choose_pipeline_plan, format_stages
+    if spec.pipeline is None:
+        raise ValueError(f"model {spec.name!r} cannot be cut into pipeline stages (no pipeline layers); "
+                         "use parallel.pp = 1")
+    ds, t = cfg.deepspeed, cfg.train
+    parts = spec.pipeline(model_cfg, False)
+    bounds, _ = stage_split(parts, dims.pp, cfg.parallel.pp_partition, t.micro_batch, cfg.data.seq_len)
+    counts = parts.param_counts()
+    plan, stages = choose_pipeline_plan(counts, bounds, hw, acts, dims.dp, t.micro_batch, t.grad_accum,
+                                        precision=ds.precision, activation_checkpointing=ds.activation_checkpointing,
+                                        margin=ds.margin)
+    lines = describe_split(parts, bounds, counts)
+    setup = PipelineSetup(dims.pp, dims.dp, cfg.parallel.pp_partition, bounds, lines)
+    text = (f"pipeline: {dims.pp} stages x dp {dims.dp}, split by {cfg.parallel.pp_partition}, 1F1B over "
+            f"{t.grad_accum} micro-batches (bubble (p - 1) / (m + p - 1) = "
+            f"{(dims.pp - 1) / (t.grad_accum + dims.pp - 1):.2f})\n" + format_stages(stages, lines))
+    return setup, plan, text
+
+
+def check_profile(ds_config: dict, source: str) -> None:
+    """One line if a DeepSpeed JSON asks for ZeRO-2/3, which the pipeline engine refuses."""
+    stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
+    if stage >= 2:
+        raise ValueError(f"{source}: ZeRO stage {stage} cannot run with pipeline parallelism (DeepSpeed's "
+                         "pipeline engine takes ZeRO-0 or ZeRO-1); use profile zero0, zero1 or auto")
+
+
+def build_engine_module(build_model, pipeline_parts, setup: PipelineSetup, activation_checkpointing: bool):
+    """This stage's ``PipelineModule`` holding the plain model's initial weights.
+
+    The plain model is built once in host memory (same seed, same weights as a
+    non-pipelined run), its state dict copied into this stage's layers and freed.
+    """
+    from dstrain.parallel.dims import ParallelDims
+    import torch.distributed as dist
+    dims = ParallelDims.from_world(dist.get_world_size(), pp=setup.pp)
+    with torch.device("cpu"):
+        plain = build_model()
+    state = plain.state_dict()
+    parts = pipeline_parts(activation_checkpointing)
+    module = build_pipeline_module(parts, setup.bounds, dims.topology())
+    load_plain_weights(module, parts, state)
+    del plain, state
+    return module
+
+
+class PipelineEngine:
+    """The trainer-facing side of DeepSpeed's ``PipelineEngine``: whole batches, not micro-batches.
+
+    ``train_batch(iterator)`` runs one optimizer step over ``grad_accum`` micro-batches
+    with the 1F1B schedule (the first stage reads inputs from the iterator, the last
+    stage labels) and returns the mean loss over the data-parallel group;
+    ``eval_batch(iterator)`` the same without gradients. Save/load go through
+    DeepSpeed's pipeline checkpoints (one ``layer_XX-model_states.pt`` per layer).
+    """
+
+    is_pipeline = True
+
+    def __init__(self, ds_engine, plan, param_group_names=None):
+        self.ds = ds_engine
+        self.plan = plan
+        self.parallel = None
+        self.param_group_names = param_group_names
+        self._norm = None
+        # fp32 without ZeRO clips through clip_fp32_gradients, which returns the norm and drops it.
+        original = ds_engine.clip_fp32_gradients
+
+        def clip_and_keep():
+            from deepspeed.runtime.utils import clip_grad_norm_
+            self._norm = clip_grad_norm_(parameters=ds_engine.module.parameters(),
+                                         max_norm=ds_engine.gradient_clipping(), mpu=ds_engine.mpu)
+        ds_engine.clip_fp32_gradients = clip_and_keep if original is not None else original
+
+    @property
+    def module(self):
+        return self.ds.module
+
+    @property
+    def device(self):
+        return self.ds.device
+
+    @property
+    def stage(self) -> int:
+        return self.ds.stage_id
+
+    def train_batch(self, data_iter) -> float:
+        return float(self.ds.train_batch(data_iter))
+
+    def eval_batch(self, data_iter) -> float:
+        return float(self.ds.eval_batch(data_iter, num_micro_batches=1))
+
+    def train(self) -> None:
+        self.ds.train()
+
+    def eval(self) -> None:
+        self.ds.eval()
+
+    @property
+    def lr(self) -> float:
+        return float(self.ds.get_lr()[0])
+
+    @property
+    def grad_norm(self) -> float | None:
+        norm = self._norm if self._norm is not None else self.ds.get_global_grad_norm()
+        if norm is None:
+            return None
+        return float(norm.item() if torch.is_tensor(norm) else norm)
+
+    def save(self, save_dir: str, tag: str, client_state: dict | None = None) -> None:
+        self.ds.save_checkpoint(save_dir, tag=tag, client_state=client_state or {}, save_latest=False)
+
+    def load(self, load_dir: str, tag: str) -> dict:
+        path, client_state = self.ds.load_checkpoint(load_dir, tag=tag)
+        if path is None:
+            raise FileNotFoundError(f"DeepSpeed could not load checkpoint {tag} from {load_dir}")
+        return client_state or {}
