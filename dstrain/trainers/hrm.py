@@ -39,8 +39,8 @@ RATIO_KEYS = ("accuracy", "exact_accuracy", "q_halt_accuracy", "steps")
 def load_sudoku(task: HRMTaskConfig, seed: int):
     """(train puzzles, train solutions, eval puzzles, eval solutions) as the task says."""
     if task.source == "generate":
-        train = sudoku.generate_many(task.train_puzzles, task.blanks, seed)
-        held = sudoku.generate_many(task.eval_puzzles, task.blanks, seed + 1_000_003)
+        train = sudoku.generate_many(task.train_puzzles, task.blanks, seed, size=task.grid)
+        held = sudoku.generate_many(task.eval_puzzles, task.blanks, seed + 1_000_003, size=task.grid)
         return (*train, *held)
     if task.eval_file:
         held = sudoku.read_puzzle_file(task.eval_file, limit=task.eval_puzzles)
@@ -89,9 +89,12 @@ class HRMTrainer:
         from models import registry
         self.spec = registry.get_spec(cfg.model.name)
         self.model_cfg = registry.make_model_config(cfg.model.name, cfg.model.size, cfg.model.args)
-        if getattr(self.model_cfg, "seq_len", sudoku.SEQ_LEN) != sudoku.SEQ_LEN or \
-                getattr(self.model_cfg, "vocab_size", sudoku.VOCAB_SIZE) != sudoku.VOCAB_SIZE:
-            raise ConfigError("run config", "model.args", "Sudoku needs seq_len 81 and vocab_size 11")
+        n = self.task.grid
+        if getattr(self.model_cfg, "seq_len", n * n) != n * n or \
+                getattr(self.model_cfg, "vocab_size", n + 2) != sudoku.vocab_size(n):
+            raise ConfigError("run config", "model.args",
+                              f"a {n}x{n} Sudoku needs seq_len {n * n} and vocab_size {n + 2}, got "
+                              f"{self.model_cfg.seq_len} and {self.model_cfg.vocab_size}")
 
         if resume_tag is not None:
             pin_plan(self.cfg, self.ckpt_root, resume_tag)

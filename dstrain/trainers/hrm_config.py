@@ -23,6 +23,9 @@ class HRMTaskConfig:
     """Training groups (original puzzles)."""
     eval_puzzles: int = 200
     """Held-out puzzles evaluated every ``train.eval_every`` steps and at the end."""
+    grid: int = 9
+    """Side of the Sudoku grid: 4, 6 or 9 (files hold 9x9 puzzles); the model needs
+    ``seq_len = grid**2`` and ``vocab_size = grid + 2``."""
     blanks: int = 8
     """Blank cells of each generated puzzle (generate only)."""
     augmentations: int = 0
@@ -55,6 +58,12 @@ class HRMTaskConfig:
                      "time_limit_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"task.{name} must not be negative, got {getattr(self, name)}")
-        if not 0 <= self.blanks <= 64:
-            raise ValueError(f"task.blanks must be within [0, 64] (a unique Sudoku needs 17 clues), "
-                             f"got {self.blanks}")
+        clues = {4: 4, 6: 8, 9: 17}  # fewest clues of a uniquely solvable grid
+        if isinstance(self.grid, bool) or self.grid not in clues:
+            raise ValueError(f"task.grid must be 4, 6 or 9, got {self.grid!r}")
+        if self.source == "file" and self.grid != 9:
+            raise ValueError(f"task.grid must be 9 when task.source is file (puzzle files hold 9x9 grids)")
+        most = self.grid ** 2 - clues[self.grid]
+        if not 0 <= self.blanks <= most:
+            raise ValueError(f"task.blanks must be within [0, {most}] (a unique {self.grid}x{self.grid} Sudoku "
+                             f"needs {clues[self.grid]} clues), got {self.blanks}")

@@ -21,17 +21,24 @@ def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
 
 
+TRUNC_STD_RATIO = math.sqrt(1.0 - 4.0 * math.exp(-2.0) / math.sqrt(2.0 * math.pi) / math.erf(math.sqrt(2.0)))
+"""Standard deviation of N(0, 1) truncated to [-2, 2] (about 0.8796)."""
+
+
 @torch.no_grad()
 def trunc_normal_(tensor: torch.Tensor, std: float) -> torch.Tensor:
-    """Normal(0, std) truncated at two standard deviations, by the inverse CDF.
+    """Truncated normal (at two standard deviations) whose standard deviation is ``std``.
 
-    No data-dependent control flow, so it also runs on meta and fake tensors (torch's
-    own ``trunc_normal_`` resamples in a loop).
+    The underlying normal is widened by ``1 / TRUNC_STD_RATIO`` so the truncated values
+    have the requested spread (as JAX's and the HRM reference's initialisers do; plain
+    truncation would give ``0.88 * std``). Sampled by the inverse CDF: no data-dependent
+    control flow, so it also runs on meta and fake tensors.
     """
     lo = 0.5 * (1.0 + math.erf(-2.0 / math.sqrt(2.0)))
+    wide = std / TRUNC_STD_RATIO
     tensor.uniform_(2 * lo - 1, 1 - 2 * lo)
-    tensor.erfinv_().mul_(std * math.sqrt(2.0))
-    return tensor.clamp_(-2 * std, 2 * std)
+    tensor.erfinv_().mul_(wide * math.sqrt(2.0))
+    return tensor.clamp_(-2 * wide, 2 * wide)
 
 
 def lecun_init_(weight: torch.Tensor, std: float | None = None) -> torch.Tensor:

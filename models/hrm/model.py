@@ -62,6 +62,9 @@ class HRMConfig:
     rms_norm_eps: float = 1e-5
     loss: str = "stablemax"
     """stablemax | softmax cross-entropy."""
+    act: bool = True
+    """False: adaptive halting off (fixed segments): every puzzle runs ``halt_max_steps``
+    segments in training as in evaluation, and the Q-head is not trained."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -82,6 +85,8 @@ class HRMConfig:
             raise ValueError(f"halt_exploration_prob must be within [0, 1], got {self.halt_exploration_prob}")
         if self.expansion <= 0:
             raise ValueError(f"expansion must be positive, got {self.expansion}")
+        if not isinstance(self.act, bool):
+            raise ValueError(f"act must be true or false, got {self.act!r}")
         if self.pos_encodings not in ("rope", "learned"):
             raise ValueError(f"pos_encodings must be rope or learned, got {self.pos_encodings!r}")
         if self.loss not in ("stablemax", "softmax"):
@@ -176,13 +181,14 @@ class HRM(nn.Module):
         """Forward+backward matmul FLOPs per token of one training segment (no attention scores).
 
         Forward: ``H_cycles*L_cycles`` L updates and ``H_cycles`` H updates, plus the same
-        again for the Q target; backward (2x forward) only for the last L and H update.
+        again for the Q target (ACT only); backward (2x forward) only for the last L and H update.
         """
         c = self.config
         block = sum(p.numel() for p in self.H_level.layers[0].parameters()) if c.H_layers else 0
         fwd = 2 * block * (c.H_cycles * c.L_cycles * c.L_layers + c.H_cycles * c.H_layers)
         bwd = 4 * block * (c.L_layers + c.H_layers)
-        return 2 * fwd + bwd
+        target = fwd if c.act and c.halt_max_steps > 1 else 0  # the Q target's extra segment
+        return fwd + target + bwd
 
     # ---------------------------------------------------------------- segment
     def _rotary(self):
@@ -271,7 +277,7 @@ class HRM(nn.Module):
         with torch.no_grad():
             is_last = steps >= c.halt_max_steps
             halted = is_last
-            if self.training and c.halt_max_steps > 1:
+            if self.training and c.act and c.halt_max_steps > 1:
                 halted = halted | (q_halt > q_continue)
                 explore = torch.rand(b, device=device) < c.halt_exploration_prob
                 min_steps = explore * torch.randint(2, c.halt_max_steps + 1, (b,), device=device)
@@ -307,7 +313,7 @@ class HRM(nn.Module):
             blanks_right = ((preds == labels) | ~blank).all(-1)
             valid = halted & (counts > 0)
         q_halt_loss = F.binary_cross_entropy_with_logits(q_halt, seq_correct.to(q_halt.dtype), reduction="sum")
-        total = lm_loss + 0.5 * q_halt_loss
+        total = lm_loss + 0.5 * q_halt_loss if self.config.act else lm_loss
         q_cont_loss = torch.zeros_like(q_halt_loss)
         if target_q is not None:
             q_cont_loss = F.binary_cross_entropy_with_logits(q_continue, target_q, reduction="sum")

@@ -241,3 +241,24 @@ def test_activation_checkpointing_gives_the_same_gradients():
     for (n, p), (_, p2) in zip(m.named_parameters(), m2.named_parameters()):
         assert torch.allclose(p.grad, p2.grad, atol=1e-6), n
     assert math.isclose(m.embed_scale, math.sqrt(m.config.hidden_size))
+
+
+def test_act_off_runs_fixed_segments_without_q_losses():
+    m = make(halt_max_steps=3, act=False, halt_exploration_prob=0.0)
+    with torch.no_grad():
+        m.q_head.bias.copy_(torch.tensor([5.0, -5.0]))  # ACT would halt every row at once
+    m.train()
+    inputs, labels, emb = batch(m.config)
+    z_H = z_L = steps = None
+    halted_at = []
+    for _ in range(3):
+        loss, out = m(inputs, labels, emb, z_H, z_L, steps, None)
+        z_H, z_L, steps = out["z_H"], out["z_L"], out["steps"]
+        halted_at.append(out["halted"].tolist())
+    assert halted_at == [[False] * B, [False] * B, [True] * B]
+    logits, _ = m.heads(z_H)  # z_H of the last call, detached: recompute the loss it reported
+    per_seq = token_cross_entropy(logits, labels, "stablemax").mean(-1)
+    assert torch.allclose(loss, per_seq.sum() / B, rtol=1e-5)  # no Q-head terms
+    assert out["metrics"]["q_continue_loss"] == 0
+    with pytest.raises(ValueError, match="act"):
+        registry.make_model_config("hrm", "tiny", {"act": 1})

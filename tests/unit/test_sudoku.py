@@ -141,3 +141,88 @@ def test_groups_epochs_and_rank_shards():
     assert np.array_equal(ds.local_batch(3, 8, 1, 2).labels, parts[1].labels)
     with pytest.raises(ValueError, match="not divisible by 3 ranks"):
         ds.local_batch(0, 8, 0, 3)
+
+
+# ---------------------------------------------------------------- 4x4 and 6x6 grids
+
+def all_4x4_grids() -> np.ndarray:
+    """Every valid 4x4 grid, by brute force over row permutations (independent of the solver)."""
+    import itertools
+    perms = list(itertools.permutations(range(1, 5)))
+    out = []
+
+    def extend(rows):
+        if len(rows) == 4:
+            out.append(np.array(rows).reshape(16))
+            return
+        for p in perms:
+            g = np.array(rows + [p])
+            if any(len(set(g[:, c])) < len(g) for c in range(4)):
+                continue
+            if len(g) % 2 == 0 and any(len(set(g[-2:, b:b + 2].ravel())) < 4 for b in (0, 2)):
+                continue
+            extend(rows + [p])
+
+    extend([])
+    return np.stack(out)
+
+
+def test_4x4_grids_solver_and_generator_against_brute_force():
+    grids = all_4x4_grids()
+    assert len(grids) == 288  # the known number of 4x4 Sudoku grids
+    assert all(S.is_solution(g) for g in grids[::17])
+    rng = np.random.default_rng(0)
+    for blanks in (6, 10, 12):
+        for _ in range(10):
+            puzzle, solution = S.generate(blanks, rng, size=4)
+            assert (puzzle == 0).sum() == blanks and S.agrees(puzzle, solution)
+            keep = puzzle != 0
+            matches = grids[(grids[:, keep] == puzzle[keep]).all(1)]
+            assert len(matches) == 1 and np.array_equal(matches[0], solution)  # unique, by enumeration
+    with pytest.raises(ValueError, match=r"within \[0, 12\] for a 4x4 grid"):
+        S.generate(13, rng, size=4)
+    with pytest.raises(ValueError, match="grid size must be one of"):
+        S.generate(5, rng, size=5)
+
+
+def test_6x6_generator_augmentation_and_encoding():
+    puzzles, solutions = S.generate_many(15, 24, seed=5, size=6)
+    assert puzzles.shape == (15, 36) and ((puzzles == 0).sum(1) == 24).all()
+    rng = np.random.default_rng(1)
+    for p, s in zip(puzzles, solutions):
+        assert S.is_solution(s) and S.agrees(p, s) and S.count_solutions(p, limit=3) == 1
+        ap, asol = S.augment(p, s, rng)
+        assert S.agrees(ap, asol) and S.count_solutions(ap, limit=3) == 1 and (ap == 0).sum() == 24
+    latin = np.array([[(r + c) % 6 + 1 for c in range(6)] for r in range(6)]).reshape(36)
+    assert not S.is_solution(latin)  # rows and columns fine, the 2x3 boxes are not
+    fixed = latin.reshape(6, 6)[[0, 3, 1, 4, 2, 5]].reshape(36)  # rows 0,3 / 1,4 / 2,5 form the bands
+    assert S.is_solution(fixed)
+    for _ in range(20):  # 6x6 boxes are not square: never transposed
+        cells, digits = S.random_transform(rng, 6)
+        assert sorted(cells) == list(range(36)) and sorted(digits[1:]) == list(range(1, 7))
+        assert len({c // 6 for c in cells[:6]}) == 1  # the first row comes from one row
+    inputs, labels = S.encode(puzzles, solutions)
+    assert inputs.max() <= 7 and labels.min() >= 2 and labels.max() == 7 and S.vocab_size(6) == 8
+    with pytest.raises(ValueError, match="16, 36 or 81 cells"):
+        S.solve(np.zeros(25, dtype=int))
+    with pytest.raises(ValueError, match=r"0 \(blank\) or 1-6"):
+        S.solve(np.full(36, 7))
+
+
+def test_propagation_rounds():
+    sol = grid(SOLUTION)
+    one = sol.copy()
+    one[[0, 40, 80]] = 0  # isolated blanks: each is a naked single
+    assert S.propagation_rounds(one) == 1 and S.propagation_rounds(sol) == 0
+    assert S.propagation_rounds(np.zeros(16, dtype=int)) == -1  # nothing forced on an empty grid
+    g4 = all_4x4_grids()[0].copy()
+    chain = g4.copy()
+    chain[[0, 1, 4, 5]] = 0  # a whole box blank: every cell still sees a full row and column
+    assert S.propagation_rounds(chain) == 1
+    puzzles, _ = S.generate_many(30, 45, seed=2)
+    rng = np.random.default_rng(0)
+    for p in puzzles[:10]:  # the count does not depend on how the grid is drawn
+        q, _ = S.augment(p, S.solve(p), rng)
+        assert S.propagation_rounds(q) == S.propagation_rounds(p)
+    rounds = [S.propagation_rounds(p) for p in puzzles]
+    assert max(rounds) >= 3  # 45 blanks: deductions depend on earlier ones
