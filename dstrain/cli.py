@@ -1,4 +1,4 @@
-"""``dstrain`` command line: train, launch, plan, bench, export, check-config.
+"""``dstrain`` command line: train, launch, hostfile, plan, bench, export, check-config.
 
 Every subcommand that takes a recipe also takes dotted overrides
 (``--train.lr=3e-4 --model.size=small``) that win over the file. Config problems
@@ -151,6 +151,15 @@ def cmd_launch(args, overrides) -> int:
     if args.master_port is None:  # one node: any free port; several: the one port every node can agree on
         one_node = args.hostfile is None and (args.num_nodes or 1) == 1
         args.master_port = launcher.find_free_port() if one_node else launcher.DEFAULT_MASTER_PORT
+    from dstrain import launch_check
+    try:  # a bad hostfile, an unknown or unreachable host: refused before anything starts
+        hosts = launch_check.check_hosts_for_launch(launcher.spec_from_args(args, []), torchrun=args.launcher == "torchrun",
+                                                    reach=not (args.dry_run or args.no_ssh_check))
+    except (ValueError, OSError) as err:
+        print(f"dstrain: error: {err}", file=sys.stderr)
+        return EXIT_CONFIG
+    if hosts.remote and not args.master_addr:
+        args.master_addr = hosts.master_addr  # the first host's address as resolved here (see launch_check)
     extra = [*overrides, *(["--resume"] if args.resume else [])]
     build = launcher.build_torchrun_command if args.launcher == "torchrun" else launcher.build_deepspeed_command
     try:
@@ -167,11 +176,11 @@ def cmd_launch(args, overrides) -> int:
         print(line, file=sys.stderr)
     print(launcher.format_command(argv, launcher.env_delta(env)), flush=True)
 
+    lines, path = "", Path(os.environ.get("DS_ENV_FILE", ".deepspeed_env"))
     if "--hostfile" in argv:  # DeepSpeed reads ~/NAME and ./NAME, NAME = $DS_ENV_FILE or .deepspeed_env
         marker = "DSTRAIN_WROTE_DEEPSPEED_ENV=1\n"  # first line of a file dstrain wrote (no comments allowed)
-        needed = {k: env[k] for k in ("DS_ACCELERATOR", "OMP_NUM_THREADS") if k in env} | launcher.env_delta(env)
+        needed = launcher.rank_env(env) | launcher.env_delta(env)
         lines = launcher.deepspeed_env_file(needed, env.get("DS_ACCELERATOR", "cuda"))
-        path = Path(os.environ.get("DS_ENV_FILE", ".deepspeed_env"))
         old = path.read_text() if path.is_file() else None
         shown = " ".join(lines.splitlines()) or "(nothing)"
         if old is not None and not old.startswith(marker):
@@ -186,6 +195,9 @@ def cmd_launch(args, overrides) -> int:
             path.write_text(marker + lines)
             print(f"dstrain: wrote {path} for ranks on other hosts: {shown}", file=sys.stderr)
     if args.dry_run:
+        for line in launch_check.launch_summary(hosts, argv, env, args.master_port, str(path), lines,
+                                                torchrun=args.launcher == "torchrun"):
+            print(f"dstrain: {line}", file=sys.stderr)
         return 0
 
     def run_once(argv, env) -> int:
@@ -268,6 +280,26 @@ def _check_before_launch(cfg, args, accelerator: str) -> str | None:
     return None
 
 
+def cmd_hostfile(args, overrides) -> int:
+    """Write ``host slots=N`` lines from HOST[:SLOTS] arguments or from SLURM's node list."""
+    from dstrain import hostfile as hf
+    try:
+        if args.from_slurm == bool(args.hosts):
+            raise hf.HostfileError("give host names or --from-slurm (one of the two)")
+        hosts = (hf.hosts_from_slurm(os.environ, args.slots) if args.from_slurm
+                 else hf.parse_host_list(args.hosts, 1 if args.slots is None else args.slots))
+    except ValueError as err:
+        print(f"dstrain: error: {err}", file=sys.stderr)
+        return EXIT_CONFIG
+    text = hf.format_hostfile(hosts)
+    if args.output:
+        Path(args.output).write_text(text)
+        print(f"wrote {args.output}: {len(hosts)} host(s), {sum(s for _, s in hosts)} slot(s)", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
 def cmd_plan(args, overrides) -> int:
     cfg = _load(args.recipe, overrides)
     if args.device_memory:
@@ -342,10 +374,22 @@ def build_parser() -> argparse.ArgumentParser:
     la.set_defaults(master_port=None)  # unset: a free port on one node, 29500 across nodes
     la.add_argument("--launcher", choices=["deepspeed", "torchrun"], default="deepspeed")
     la.add_argument("--resume", action="store_true", help="ranks continue from the latest complete checkpoint")
-    la.add_argument("--dry-run", action="store_true", help="print the command, do not run it")
+    la.add_argument("--dry-run", action="store_true", help="print the command, do not run it; show the master "
+                    "address chosen and why, the ports and the environment ranks on other hosts receive")
+    la.add_argument("--no-ssh-check", action="store_true",
+                    help="do not check passwordless ssh to every host of the hostfile before starting")
     la.add_argument("--max-restarts", type=int, default=0, metavar="K",
                     help="when the job fails, start it again from the latest complete checkpoint, at most K times")
     la.set_defaults(func=cmd_launch)
+
+    h = sub.add_parser("hostfile", allow_abbrev=False, help="write a DeepSpeed hostfile from hosts or SLURM's node list")
+    h.add_argument("hosts", nargs="*", metavar="HOST[:SLOTS]")
+    h.add_argument("--slots", type=int, default=None,
+                   help="slots of every host given without :SLOTS (default 1); with --from-slurm, "
+                        "instead of SLURM_TASKS_PER_NODE")
+    h.add_argument("--from-slurm", action="store_true", help="hosts from SLURM_JOB_NODELIST")
+    h.add_argument("-o", "--output", default=None, help="file to write (default: standard output)")
+    h.set_defaults(func=cmd_hostfile)
 
     pl = sub.add_parser("plan", allow_abbrev=False, help="print the memory plan without training")
     pl.add_argument("recipe")
@@ -380,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     from dstrain.config import ConfigError, RunFolderError
     from dstrain.engine.ds_config import DSConfigError
     from dstrain.engine.profiles import PlanError
+    from dstrain.resilience import NonFiniteError
 
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -392,6 +437,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command != "train" or _reports_failure():
             print(f"dstrain: error: {err}", file=sys.stderr)
         return EXIT_CONFIG
+    except NonFiniteError as err:  # every rank agrees; the first to report says it in one line
+        if _reports_failure():
+            print(f"dstrain: error: {err}", file=sys.stderr)
+        return err.exit_code
     except (FileNotFoundError, ValueError) as err:
         if args.command in ("export", "check-config", "plan"):
             print(f"dstrain: error: {err}", file=sys.stderr)

@@ -93,18 +93,37 @@ def env_delta(env: Mapping[str, str], base_env: Mapping[str, str] | None = None)
     return {k: v for k, v in env.items() if base.get(k) != v}
 
 
+# Variables the ranks need from the launching shell that DeepSpeed does not forward to
+# other hosts by itself: threads, the accelerator, which interface gloo binds (a host
+# with several interfaces), compiled-extension folder, dstrain's own switches.
+RANK_ENV_NAMES = ("DS_ACCELERATOR", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "LOCAL_SIZE")
+RANK_ENV_PREFIXES = ("GLOO_", "TP_SOCKET_", "TORCH_", "DSTRAIN_", "HF_")
+
+
+def rank_env(env: Mapping[str, str]) -> Env:
+    """The variables of ``env`` that ranks on other hosts should see (see RANK_ENV_NAMES / _PREFIXES)."""
+    return {k: v for k, v in env.items() if k in RANK_ENV_NAMES or k.startswith(RANK_ENV_PREFIXES)}
+
+
 def deepspeed_env_file(env: Mapping[str, str], accelerator: str = "cpu") -> str:
     """Text of a ``.deepspeed_env`` file carrying the ``env`` variables DeepSpeed would drop.
 
     DeepSpeed's multi-host runner forwards only variables whose names start with
     MLFLOW, PYTHON, MV2, UCX (plus NCCL with the CUDA accelerator) and the lines of
-    ``.deepspeed_env`` files. Pass the *delta* (:func:`env_delta`) so only
-    dstrain's additions (DS_ACCELERATOR, OMP_NUM_THREADS, ...) are listed. The
-    format is strict: ``KEY=VALUE`` per line, no comments, no blank lines.
+    ``.deepspeed_env`` files. Pass :func:`rank_env` plus the *delta*
+    (:func:`env_delta`) so only what ranks need (DS_ACCELERATOR, OMP_NUM_THREADS,
+    GLOO_SOCKET_IFNAME, ...) is listed. The format is strict: ``KEY=VALUE`` per line,
+    no comments, no blank lines (so values with a newline are left out).
     """
     prefixes = DEEPSPEED_EXPORTED_PREFIXES + (DEEPSPEED_CUDA_EXPORTED_PREFIXES if accelerator == "cuda" else ())
-    lines = [f"{k}={v}" for k, v in env.items() if not k.startswith(prefixes)]
+    lines = [f"{k}={v}" for k, v in env.items() if not k.startswith(prefixes) and "\n" not in v]
     return "".join(line + "\n" for line in lines)
+
+
+def deepspeed_forwarded(env: Mapping[str, str], accelerator: str = "cpu") -> list[str]:
+    """Names in ``env`` that DeepSpeed's runner forwards to other hosts by itself."""
+    prefixes = DEEPSPEED_EXPORTED_PREFIXES + (DEEPSPEED_CUDA_EXPORTED_PREFIXES if accelerator == "cuda" else ())
+    return sorted(k for k in env if k.startswith(prefixes))
 
 
 def format_command(argv: Sequence[str], env_delta: Mapping[str, str] | None = None) -> str:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dstrain import cli, launcher
+from dstrain import cli, hostfile, launcher
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = str(REPO / "models" / "gpt" / "recipes" / "tiny.json")
@@ -50,7 +50,13 @@ def words(out: str) -> list[str]:
 
 def test_dry_run_prints_deepspeed_command(capsys, no_child):
     code, out, err = launch(capsys, "--dry-run", "--nproc", "2", "--accelerator", "cpu", RECIPE, *OVERRIDES)
-    assert code == 0 and err == ""
+    assert code == 0
+    port = words(out)[words(out).index("--master_port") + 1]
+    assert err.splitlines() == [
+        "dstrain: master address: 127.0.0.1 (one node: this machine)",
+        f"dstrain: ports: {port} for the torch.distributed store of rank 0 (MASTER_PORT); gloo/NCCL connections "
+        "between ranks use ports the system picks",
+        "dstrain: environment: the ranks run here and inherit this one (plus the variables printed above)"]
     argv = words(out)
     assert "--num_gpus 2" in out and "DS_ACCELERATOR=cpu" in out
     assert argv[-(4 + len(OVERRIDES)):] == ["--module", "dstrain.cli", "train", RECIPE, *OVERRIDES]
@@ -116,8 +122,21 @@ class FakeChild:
         return 3
 
 
+ADDRESSES = {"worker-0": "10.0.0.10", "worker-1": "10.0.0.11"}
+
+
 @pytest.fixture
-def two_hosts(tmp_path):
+def reachable(monkeypatch):
+    """worker-0 and worker-1 resolve (no DNS asked) and answer ssh (no ssh run); the hosts probed are kept."""
+    probed = []
+    monkeypatch.setattr(hostfile, "resolve_host", lambda h: hostfile.Resolved(h, ADDRESSES[h], "DNS / hosts file")
+                        if h in ADDRESSES else None)
+    monkeypatch.setattr(hostfile, "check_reachable", lambda h: probed.append(h))
+    return probed
+
+
+@pytest.fixture
+def two_hosts(tmp_path, reachable):
     path = tmp_path / "hostfile"
     path.write_text("worker-0 slots=2\nworker-1 slots=2\n")
     return str(path)
@@ -156,7 +175,109 @@ def test_one_local_host_needs_no_deepspeed_env(capsys, no_child, tmp_path):
     hf = tmp_path / "local"
     hf.write_text("localhost slots=2\n")
     code, out, err = launch(capsys, "--dry-run", "--hostfile", str(hf), "--accelerator", "cpu", RECIPE)
-    assert code == 0 and "--hostfile" not in words(out) and err == ""
+    assert code == 0 and "--hostfile" not in words(out) and ".deepspeed_env" not in err
+    assert f"master address: 127.0.0.1 (the only host of {hf} is this machine)" in err
+
+
+# --------------------------------------------------------------------------- several hosts: checks and dry-run text
+
+
+def test_multi_host_dry_run_shows_master_ports_and_environment(capsys, no_child, two_hosts, reachable, monkeypatch):
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth1")  # the launching shell's choice reaches the other hosts
+    monkeypatch.setenv("PYTHONPATH", "/src")
+    code, out, err = launch(capsys, "--dry-run", "--hostfile", two_hosts, "--accelerator", "cpu", RECIPE)
+    assert code == 0 and reachable == []  # a dry run does not ssh anywhere
+    argv = words(out)
+    assert argv[argv.index("--master_addr") + 1] == "10.0.0.10"  # DeepSpeed does not ask the host for hostname -I
+    assert argv[argv.index("--master_port") + 1] == "29500"
+    lines = err.splitlines()
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, launcher.available_cpus() // 2))
+    assert lines[-5:-2] == [
+        "dstrain: hosts: worker-0 slots=2 -> 10.0.0.10 (DNS / hosts file); worker-1 slots=2 -> 10.0.0.11 "
+        "(DNS / hosts file)",
+        f"dstrain: master address: 10.0.0.10 (the first host (worker-0) of hostfile {two_hosts}, resolved via "
+        "DNS / hosts file)",
+        "dstrain: ports: 29500 for the torch.distributed store of rank 0 (MASTER_PORT); gloo/NCCL connections "
+        "between ranks use ports the system picks"]
+    head, _, listed = lines[-2].partition(": from .deepspeed_env: ")
+    assert head == "dstrain: environment on other hosts"
+    assert {"DS_ACCELERATOR=cpu", f"OMP_NUM_THREADS={threads}", "GLOO_SOCKET_IFNAME=eth1"} <= set(listed.split())
+    assert not any(w.startswith("PYTHON") for w in listed.split())  # DeepSpeed forwards those itself:
+    assert lines[-1].startswith("dstrain: environment on other hosts: forwarded by DeepSpeed itself: ")
+    assert "PYTHONPATH=/src" in lines[-1].split()
+
+
+def test_multi_host_launch_checks_ssh_to_every_host_first(capsys, monkeypatch, two_hosts, reachable):
+    monkeypatch.setattr(subprocess, "Popen", FakeChild)
+    code, _, _ = launch(capsys, "--hostfile", two_hosts, "--accelerator", "cpu", RECIPE)
+    assert code == 3 and sorted(reachable) == ["worker-0", "worker-1"]
+    argv = FakeChild.started[0]
+    assert argv[argv.index("--master_addr") + 1] == "10.0.0.10"
+
+
+def test_unreachable_host_refused_unless_the_check_is_skipped(capsys, monkeypatch, two_hosts):
+    monkeypatch.setattr(hostfile, "check_reachable", lambda h: "Connection refused" if h == "worker-1" else None)
+    monkeypatch.setattr(subprocess, "Popen", FakeChild)
+    FakeChild.started = None
+    code, out, err = launch(capsys, "--hostfile", two_hosts, "--accelerator", "cpu", RECIPE)
+    assert code == 2 and out == "" and FakeChild.started is None and not Path(".deepspeed_env").exists()
+    assert err == (f"dstrain: error: hostfile {two_hosts}: host 'worker-1' is unreachable by passwordless ssh "
+                   "(Connection refused); --no-ssh-check skips this check\n")
+    code, _, _ = launch(capsys, "--hostfile", two_hosts, "--no-ssh-check", "--accelerator", "cpu", RECIPE)
+    assert code == 3 and FakeChild.started is not None
+
+
+@pytest.mark.parametrize("text, options, message", [
+    ("worker-0 slots=2\nworker-0 slots=2\n", [], ":2: host 'worker-0' already listed on line 1"),
+    ("worker-0 slots=2\nworker-1 slots=0\n", [], ":2: host 'worker-1' has slots=0; need at least 1"),
+    ("worker-0 slots=2\nworker-1 slots=many\n", [], ":2: host 'worker-1' has slots='many'; need an integer >= 1"),
+    ("worker-0 slots=2\nworker-9 slots=2\n", [], ": host 'worker-9' does not resolve"),
+    ("worker-0 slots=2\nworker-1 slots=2\n", ["--nproc", "4"], "nproc=4 exceeds the slots of worker-0 (slots=2)"),
+    ("worker-0 slots=2\nworker-1 slots=2\n", ["--num-nodes", "3"], "num_nodes=3 but hostfile"),
+    ("worker-0 slots=2\nworker-1 slots=2\n", ["--include", "worker-1:2"], "host 'worker-1' has no slot '2'"),
+])
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_bad_hostfile_refused_before_anything_starts(capsys, no_child, tmp_path, reachable, text, options, message,
+                                                     dry_run):
+    path = tmp_path / "hosts.txt"
+    path.write_text(text)
+    code, out, err = launch(capsys, *(["--dry-run"] if dry_run else []), "--hostfile", str(path), *options,
+                            "--accelerator", "cpu", RECIPE)
+    assert code == 2 and out == "" and len(err.splitlines()) == 1, err
+    assert err.startswith("dstrain: error: ") and message in err and str(path) in err
+    assert reachable == [] and not Path(".deepspeed_env").exists()
+
+
+def test_hostfile_subcommand_writes_hosts(capsys, tmp_path):
+    out = tmp_path / "hostfile"
+    assert cli.main(["hostfile", "node1", "node2:4", "--slots", "2", "-o", str(out)]) == 0
+    assert out.read_text() == "node1 slots=2\nnode2 slots=4\n"
+    assert hostfile.parse_hostfile(out) == [("node1", 2), ("node2", 4)]
+    assert "2 host(s), 6 slot(s)" in capsys.readouterr().err
+    assert cli.main(["hostfile", "a", "b"]) == 0
+    assert capsys.readouterr().out == "a slots=1\nb slots=1\n"
+
+
+def test_hostfile_subcommand_from_slurm(capsys, monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[01-02]")
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "8(x2)")
+    assert cli.main(["hostfile", "--from-slurm"]) == 0
+    assert capsys.readouterr().out == "gpu01 slots=8\ngpu02 slots=8\n"
+    assert cli.main(["hostfile", "--from-slurm", "--slots", "1"]) == 0
+    assert capsys.readouterr().out == "gpu01 slots=1\ngpu02 slots=1\n"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["a", "a:2"], "host 'a' listed twice"),
+    (["a:0"], "host 'a' has slots=0"),
+    (["a", "--slots", "0"], "--slots"),
+    ([], "give host names or --from-slurm"),
+    (["a", "--from-slurm"], "give host names or --from-slurm"),
+])
+def test_hostfile_subcommand_refusals(capsys, tmp_path, args, message):
+    assert cli.main(["hostfile", *args, "-o", str(tmp_path / "hf")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1 and message in err and not (tmp_path / "hf").exists()
 
 
 # --------------------------------------------------------------------------- running: exit status, signals

@@ -1,0 +1,96 @@
+"""What ``dstrain launch`` checks about the hosts before it starts anything, and what it shows.
+
+:func:`check_hosts_for_launch` reads the hostfile of a multi-host launch, refuses a
+bad one (:class:`dstrain.hostfile.HostfileError`, one line naming the file and the
+host), resolves every host, optionally checks passwordless ssh to each, and picks the
+master address (the first host's address as this machine resolves it, so DeepSpeed
+does not ask that host for ``hostname -I``, which may name another interface).
+:func:`launch_summary` is the text ``dstrain launch --dry-run`` adds: where the master
+is and why, the ports, and the environment ranks on other hosts receive.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+from dstrain import hostfile as hf
+from dstrain import launcher
+
+
+@dataclass
+class HostCheck:
+    """The outcome of the checks: hosts used, where they resolve, the master address and why."""
+
+    hosts: list[tuple[str, int]] = field(default_factory=list)
+    found: dict[str, hf.Resolved] = field(default_factory=dict)
+    master_addr: str | None = None
+    master_why: str = ""
+    remote: bool = False
+
+
+def check_hosts_for_launch(spec: launcher.LaunchSpec, reach: bool, torchrun: bool = False,
+                           resolve: Callable[[str], hf.Resolved | None] | None = None,
+                           probe: hf.Probe | None = None,
+                           local_hosts: Sequence[str] | None = None) -> HostCheck:
+    """Check the hostfile of ``spec``; raise HostfileError before anything starts.
+
+    Nothing is checked without a hostfile, or when the file is missing (the launch
+    spec's own validation names that). A hostfile whose only host is this machine
+    runs locally: it is parsed and its slots checked, nothing more. ``resolve`` and
+    ``probe`` default to :func:`dstrain.hostfile.resolve_host` / ``check_reachable``
+    (looked up at call time). Reachability is not checked for torchrun, which does
+    not ssh (its agents are started on every host by the user).
+    """
+    check = HostCheck(master_addr=spec.master_addr,
+                      master_why="given with --master-addr" if spec.master_addr else "")
+    if spec.hostfile is None or not os.path.isfile(spec.hostfile):
+        if not spec.master_addr:
+            check.master_addr, check.master_why = "127.0.0.1", "one node: this machine"
+        return check
+    hosts = hf.select_hosts(hf.parse_hostfile(spec.hostfile), spec.hostfile, spec.num_nodes, spec.nproc,
+                            spec.include, spec.exclude)
+    check.hosts = hosts
+    local = launcher.local_hostnames() if local_hosts is None else frozenset(local_hosts)
+    if len(hosts) == 1 and hosts[0][0] in local:
+        if not spec.master_addr:
+            check.master_addr, check.master_why = "127.0.0.1", f"the only host of {spec.hostfile} is this machine"
+        return check
+    check.remote = True
+    check.found = hf.check_hosts(hosts, spec.hostfile, reach and not torchrun, resolve or hf.resolve_host,
+                                 probe or hf.check_reachable)
+    check.master_addr, check.master_why = hf.choose_master(hosts, spec.hostfile, check.found, spec.master_addr)
+    return check
+
+
+def launch_summary(check: HostCheck, argv: Sequence[str], env: Mapping[str, str], master_port: int,
+                   env_file: str | None, env_lines: str, torchrun: bool = False) -> list[str]:
+    """Lines for ``--dry-run``: hosts, master address and why, ports, environment on other hosts."""
+    lines = []
+    if check.remote:
+        shown = []
+        for host, slots in check.hosts:
+            r = check.found[host]
+            port = f", ssh port {r.ssh_port}" if r.ssh_port else ""
+            shown.append(f"{host} slots={slots} -> {r.address} ({r.how}{port})")
+        lines.append("hosts: " + "; ".join(shown))
+    if check.master_addr:
+        lines.append(f"master address: {check.master_addr} ({check.master_why})")
+    else:
+        lines.append(f"master address: left to DeepSpeed ({check.master_why})")
+    what = "c10d rendezvous store" if torchrun else "torch.distributed store of rank 0 (MASTER_PORT)"
+    lines.append(f"ports: {master_port} for the {what}; gloo/NCCL connections between ranks use "
+                 "ports the system picks")
+    if check.remote and not torchrun:
+        accel = env.get("DS_ACCELERATOR", "cuda")
+        forwarded = launcher.deepspeed_forwarded(env, accel)
+        lines.append(f"environment on other hosts: from {env_file}: "
+                     + (" ".join(env_lines.splitlines()) or "(nothing)"))
+        lines.append("environment on other hosts: forwarded by DeepSpeed itself: "
+                     + (" ".join(f"{k}={env[k]}" for k in forwarded) or "(nothing)"))
+    elif check.remote:
+        lines.append("environment: torchrun runs on this node only; start the same command on every host "
+                     "(each host's own environment is used)")
+    else:
+        lines.append("environment: the ranks run here and inherit this one (plus the variables printed above)")
+    return lines
