@@ -21,6 +21,13 @@ completion tokens):
   ``dapo``  sum over the batch's tokens / ``token_normaliser`` (the token count of the
   whole global batch, every rank and micro-batch, supplied by the trainer);
   ``dr_grpo`` sum over the batch's tokens / (sequences x ``max_completion_length``).
+  With ``sequence_normaliser`` (a batch that dynamic sampling could not fill, padded
+  with zero-mask rows) every type divides a sum over the micro-batch by a count of the
+  whole global batch instead, so that the padded batch trains exactly like its kept
+  samples alone as one batch: ``grpo`` sum of per-sequence means / kept sequences;
+  ``dr_grpo`` token sum / (kept sequences x ``max_completion_length``); ``bnpo`` and
+  ``dapo`` token sum / ``token_normaliser`` (for ``bnpo`` that is the global token
+  mean: a micro-batch of padding alone has no token mean of its own).
 """
 from __future__ import annotations
 
@@ -77,10 +84,23 @@ def clipped_objective(logp: torch.Tensor, old_logp: torch.Tensor, advantages: to
 
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str,
-              max_completion_length: int | None = None, token_normaliser: float | None = None
-              ) -> torch.Tensor:
+              max_completion_length: int | None = None, token_normaliser: float | None = None,
+              sequence_normaliser: float | None = None) -> torch.Tensor:
     """Reduce per-token losses to a scalar as ``loss_type`` says (module docstring)."""
     mask = mask.to(per_token.dtype)
+    if sequence_normaliser is not None:
+        if loss_type not in LOSS_TYPES:
+            raise ValueError(f"unknown loss_type {loss_type!r}; one of {', '.join(LOSS_TYPES)}")
+        if loss_type == "grpo":
+            per_seq = (per_token * mask).sum(1) / mask.sum(1).clamp(min=1.0)
+            return per_seq.sum() / max(sequence_normaliser, 1.0)
+        if loss_type == "dr_grpo":
+            if not max_completion_length:
+                raise ValueError("loss_type dr_grpo needs max_completion_length")
+            return (per_token * mask).sum() / (max(sequence_normaliser, 1.0) * max_completion_length)
+        if token_normaliser is None:
+            raise ValueError(f"loss_type {loss_type} with a sequence_normaliser needs token_normaliser")
+        return (per_token * mask).sum() / max(token_normaliser, 1.0)
     if loss_type == "grpo":
         per_seq = (per_token * mask).sum(1) / mask.sum(1).clamp(min=1.0)
         return per_seq.mean()
@@ -109,10 +129,12 @@ class GRPOLossConfig:
 
 def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor | None,
               advantages: torch.Tensor, mask: torch.Tensor, cfg: GRPOLossConfig,
-              token_normaliser: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+              token_normaliser: float | None = None, sequence_normaliser: float | None = None
+              ) -> tuple[torch.Tensor, dict[str, float]]:
     """The GRPO loss of one micro-batch and its statistics (masked token means).
 
-    ``ref_logp`` may be None only when ``cfg.beta == 0``.
+    ``ref_logp`` may be None only when ``cfg.beta == 0``. ``sequence_normaliser``: see
+    the module docstring (a short batch of dynamic sampling).
     """
     surrogate, was_clipped = clipped_objective(logp, old_logp, advantages, cfg.eps_low, cfg.eps_high)
     per_token = -surrogate
@@ -128,7 +150,8 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor
     elif ref_logp is not None:
         stats["kl"] = ((k3_kl(logp.detach(), ref_logp) * m).sum() / tokens).item()
     stats["clip_fraction"] = ((was_clipped * m).sum() / tokens).item()
-    loss = aggregate(per_token, mask, cfg.loss_type, cfg.max_completion_length, token_normaliser)
+    loss = aggregate(per_token, mask, cfg.loss_type, cfg.max_completion_length, token_normaliser,
+                     sequence_normaliser)
     return loss, stats
 
 

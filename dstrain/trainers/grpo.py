@@ -11,6 +11,15 @@ Per micro-batch the loss is ``dstrain.rl.grpo_math.grpo_loss``. DeepSpeed divide
 by grad_accum and averages over ranks; ``dapo`` (the global token mean) is scaled
 to undo that. Several passes (``num_iterations``) reuse the sampling policy's
 stored log-probabilities.
+
+``task.dynamic_sampling`` (DAPO) and the overlong switches change only which rows a
+step trains on and with what weight: see ``grpo_sampling``. A step whose batch holds
+rows of weight 0 (padding of a short dynamic batch, overlong-filtered completions)
+normalises its loss over the weighted rows of the whole batch, for every loss type.
+Each step logs its time split: ``time/generation`` (under ZeRO-3 this includes
+gathering the weights, which generation does once per call), ``time/reward`` (the
+verifiers), ``time/reference`` (the frozen reference's forward), ``time/training``
+(old log-probabilities, forwards, backwards, optimizer steps) and ``time/step``.
 """
 from __future__ import annotations
 
@@ -29,6 +38,7 @@ from dstrain.trainers import task_config
 from dstrain.trainers.common import (StopFlag, decide_resume, load_checkpoint, pin_plan, plan_and_record,
                                      save_checkpoint)
 from dstrain.trainers.grpo_config import PolicyTaskConfig
+from dstrain.trainers.grpo_sampling import StepBatch, step_batch
 from dstrain.trainers.rl_loop import RLLoop, batch_layout, sandbox_pool
 
 
@@ -49,6 +59,11 @@ class GRPOTrainer(RLLoop):
         t, ws = cfg.train, self.world.world_size
         self.samples_per_step, self.prompts_per_step = batch_layout(t, self.task.num_generations, ws)
         self.local_samples = t.micro_batch * t.grad_accum
+        if self.task.dynamic_sampling and self.local_samples % self.task.num_generations:
+            raise ConfigError("run config", "task.dynamic_sampling",
+                              f"dynamic sampling fills each rank's share with whole groups: micro_batch x "
+                              f"grad_accum = {self.local_samples} must be a multiple of task.num_generations = "
+                              f"{self.task.num_generations}")
         self.out = Path(cfg.output.dir)
         self.ckpt_root = self.out / "checkpoints"
         resume_tag = decide_resume(cfg, self.world, self.out, self.ckpt_root)
@@ -97,16 +112,9 @@ class GRPOTrainer(RLLoop):
         return self.engine.module
 
     # ---------------------------------------------------------------- one step
-    def sample(self, step: int) -> tuple[prl.Rollout, torch.Tensor, list]:
-        """This rank's rollout of ``step``, and its slice of the step's advantages."""
-        G, n, r = self.task.num_generations, self.local_samples, self.world.rank
-        prompts = prl.step_prompts(len(self.train_tasks), step, self.prompts_per_step, self.cfg.data.seed)
-        mine = [self.train_tasks[prompts[s // G]] for s in range(r * n, (r + 1) * n)]
-        seed = (self.cfg.train.seed * 1_000_003 + step) * 4099 + r
-        roll = prl.rollout(self.policy, self.tokenizer, self.rl, mine, self.task, self.pool, seed)
-        rewards = runtime.all_gather_1d(roll.rewards)
-        adv = gm.group_advantages(rewards, G, scale=self.task.scale_rewards)
-        return roll, adv[r * n:(r + 1) * n], rewards
+    def sample(self, step: int) -> StepBatch:
+        """This rank's rows of ``step`` with their advantages (see ``grpo_sampling``)."""
+        return step_batch(self, step)
 
     def _logits_logp(self, model, ids, attn):
         logits = model(ids, attention_mask=attn)
@@ -114,53 +122,66 @@ class GRPOTrainer(RLLoop):
 
     def train_step(self, step: int) -> dict[str, float]:
         t, dev = self.cfg.train, self.engine.device
-        roll, adv, all_rewards = self.sample(step)
-        b = {k: v.to(dev) if torch.is_tensor(v) else v for k, v in roll.batch.items()}
+        step_start = time.perf_counter()
+        sb = self.sample(step)
+        b = {k: v.to(dev) if torch.is_tensor(v) else v for k, v in sb.batch.items()}
         ids, attn = b["input_ids"], b["attention_mask"]
-        mask = b["completion_mask"][:, 1:].float()
-        adv = adv.to(dev)
+        weights = sb.weights.to(dev)
+        mask = b["completion_mask"][:, 1:].float() * weights[:, None]
+        adv = sb.advantages.to(dev)
         micro = [slice(i * t.micro_batch, (i + 1) * t.micro_batch) for i in range(t.grad_accum)]
         old = ref = None
+        start = time.perf_counter()
+        with torch.no_grad():
+            if self.reference is not None:
+                ref = self.reference.token_logprobs(ids, attn, temperature=self.task.temperature)
+        reference_s = time.perf_counter() - start
+        start = time.perf_counter()
         with torch.no_grad():
             if self.task.num_iterations > 1:
                 self.engine.eval()
                 old = torch.cat([self._logits_logp(self.engine, ids[m], attn[m])[1] for m in micro])
                 self.engine.train()
-            if self.reference is not None:
-                ref = self.reference.token_logprobs(ids, attn, temperature=self.task.temperature)
         tokens_global = _sum_all(mask.sum().item())
-        scale = t.grad_accum * self.world.world_size if self.task.loss_type == "dapo" else 1.0
-        start = time.perf_counter()
-        sums = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "entropy": 0.0}
-        count = 0
+        rows_global = _sum_all(weights.sum().item())
+        short = rows_global < self.samples_per_step  # padding or filtered rows: normalise over the rest
+        if short or self.task.loss_type == "dapo":
+            scale = t.grad_accum * self.world.world_size  # undo DeepSpeed's mean over micro-batches and ranks
+        else:
+            scale = 1.0
+        sums = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0}
+        ent_sum, count, counted = 0.0, 0, 0
         for _ in range(self.task.num_iterations):
             for m in micro:
                 logits, logp = self._logits_logp(self.engine, ids[m], attn[m])
                 old_m = old[m] if old is not None else logp.detach()
                 loss, stats = gm.grpo_loss(logp, old_m, None if ref is None else ref[m], adv[m], mask[m],
-                                           self.loss_cfg, token_normaliser=tokens_global)
+                                           self.loss_cfg, token_normaliser=tokens_global,
+                                           sequence_normaliser=rows_global if short else None)
                 self.engine.backward(loss * scale)
                 self.engine.step()
                 with torch.no_grad():
                     ent = self.rl.token_entropy(logits.detach(), temperature=self.task.temperature)
-                    sums["entropy"] += ((ent * mask[m]).sum() / mask[m].sum().clamp(min=1)).item()
+                    ent_sum += (ent * mask[m]).sum().item()
                 sums["loss"] += loss.item()
-                sums["kl"] += stats.get("kl", 0.0)
-                sums["clip_fraction"] += stats["clip_fraction"]
                 count += 1
+                if mask[m].sum() > 0:  # token means of a micro-batch of padding alone say nothing
+                    sums["kl"] += stats.get("kl", 0.0)
+                    sums["clip_fraction"] += stats["clip_fraction"]
+                    counted += 1
         train_seconds = time.perf_counter() - start
-        out = {k: v / count for k, v in sums.items()}
+        out = {"loss": sums["loss"] / count, "kl": sums["kl"] / max(counted, 1),
+               "clip_fraction": sums["clip_fraction"] / max(counted, 1),
+               "entropy": ent_sum / max(mask.sum().item() * self.task.num_iterations, 1.0)}
         if self.reference is None:
             out.pop("kl")
-        statuses = roll.statuses
+        out.update(sb.log)
         out.update(
-            reward_mean=all_rewards.mean().item(),
-            reward_std=all_rewards.std().item() if all_rewards.numel() > 1 else 0.0,
-            zero_variance_groups=gm.zero_variance_fraction(all_rewards, self.task.num_generations),
-            completion_length=roll.gen_tokens / max(len(roll.completions), 1),
-            timeout_fraction=sum(s == "timeout" for s in statuses) / max(len(statuses), 1),
-            gen_tokens_per_s=roll.gen_tokens / max(roll.gen_seconds, 1e-9),
+            gen_tokens_per_s=sb.gen_tokens / max(sb.times["generation"], 1e-9),
             train_tokens_per_s=attn.sum().item() * self.task.num_iterations / max(train_seconds, 1e-9))
+        out.update({"time/generation": sb.times["generation"], "time/reward": sb.times["reward"],
+                    "time/reference": reference_s, "time/training": train_seconds,
+                    "time/step": time.perf_counter() - step_start})
         return out
 
     # ---------------------------------------------------------------- loop

@@ -51,7 +51,25 @@ class PolicyTaskConfig:
     """Where the reference lives: cpu (plain frozen module) | engine (DeepSpeed inference engine)."""
     partial_credit: bool = False
     """Code reward = fraction of tests passed instead of all-or-nothing."""
+    dynamic_sampling: bool = False
+    """GRPO: DAPO's dynamic sampling. Groups whose rewards all agree are dropped and each rank
+    refills its own share with fresh prompts, round after round (every rank runs the same rounds:
+    generation is collective under ZeRO-3), until every share is full or
+    ``dynamic_sampling_max_rounds`` is reached; a share still short then trains on its kept groups,
+    padded with zero-weight rows and normalised over the kept samples of the whole batch. Needs
+    ``micro_batch x grad_accum`` to be a multiple of ``num_generations`` (whole groups per rank)."""
+    dynamic_sampling_max_rounds: int = 4
+    """Generation rounds per step at most (the first included)."""
+    overlong_filter: bool = False
+    """Mask out of the loss the completions that ``max_new_tokens`` cut (no stop string, no EOS)."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment: the last this many tokens before ``max_new_tokens`` cost
+    linearly up to ``overlong_penalty`` of reward (0: off)."""
+    overlong_penalty: float = 1.0
     sandbox_workers: int = 2
+    sandbox_mode: str = ""
+    """fork_server (a warm, isolated server per worker forks a child per program) | spawn (a fresh
+    interpreter per program) | empty: fork_server on Linux, spawn elsewhere."""
     sandbox_wall_s: float = 5.0
     sandbox_cpu_s: int = 4
     sandbox_memory_mb: int = 1024
@@ -80,11 +98,11 @@ class PolicyTaskConfig:
             raise ValueError(f"task.num_generations must be at least 2 (a group needs a spread), "
                              f"got {self.num_generations}")
         for name in ("max_new_tokens", "num_iterations", "sandbox_workers", "sandbox_cpu_s",
-                     "sandbox_memory_mb", "n_eval", "warm_start_batch"):
+                     "sandbox_memory_mb", "n_eval", "warm_start_batch", "dynamic_sampling_max_rounds"):
             if getattr(self, name) < 1:
                 raise ValueError(f"task.{name} must be at least 1, got {getattr(self, name)}")
         for name in ("n_train", "beta", "epsilon_high", "eval_k", "warm_start_steps", "warm_start_lr",
-                     "time_limit_s"):
+                     "time_limit_s", "overlong_buffer", "overlong_penalty"):
             if getattr(self, name) < 0:
                 raise ValueError(f"task.{name} must not be negative, got {getattr(self, name)}")
         if not 0 < self.epsilon < 1:
@@ -94,6 +112,12 @@ class PolicyTaskConfig:
                              f"got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"task.top_p must be within (0, 1], got {self.top_p}")
+        if self.overlong_buffer > self.max_new_tokens:
+            raise ValueError(f"task.overlong_buffer ({self.overlong_buffer}) must not exceed task.max_new_tokens "
+                             f"({self.max_new_tokens})")
+        if self.sandbox_mode not in ("", "fork_server", "spawn"):
+            raise ValueError(f"task.sandbox_mode must be fork_server or spawn (or empty for the platform's "
+                             f"default), got {self.sandbox_mode!r}")
         if self.sandbox_wall_s <= 0:
             raise ValueError(f"task.sandbox_wall_s must be positive, got {self.sandbox_wall_s}")
         if self.eval_k and self.eval_samples < self.eval_k:

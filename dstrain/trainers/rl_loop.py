@@ -31,13 +31,39 @@ def sandbox_pool(task):
     from dstrain.rewards import SandboxLimits, SandboxPool
     return SandboxPool(task.sandbox_workers, SandboxLimits(
         cpu_seconds=task.sandbox_cpu_s, wall_seconds=task.sandbox_wall_s,
-        memory_bytes=task.sandbox_memory_mb << 20))
+        memory_bytes=task.sandbox_memory_mb << 20, mode=getattr(task, "sandbox_mode", "")))
 
 
 def window_mean(window: list[dict]) -> dict[str, float]:
     """Mean of each key over the steps of a log window that have it (some keys appear every k steps)."""
     keys = set().union(*window)
     return {k: sum(x[k] for x in window if k in x) / sum(k in x for x in window) for k in keys}
+
+
+def split_prefixed(stats: dict[str, float], default: str = "train") -> dict[str, dict[str, float]]:
+    """``{"loss": 1, "time/generation": 2}`` -> ``{"train": {"loss": 1}, "time": {"generation": 2}}``:
+    keys that name their own section are logged under it (``time/generation``, ``dynamic/rounds``)."""
+    out: dict[str, dict[str, float]] = {default: {}}
+    for key, value in stats.items():
+        prefix, _, rest = key.partition("/") if "/" in key else (default, "", key)
+        out.setdefault(prefix, {})[rest] = value
+    return out
+
+
+def time_split(sums: dict[str, float]) -> dict[str, dict[str, float]]:
+    """Total seconds and share of ``time/step`` of each ``time/<part>`` summed over a run."""
+    total = sums.get("time/step", 0.0)
+    if total <= 0:
+        return {}
+    parts = {k.split("/", 1)[1]: v for k, v in sums.items() if k != "time/step"}
+    parts["other"] = max(total - sum(parts.values()), 0.0)
+    return {name: {"seconds": v, "share": v / total} for name, v in parts.items()} | {
+        "step": {"seconds": total, "share": 1.0}}
+
+
+def format_time_split(split: dict[str, dict[str, float]]) -> str:
+    parts = [f"{name} {v['share'] * 100:.0f}% ({v['seconds']:.1f} s)" for name, v in split.items() if name != "step"]
+    return f"step time split over {split['step']['seconds']:.1f} s: " + ", ".join(parts)
 
 
 class RLLoop:
@@ -49,6 +75,7 @@ class RLLoop:
         log = RunLogger(self.out, self.world.rank, t.steps, self.start_step,
                         tensorboard=cfg.output.tensorboard, progress=cfg.output.progress)
         window: list[dict] = []
+        time_sums: dict[str, float] = {}
         step, last_saved, stopped = self.start_step, None, False
         before = after = None
         start = time.perf_counter()
@@ -60,6 +87,7 @@ class RLLoop:
                 window.append(self.one_step(step - 1))
                 log.advance()
                 if step % t.log_every == 0 or step == t.steps:
+                    len_window = len(window)
                     limit = self.task.time_limit_s
                     out_of_time = float(bool(limit) and time.perf_counter() - start > limit)
                     stats = reduce_mean({**window_mean(window), "stop": float(self.stop.set),
@@ -69,7 +97,11 @@ class RLLoop:
                             stats[k] *= self.world.world_size
                     stop, out_of_time = stats.pop("stop") > 0, stats.pop("out_of_time") > 0
                     stats.update(self.log_extras())
-                    log.log(step, stats)
+                    for prefix, values in split_prefixed(stats).items():
+                        log.log(step, values, prefix=prefix)
+                    for k, v in stats.items():
+                        if k.startswith("time/"):
+                            time_sums[k] = time_sums.get(k, 0.0) + v * len_window
                     window = []
                     if stop or out_of_time:
                         log.message(("stop requested" if stop else f"time limit of {limit:.0f} s reached")
@@ -91,7 +123,11 @@ class RLLoop:
         finally:
             log.close()
             self.pool.close()
+        split = time_split(time_sums)
+        if split and self.world.is_main:
+            print(format_time_split(split), flush=True)
         summary = {"step": step, "stopped": stopped, "seconds": time.perf_counter() - start,
+                   **({"time_split": split} if split else {}),
                    "eval_before": before, "eval_after": after, "profile": self.plan.profile,
                    "precision": self.plan.precision, "world_size": self.world.world_size,
                    "samples_per_step": self.samples_per_step, **self.summary_extras()}

@@ -1,0 +1,114 @@
+"""DAPO's sampling-side pieces, as pure functions tested against hand computation.
+
+* :func:`overlong_penalty` - the soft overlong punishment added to a completion's
+  reward: 0 up to ``max_len - buffer`` tokens, then falling linearly to ``-factor`` at
+  ``max_len`` (and ``-factor`` beyond).
+* :func:`informative_groups` - which groups of ``G`` consecutive rewards have a spread
+  (a group whose rewards all agree has advantage 0 and teaches nothing).
+* :func:`refill_prompts` - the task indices of a refill round of dynamic sampling: a
+  pure function of (seed, step, round, rank), so a resumed run draws the same ones.
+* :class:`GroupFiller` - one rank's bookkeeping while dynamic sampling fills its share
+  of the batch with informative groups, round after round.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+
+def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, factor: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment of completions of ``lengths`` tokens (float tensor).
+
+    ``R(L) = 0`` for ``L <= max_len - buffer``; ``((max_len - buffer) - L) / buffer * factor``
+    for ``max_len - buffer < L <= max_len``; ``-factor`` for ``L > max_len``.
+    """
+    if not 0 < buffer <= max_len:
+        raise ValueError(f"the overlong buffer must be within (0, max_len={max_len}], got {buffer}")
+    lengths = lengths.to(torch.float64)
+    start = max_len - buffer
+    penalty = (start - lengths) / buffer * factor
+    penalty = torch.where(lengths <= start, torch.zeros_like(penalty), penalty)
+    penalty = torch.where(lengths > max_len, torch.full_like(penalty, -factor), penalty)
+    return penalty.to(torch.float32)
+
+
+def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Bool ``[n_groups]``: True where the group's rewards are not all equal."""
+    if rewards.ndim != 1 or rewards.numel() % group_size:
+        raise ValueError(f"rewards must be 1-D with a multiple of group_size={group_size} entries, "
+                         f"got shape {tuple(rewards.shape)}")
+    groups = rewards.view(-1, group_size)
+    return groups.max(dim=1).values != groups.min(dim=1).values
+
+
+def refill_prompts(n_tasks: int, step: int, round_: int, rank: int, count: int, seed: int) -> list[int]:
+    """``count`` task indices for refill round ``round_`` (>= 1) of ``step`` on ``rank``:
+    distinct while ``count <= n_tasks``, drawn with a generator seeded by all four."""
+    rng = random.Random(((seed * 1_000_003 + step) * 8191 + round_) * 131 + rank)
+    out: list[int] = []
+    while len(out) < count:
+        out.extend(rng.sample(range(n_tasks), min(n_tasks, count - len(out))))
+    return out
+
+
+@dataclass
+class GroupFiller:
+    """Collects informative groups until ``needed`` are kept.
+
+    :meth:`add` takes one round's groups (rewards ``[k * G]`` and any per-sample items)
+    and keeps the informative ones, first come first kept, up to ``needed``; the others
+    are counted as dropped (the first ``needed * G`` dropped samples are remembered as
+    fillers: rows that pad a short batch with zero weight).
+    """
+
+    needed: int
+    group_size: int
+    kept_rewards: list = field(default_factory=list)
+    kept_items: list = field(default_factory=list)
+    filler_items: list = field(default_factory=list)
+    generated: int = 0
+    dropped: int = 0
+    surplus: int = 0
+    rounds: int = 0
+
+    @property
+    def kept(self) -> int:
+        return len(self.kept_rewards) // self.group_size
+
+    @property
+    def deficit(self) -> int:
+        return self.needed - self.kept
+
+    def add(self, rewards: torch.Tensor, items: list) -> None:
+        G = self.group_size
+        if len(items) != rewards.numel():
+            raise ValueError(f"GroupFiller.add got {rewards.numel()} rewards but {len(items)} items")
+        self.rounds += 1
+        keep = informative_groups(rewards, G) if rewards.numel() else torch.zeros(0, dtype=torch.bool)
+        for g, ok in enumerate(keep.tolist()):
+            self.generated += 1
+            rows = slice(g * G, (g + 1) * G)
+            if ok and self.deficit > 0:
+                self.kept_rewards.extend(rewards[rows].tolist())
+                self.kept_items.extend(items[rows])
+            elif ok:
+                self.surplus += 1  # informative but not needed: the batch is full
+            else:
+                self.dropped += 1
+                if len(self.filler_items) < self.needed * G:
+                    self.filler_items.extend(items[rows])
+
+    def next_count(self) -> int:
+        """Groups to sample in the next round: the deficit divided by the fraction kept so
+        far (at least 10%), at most ``needed`` (the memory of one share)."""
+        if self.deficit <= 0:
+            return 0
+        rate = max((self.generated - self.dropped) / max(self.generated, 1), 0.1)
+        return min(self.needed, math.ceil(self.deficit / rate))
+
+    def stats(self) -> dict[str, float]:
+        return {"dropped_fraction": self.dropped / max(self.generated, 1), "rounds": float(self.rounds),
+                "filled_fraction": self.kept / max(self.needed, 1), "generated_groups": float(self.generated)}

@@ -1,0 +1,156 @@
+"""The batch a GRPO step trains on: sampled, scored, shaped, filtered, and (with
+``task.dynamic_sampling``) refilled until every group in it teaches something.
+
+:func:`plain_batch` is GRPO as before: sample ``s`` of the step answers prompt ``s // G``,
+rank ``r`` holds samples ``[r n, (r + 1) n)`` (a group may span two ranks, so rewards
+are gathered before the advantages).
+
+:func:`dynamic_batch` is DAPO's dynamic sampling. Decision: **each rank fills its own
+share** with whole groups (``n`` must be a multiple of ``G``), and **all ranks run the
+same number of rounds** (an all-reduce of "still short" after each round). Why: groups
+never span ranks, so no completion or token tensor has to move between ranks and the
+advantages need no gather; and generation is a collective under ZeRO-3 (parameters are
+gathered around each call), so a rank that is already full still calls ``generate``,
+with no prompts, while the others refill. Round 0 samples the step's regular prompts;
+refill round ``k`` samples ``dapo.refill_prompts(seed, step, k, rank)`` (pure, resume-exact).
+When the cap of rounds is reached with a share still short, that rank trains on the
+groups it kept, padded to its ``n`` rows with dropped samples of weight 0 (their loss
+mask is zero), and the loss is normalised over the kept samples of the whole batch
+(``grpo_math`` ``sequence_normaliser``): the step then equals training on the kept
+samples alone. With nothing kept anywhere the step's gradient is zero.
+
+Both paths apply the overlong switches: ``overlong_buffer`` adds DAPO's soft punishment
+to the reward before advantages (and before the zero-variance test);
+``overlong_filter`` gives weight 0 to completions that ``max_new_tokens`` cut.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from dstrain import runtime
+from dstrain.rl import dapo
+from dstrain.rl import grpo_math as gm
+from dstrain.trainers import policy_rl as prl
+
+
+@dataclass
+class StepBatch:
+    """This rank's rows of one step and what the log needs."""
+
+    batch: dict
+    """Packed rows (``input_ids``, ``attention_mask``, ``completion_mask``), ``n`` of them."""
+    advantages: torch.Tensor
+    """``[n]``: 0 on rows of weight 0."""
+    weights: torch.Tensor
+    """``[n]`` float: 1 for trained rows, 0 for padding and overlong-filtered rows."""
+    log: dict = field(default_factory=dict)
+    """reward_mean/std (verifier rewards of the step's regular prompts, every rank), etc."""
+    times: dict = field(default_factory=dict)
+    """Seconds: ``generation`` (weight gathering under ZeRO-3 included), ``reward``."""
+    gen_tokens: int = 0
+
+
+def _max_all(value: float) -> float:
+    import torch.distributed as dist
+    t = torch.tensor([value], dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def shaped_rewards(raw: torch.Tensor, completions: list, task) -> torch.Tensor:
+    """Verifier rewards plus DAPO's soft overlong punishment when ``task.overlong_buffer`` > 0."""
+    if not task.overlong_buffer or not completions:
+        return raw.clone()
+    lengths = torch.tensor([len(c.completion_ids) for c in completions])
+    return raw + dapo.overlong_penalty(lengths, task.max_new_tokens, task.overlong_buffer, task.overlong_penalty)
+
+
+def row_weights(completions: list, task) -> torch.Tensor:
+    """1 per row, 0 where ``task.overlong_filter`` drops a completion that was cut."""
+    return torch.tensor([0.0 if task.overlong_filter and not c.finished else 1.0 for c in completions])
+
+
+def generate_and_score(tr, tasks: list, seed: int) -> tuple:
+    """(completions, verifier rewards, shaped rewards, statuses, generation s, reward s); every
+    rank must call it together (``tasks`` may be empty)."""
+    task = tr.task
+    stops = tuple(dict.fromkeys(s for t in tasks for s in t.stop))
+    start = time.perf_counter()
+    completions = tr.rl.generate(tr.policy, tr.tokenizer, [t.prompt for t in tasks], num_samples=1,
+                                 temperature=task.temperature, top_p=task.top_p,
+                                 max_new_tokens=task.max_new_tokens, stop=stops, seed=seed)
+    gen_s = time.perf_counter() - start
+    raw, statuses = prl.score(tasks, [c.text for c in completions], tr.pool, task.partial_credit) if tasks \
+        else ([], [])
+    raw = torch.tensor(raw, dtype=torch.float32)
+    return completions, raw, shaped_rewards(raw, completions, task), statuses, gen_s, \
+        time.perf_counter() - start - gen_s
+
+
+def _round0_log(raw: torch.Tensor, shaped: torch.Tensor, completions: list, statuses: list, G: int) -> dict:
+    all_raw, all_shaped = runtime.all_gather_1d(raw), runtime.all_gather_1d(shaped)
+    out = {"reward_mean": all_raw.mean().item(),
+           "reward_std": all_raw.std().item() if all_raw.numel() > 1 else 0.0,
+           "zero_variance_groups": gm.zero_variance_fraction(all_shaped, G),
+           "completion_length": sum(len(c.completion_ids) for c in completions) / max(len(completions), 1),
+           "timeout_fraction": sum(s == "timeout" for s in statuses) / max(len(statuses), 1)}
+    return out, all_shaped
+
+
+def plain_batch(tr, step: int) -> StepBatch:
+    G, n, r = tr.task.num_generations, tr.local_samples, tr.world.rank
+    prompts = prl.step_prompts(len(tr.train_tasks), step, tr.prompts_per_step, tr.cfg.data.seed)
+    mine = [tr.train_tasks[prompts[s // G]] for s in range(r * n, (r + 1) * n)]
+    seed = (tr.cfg.train.seed * 1_000_003 + step) * 4099 + r
+    completions, raw, shaped, statuses, gen_s, score_s = generate_and_score(tr, mine, seed)
+    log, all_shaped = _round0_log(raw, shaped, completions, statuses, G)
+    adv = gm.group_advantages(all_shaped, G, scale=tr.task.scale_rewards)[r * n:(r + 1) * n]
+    weights = row_weights(completions, tr.task)
+    if tr.task.overlong_filter:
+        log["overlong_filtered"] = 1.0 - weights.mean().item()
+    return StepBatch(tr.rl.pack(completions, tr.tokenizer.pad_token_id), adv * weights, weights, log,
+                     {"generation": gen_s, "reward": score_s}, sum(len(c.completion_ids) for c in completions))
+
+
+def dynamic_batch(tr, step: int) -> StepBatch:
+    task, G, n, r = tr.task, tr.task.num_generations, tr.local_samples, tr.world.rank
+    filler = dapo.GroupFiller(needed=n // G, group_size=G)
+    prompts = prl.step_prompts(len(tr.train_tasks), step, tr.prompts_per_step, tr.cfg.data.seed)
+    groups = [prompts[s // G] for s in range(r * n, (r + 1) * n, G)]
+    base = (tr.cfg.train.seed * 1_000_003 + step) * 4099 + r
+    times, tokens, log = {"generation": 0.0, "reward": 0.0}, 0, {}
+    while True:
+        tasks = [tr.train_tasks[i] for i in groups for _ in range(G)]
+        completions, raw, shaped, statuses, gen_s, score_s = generate_and_score(tr, tasks, base + 7919 * filler.rounds)
+        times["generation"] += gen_s
+        times["reward"] += score_s
+        tokens += sum(len(c.completion_ids) for c in completions)
+        if filler.rounds == 0:
+            log, _ = _round0_log(raw, shaped, completions, statuses, G)
+        filler.add(shaped, completions)
+        if _max_all(float(filler.deficit > 0)) == 0 or filler.rounds >= task.dynamic_sampling_max_rounds:
+            break
+        groups = dapo.refill_prompts(len(tr.train_tasks), step, filler.rounds, r, filler.next_count(),
+                                     tr.cfg.data.seed)
+    kept = filler.kept_items
+    rows = kept + filler.filler_items[:n - len(kept)]
+    weights = torch.cat([row_weights(kept, task), torch.zeros(len(rows) - len(kept))])
+    adv = torch.zeros(n)
+    if kept:
+        kept_rewards = torch.tensor(filler.kept_rewards)
+        adv[:len(kept)] = gm.group_advantages(kept_rewards, G, scale=task.scale_rewards)
+        log["trained_zero_variance_groups"] = gm.zero_variance_fraction(kept_rewards, G)
+    else:
+        log["trained_zero_variance_groups"] = 0.0
+    log.update({f"dynamic/{k}": v for k, v in filler.stats().items()})
+    if task.overlong_filter:
+        log["overlong_filtered"] = 1.0 - weights[:len(kept)].mean().item() if kept else 0.0
+    return StepBatch(tr.rl.pack(rows, tr.tokenizer.pad_token_id), adv * weights, weights, log, times, tokens)
+
+
+def step_batch(tr, step: int) -> StepBatch:
+    return dynamic_batch(tr, step) if tr.task.dynamic_sampling else plain_batch(tr, step)
