@@ -201,3 +201,103 @@ def test_prefixed_keys_get_their_own_section_and_the_split_adds_up():
     assert split["generation"] == {"seconds": 6.0, "share": 0.6} and split["other"]["seconds"] == pytest.approx(2.0)
     assert "generation 60%" in format_time_split(split)
     assert time_split({}) == {}
+
+
+# ---------------------------------------------------------------- the trainer's step with a fake engine
+
+class _TinyLM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.emb, self.out = torch.nn.Embedding(11, 8), torch.nn.Linear(8, 11)
+
+    def forward(self, ids, attention_mask=None):
+        return self.out(torch.tanh(self.emb(ids)))
+
+
+class _FakeEngine:
+    """DeepSpeed's contract as the trainer uses it: backward divides by grad_accum; step is a no-op here."""
+
+    def __init__(self, module, grad_accum):
+        self.module, self.grad_accum, self.device = module, grad_accum, torch.device("cpu")
+
+    def __call__(self, ids, attention_mask=None):
+        return self.module(ids, attention_mask)
+
+    def backward(self, loss):
+        (loss / self.grad_accum).backward()
+
+    def step(self):
+        pass
+
+    def eval(self):
+        self.module.eval()
+
+    def train(self):
+        self.module.train()
+
+
+def _step_trainer(loss_type, weights):
+    from dstrain.trainers.grpo import GRPOTrainer
+    from models.policy.model import token_entropy, token_logprobs
+    torch.manual_seed(2)
+    B, T, GA = 8, 7, 2
+    ids = torch.randint(1, 11, (B, T))
+    cmask = torch.zeros(B, T, dtype=torch.long)
+    cmask[:, 3:] = 1
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "completion_mask": cmask}
+    adv = torch.randn(B) * weights
+    tr = GRPOTrainer.__new__(GRPOTrainer)
+    tr.cfg = types.SimpleNamespace(train=types.SimpleNamespace(micro_batch=B // GA, grad_accum=GA))
+    tr.engine = _FakeEngine(_TinyLM(), GA)
+    tr.task = PolicyTaskConfig(loss_type=loss_type, max_new_tokens=T)
+    tr.world = types.SimpleNamespace(world_size=1, rank=0)
+    tr.samples_per_step, tr.reference = B, None
+    tr.loss_cfg = gm.GRPOLossConfig(loss_type=loss_type, max_completion_length=T)
+    tr.rl = types.SimpleNamespace(token_logprobs=token_logprobs, token_entropy=token_entropy)
+    sb = gs.StepBatch(batch, adv, weights, {"reward_mean": 0.5}, {"generation": 0.01, "reward": 0.02}, 10)
+    tr.sample = lambda step: sb
+    return tr, batch, adv
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_train_step_on_a_short_batch_equals_the_kept_rows_alone(loss_type):
+    weights = torch.tensor([1, 1, 1, 0, 1, 1, 0, 0.0])
+    tr, batch, adv = _step_trainer(loss_type, weights)
+    out = tr.train_step(0)
+    grads = [p.grad.clone() for p in tr.engine.module.parameters()]
+
+    model = tr.engine.module
+    model.zero_grad()
+    kept = weights.bool()
+    ids = batch["input_ids"][kept]
+    from models.policy.model import token_logprobs
+    logp = token_logprobs(model(ids), ids)
+    mask = batch["completion_mask"][kept][:, 1:].float()
+    loss, _ = gm.grpo_loss(logp, logp.detach(), None, adv[kept], mask, tr.loss_cfg, token_normaliser=mask.sum().item())
+    loss.backward()
+    for g, p in zip(grads, model.parameters()):
+        assert torch.allclose(g, p.grad, atol=1e-6), loss_type
+    for part in ("generation", "reward", "reference", "training", "step"):
+        assert f"time/{part}" in out and out[f"time/{part}"] >= 0
+    assert out["time/step"] >= out["time/training"] and out["time/generation"] == 0.01
+    assert out["reward_mean"] == 0.5
+
+
+def test_train_step_on_a_full_batch_is_unchanged_by_the_weights_path():
+    tr, batch, adv = _step_trainer("grpo", torch.ones(8))
+    tr.train_step(0)
+    grads = [p.grad.clone() for p in tr.engine.module.parameters()]
+    model = tr.engine.module
+    model.zero_grad()
+    from models.policy.model import token_logprobs
+    total = 0.0
+    for m in (slice(0, 4), slice(4, 8)):  # the mean of the two micro-batch means, as DeepSpeed averages them
+        ids = batch["input_ids"][m]
+        logp = token_logprobs(model(ids), ids)
+        loss, _ = gm.grpo_loss(logp, logp.detach(), None, adv[m], batch["completion_mask"][m][:, 1:].float(),
+                               tr.loss_cfg)
+        total = total + loss / 2
+    total.backward()
+    for g, p in zip(grads, model.parameters()):
+        assert torch.allclose(g, p.grad, atol=1e-6)
