@@ -154,13 +154,33 @@ def consolidated_state_dict(path: str | Path) -> tuple[dict[str, torch.Tensor], 
     ds_cfg = json.loads((tag_dir / "ds_config.json").read_text())
     run_cfg = json.loads((tag_dir / "run_config.json").read_text())
     stage = int(ds_cfg.get("zero_optimization", {}).get("stage", 0))
-    if stage == 0:
+    if any(tag_dir.glob("layer_*-model_states.pt")):  # DeepSpeed's pipeline engine saved it
+        state = pipeline_checkpoint_state_dict(tag_dir, run_cfg)
+    elif stage == 0:
         state = _zero0_state_dict(tag_dir)
     else:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
         state = get_fp32_state_dict_from_zero_checkpoint(str(root), tag=tag)
     state = {k: v.detach().float().contiguous().clone() for k, v in state.items()}
     return state, run_cfg
+
+
+def pipeline_checkpoint_state_dict(tag_dir: Path, run_cfg: dict) -> dict[str, torch.Tensor]:
+    """The plain model's weights from a pipeline checkpoint (``layer_XX-model_states.pt`` per layer).
+
+    Layer i's parameters get the plain model's names through the model's pipeline
+    layers (``PipelineParts.prefixes``). These are the weights the stages hold: the
+    fp32 weights of an fp32 run; a 16-bit run exports its 16-bit weights (upcast),
+    not the fp32 optimizer masters.
+    """
+    from dstrain.parallel.pipeline import plain_state_dict
+    from models import registry
+    model = run_cfg["model"]
+    spec = registry.get_spec(model["name"])
+    if spec.pipeline is None:
+        raise ValueError(f"{tag_dir}: model {model['name']!r} has no pipeline layers to map the checkpoint back")
+    parts = spec.pipeline(registry.make_model_config(model["name"], model["size"], model.get("args") or {}), False)
+    return plain_state_dict(tag_dir, parts.prefixes)
 
 
 def _zero0_state_dict(tag_dir: Path) -> dict[str, torch.Tensor]:

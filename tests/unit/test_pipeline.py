@@ -1,0 +1,167 @@
+"""Pipeline stages without processes: the LayerSpec cut is the plain model, splits, name mapping, the plan."""
+import itertools
+
+import pytest
+import torch
+
+from dstrain.engine.profiles import (Activations, Hardware, PlanError, balanced_split, choose_pipeline_plan,
+                                     stage_estimates, suggest_pp, uniform_split)
+from dstrain.parallel.pipeline import partition, plain_state_dict, stage_split
+from models import registry
+
+MODELS = [("gpt", "tiny"), ("dilated_lm", "debug")]
+
+
+def _parts_and_plain(name, size):
+    spec = registry.get_spec(name)
+    mcfg = registry.make_model_config(name, size, {"n_layer": 3})
+    torch.manual_seed(0)
+    return spec.pipeline(mcfg, False), spec.build(mcfg)
+
+
+@pytest.mark.parametrize("name,size", MODELS)
+def test_layers_in_sequence_are_the_plain_model(name, size):
+    parts, plain = _parts_and_plain(name, size)
+    state = plain.state_dict()
+    layers, used = [], set()
+    for spec, prefix in zip(parts.layers, parts.prefixes):
+        layer = spec.build()
+        own = {k: state[prefix + k] for k in layer.state_dict()}
+        layer.load_state_dict(own, strict=True)
+        used |= {prefix + k for k in own}
+        layers.append(layer)
+    assert used == set(state)  # every plain parameter lands in exactly one layer
+    assert sum(parts.param_counts()) == plain.num_params()
+    ids = torch.randint(0, 257, (2, 64))
+    targets = torch.randint(0, 257, (2, 64))
+    x = ids
+    for layer in layers:
+        x = layer(x)
+    loss = parts.loss_fn(x, targets)
+    ref = plain(ids, targets)
+    torch.testing.assert_close(loss, ref, rtol=0, atol=1e-6)
+    loss.backward()
+    ref.backward()
+    for layer, prefix in zip(layers, parts.prefixes):
+        for k, p in layer.named_parameters():
+            torch.testing.assert_close(p.grad, dict(plain.named_parameters())[prefix + k].grad,
+                                       rtol=1e-5, atol=1e-7, msg=prefix + k)
+
+
+def test_checkpointed_block_gives_the_same_gradients():
+    parts, _ = _parts_and_plain("gpt", "tiny")
+    spec = registry.get_spec("gpt")
+    ckpt_parts = spec.pipeline(registry.make_model_config("gpt", "tiny", {"n_layer": 3}), True)
+    torch.manual_seed(1)
+    a = parts.layers[1].build()
+    b = ckpt_parts.layers[1].build()
+    b.load_state_dict(a.state_dict())
+    assert b.checkpointing and not a.checkpointing
+    x = torch.randn(2, 16, 128, requires_grad=True)
+    a(x).square().sum().backward()
+    ga = x.grad.clone()
+    x.grad = None
+    b(x).square().sum().backward()
+    torch.testing.assert_close(x.grad, ga)
+
+
+def _max_stage(weights, bounds):
+    return max(sum(weights[bounds[i]:bounds[i + 1]]) for i in range(len(bounds) - 1))
+
+
+@pytest.mark.parametrize("weights,parts", [([5, 1, 1, 1, 1, 5], 2), ([1, 9, 1, 1, 1, 1, 9], 3),
+                                           ([3, 3, 3, 3], 4), ([0, 7, 2, 2, 2, 0], 3)])
+def test_balanced_split_is_optimal(weights, parts):
+    bounds = balanced_split(weights, parts)
+    assert bounds[0] == 0 and bounds[-1] == len(weights) and len(bounds) == parts + 1
+    assert all(a < b for a, b in zip(bounds, bounds[1:]))  # no empty stage
+    best = min(_max_stage(weights, [0, *cuts, len(weights)])
+               for cuts in itertools.combinations(range(1, len(weights)), parts - 1))
+    assert _max_stage(weights, bounds) == best
+
+
+def test_uniform_and_refusals():
+    assert uniform_split(6, 4) == [0, 2, 4, 5, 6]
+    assert partition([1] * 5, 2, "uniform") == [0, 3, 5]
+    with pytest.raises(ValueError, match="3 layers cannot fill 4 pipeline stages; use pp <= 3"):
+        partition([1, 1, 1], 4)
+    with pytest.raises(ValueError, match="unknown pipeline partition method 'profile'"):
+        partition([1, 1], 2, "profile")
+
+
+def test_split_methods_on_the_gpt():
+    parts, _ = _parts_and_plain("gpt", "tiny")  # embedding, 3 blocks, head
+    counts = parts.param_counts()
+    assert stage_split(parts, 2, "parameters")[0] == balanced_split(counts, 2)
+    assert stage_split(parts, 2, "uniform")[0] == [0, 3, 5]
+    bounds, costs = stage_split(parts, 2, "cost", micro_batch=1, seq_len=32)
+    assert costs[1] == costs[2] == costs[3] > 0  # one block timed, standing for all
+    assert bounds == balanced_split(costs, 2)
+
+
+def test_plain_state_dict_from_layer_files(tmp_path):
+    parts, plain = _parts_and_plain("gpt", "tiny")
+    for idx, spec in enumerate(parts.layers):
+        layer = spec.build()
+        layer.load_state_dict({k: plain.state_dict()[parts.prefixes[idx] + k] for k in layer.state_dict()})
+        torch.save(layer.state_dict(), tmp_path / f"layer_{idx:02d}-model_states.pt")
+    state = plain_state_dict(tmp_path, parts.prefixes)
+    assert state.keys() == plain.state_dict().keys()
+    for k, v in plain.state_dict().items():
+        assert torch.equal(state[k], v)
+    with pytest.raises(ValueError, match="layer 4 saved but the model has 3 layers"):
+        plain_state_dict(tmp_path, parts.prefixes[:3])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="not a pipeline checkpoint"):
+        plain_state_dict(tmp_path / "empty", parts.prefixes)
+
+
+# ---------------------------------------------------------------- the plan (a made-up small device)
+
+GB = 10**9
+HW = Hardware("cuda", device_memory=1 * GB, host_memory=64 * GB, ranks_per_node=8,
+              bf16_supported_fast=True, fp16_supported=True, name="made-up 1 GB")  # budget 850 MB
+LAYERS = [10_000_000] + [20_000_000] * 8 + [10_000_000]  # embedding, 8 blocks, head: 180M parameters
+ACTS = Activations(per_sample=100 * 10**6, per_sample_checkpointed=10 * 10**6)  # fp32 bytes, whole model
+
+
+def test_stage_memory_counts_in_flight_micro_batches():
+    bounds = [0, 5, 10]
+    st = stage_estimates("zero0", LAYERS, bounds, ACTS, dp=1, micro_batch=2, grad_accum=8, precision="bf16",
+                         ckpt=False)
+    assert [e.in_flight for e in st] == [2, 1]              # 1F1B: pp - s micro-batches on stage s
+    assert st[0].params == st[1].params == 90_000_000
+    assert st[0].model_states == 16 * 90_000_000             # ZeRO-0 bf16: 16 bytes per parameter
+    assert st[0].activations == 100 * 10**6 // 2 * 2 * 2 // 2  # half the layers, micro 2, 2 in flight, 16-bit
+    assert st[0].activations == 2 * st[1].activations
+    z1 = stage_estimates("zero1", LAYERS, bounds, ACTS, dp=4, micro_batch=2, grad_accum=1, precision="bf16",
+                         ckpt=False)
+    assert z1[0].model_states == 4 * 90_000_000 + 12 * 90_000_000 // 4
+    assert [e.in_flight for e in z1] == [1, 1]              # never more than grad_accum
+    with pytest.raises(ValueError, match="zero2 is incompatible with pipeline parallelism"):
+        stage_estimates("zero2", LAYERS, bounds, ACTS, 1, 1, 1, "bf16", False)
+
+
+def test_pipeline_plan_walks_zero0_zero1_then_checkpointing():
+    # 8 stages: the fullest holds 30M parameters (480 MB) + 8 in-flight micro-batches' activations (80 MB).
+    plan, stages = choose_pipeline_plan(LAYERS, balanced_split(LAYERS, 8), HW, ACTS, dp=1, micro_batch=1,
+                                        grad_accum=8)
+    assert (plan.profile, plan.activation_checkpointing) == ("zero0", False)
+    assert max(e.total for e in stages) == 480 * 10**6 + 80 * 10**6
+    # 2 stages x dp 4: ZeRO-0 needs 1.44 GB a stage, ZeRO-1 630 MB + 50 MB.
+    plan, _ = choose_pipeline_plan(LAYERS, [0, 5, 10], HW, ACTS, dp=4, micro_batch=1, grad_accum=8)
+    assert (plan.profile, plan.activation_checkpointing) == ("zero1", False)
+    assert "zero0 stage 0 needs 1.5 GB > 850.0 MB budget" in plan.reason
+    # micro-batch 8: 400 MB of activations on stage 0 -> ZeRO-1 with checkpointing (40 MB).
+    plan, _ = choose_pipeline_plan(LAYERS, [0, 5, 10], HW, ACTS, dp=4, micro_batch=8, grad_accum=8)
+    assert (plan.profile, plan.activation_checkpointing) == ("zero1", True)
+    assert [(e.profile, e.activation_checkpointing, e.fits) for e in plan.estimates] == [
+        ("zero0", False, False), ("zero1", False, False), ("zero0", True, False), ("zero1", True, True)]
+    with pytest.raises(PlanError, match="no profile fits"):  # 2 stages x dp 1: 1.44 GB a stage
+        choose_pipeline_plan(LAYERS, [0, 5, 10], HW, ACTS, dp=1, micro_batch=1, grad_accum=8)
+
+
+def test_suggest_pp_is_the_smallest_degree_that_fits():
+    assert suggest_pp(LAYERS, HW, ACTS, world_size=8, micro_batch=1, grad_accum=8) == 2   # zero1 x dp 4
+    assert suggest_pp(LAYERS, HW, ACTS, world_size=4, micro_batch=1, grad_accum=8) == 4   # 2 x dp 2: 900 MB
+    assert suggest_pp(LAYERS, HW, ACTS, world_size=3, micro_batch=1, grad_accum=8) is None
