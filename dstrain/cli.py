@@ -160,6 +160,8 @@ def cmd_launch(args, overrides) -> int:
         return EXIT_CONFIG
     if hosts.remote and not args.master_addr:
         args.master_addr = hosts.master_addr  # the first host's address as resolved here (see launch_check)
+    if hosts.remote and args.launcher == "torchrun" and not args.local_addr:
+        args.local_addr = hosts.local_addr  # this machine's hostfile entry, else torchrun's own guess
     extra = [*overrides, *(["--resume"] if args.resume else [])]
     build = launcher.build_torchrun_command if args.launcher == "torchrun" else launcher.build_deepspeed_command
     try:

@@ -27,6 +27,7 @@ class HostCheck:
     master_addr: str | None = None
     master_why: str = ""
     remote: bool = False
+    local_addr: str | None = None  # this machine's entry of the hostfile, resolved (torchrun --local-addr)
 
 
 def check_hosts_for_launch(spec: launcher.LaunchSpec, reach: bool, torchrun: bool = False,
@@ -60,6 +61,9 @@ def check_hosts_for_launch(spec: launcher.LaunchSpec, reach: bool, torchrun: boo
     check.found = hf.check_hosts(hosts, spec.hostfile, reach and not torchrun, resolve or hf.resolve_host,
                                  probe or hf.check_reachable)
     check.master_addr, check.master_why = hf.choose_master(hosts, spec.hostfile, check.found, spec.master_addr)
+    here = [h for h, _ in hosts if h in local]
+    if here:
+        check.local_addr = check.found[here[0]].address
     return check
 
 

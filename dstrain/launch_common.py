@@ -30,6 +30,8 @@ class LaunchSpec:
     DeepSpeed's syntax (``host[:slot,slot][@host...]``) and replace ``nproc`` and
     ``num_nodes`` (DeepSpeed rejects the combination). ``master_addr`` is only
     used for multi-node runs: DeepSpeed's local launch always uses 127.0.0.1.
+    ``local_addr`` (torchrun only) is this node's address as the other nodes
+    reach it; without it torchrun advertises the address its hostname resolves to.
     """
 
     recipe: str
@@ -42,6 +44,7 @@ class LaunchSpec:
     include: str | None = None
     exclude: str | None = None
     accelerator: str = "auto"
+    local_addr: str | None = None  # torchrun --local-addr: the address other nodes reach this one at
 
     def __post_init__(self) -> None:
         if isinstance(self.overrides, list):

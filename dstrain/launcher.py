@@ -181,6 +181,8 @@ def build_deepspeed_command(
     this machine). On CUDA the env is left alone (NCCL is DeepSpeed's default).
     """
     spec.validate()
+    if spec.local_addr:
+        raise ValueError("local_addr (--local-addr) is a torchrun option; deepspeed's hosts come from the hostfile")
     env = _start_env(base_env)
     accel = _resolve_accelerator(spec, env, detect)
     local_names = local_hostnames() if local_hosts is None else frozenset(local_hosts)
@@ -297,6 +299,8 @@ def build_torchrun_command(
         master = master or ("127.0.0.1" if nnodes == 1 and first in local_names else first)
 
     argv = [python, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node", str(procs)]
+    if spec.local_addr:
+        argv += ["--local-addr", spec.local_addr]
     if nnodes == 1:
         argv += ["--master-addr", master or "127.0.0.1", "--master-port", str(spec.master_port)]
     else:
@@ -323,6 +327,9 @@ def add_launch_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--include", default=None, help="deepspeed --include, e.g. 'worker-0@worker-1:0,2'")
     parser.add_argument("--exclude", default=None, help="deepspeed --exclude, e.g. 'worker-1:0'")
     parser.add_argument("--accelerator", choices=ACCELERATORS, default="auto")
+    parser.add_argument("--local-addr", default=None,
+                        help="torchrun, several nodes: this node's address as the others reach it "
+                             "(default: this host's entry in the hostfile, else what its hostname resolves to)")
 
 
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
@@ -344,6 +351,7 @@ def spec_from_args(args: argparse.Namespace, overrides: Sequence[str] | None = N
         nproc=args.nproc, hostfile=args.hostfile,
         num_nodes=args.num_nodes, master_addr=args.master_addr, master_port=args.master_port,
         include=args.include, exclude=args.exclude, accelerator=args.accelerator,
+        local_addr=getattr(args, "local_addr", None),
     )
 
 

@@ -283,9 +283,18 @@ def test_torch_parser_accepts_torchrun_argv():
     assert (args.nnodes, args.nproc_per_node, args.master_addr, args.master_port) == ("1", "2", "127.0.0.1", 5555)
     assert args.module and args.training_script == "dstrain.cli"
     assert args.training_script_args == ["train", "r.json", *OVERRIDES]
-    argv, _ = tr(LaunchSpec("r.json", nproc=2, num_nodes=3, master_addr="h0"))
+    argv, _ = tr(LaunchSpec("r.json", nproc=2, num_nodes=3, master_addr="h0", local_addr="10.1.1.2"))
     args = run.get_args_parser().parse_args(argv[3:])
     assert (args.nnodes, args.rdzv_backend, args.rdzv_endpoint) == ("3", "c10d", "h0:29500")
+    assert args.local_addr == "10.1.1.2"
+
+
+def test_local_addr_is_torchrun_only(tmp_path, python):
+    argv, _ = tr(LaunchSpec("r.json", num_nodes=2, master_addr="10.0.0.1", local_addr="10.0.0.2"))
+    assert argv[argv.index("--local-addr") + 1] == "10.0.0.2"
+    assert "--local-addr" not in tr(LaunchSpec("r.json", num_nodes=2, master_addr="10.0.0.1"))[0]
+    with pytest.raises(ValueError, match="local_addr .* is a torchrun option"):
+        ds(LaunchSpec("r.json", local_addr="10.0.0.2"), python)
 
 
 # --------------------------------------------------------------------------- SLURM (tests in test_slurm.py)
