@@ -99,9 +99,9 @@ class TrainConfig:
     max_consecutive_skips: int = 5
     """Under nonfinite=skip, this many skipped steps in a row end the run with an error."""
     collective_timeout_s: float = 1800.0
-    """How long a collective may wait before it fails (torch.distributed's timeout); a watchdog thread also
-    ends a rank whose step phase (forward, backward, step, allreduce, save) lasts longer, naming rank,
-    step and phase, so that ``dstrain launch --max-restarts`` restarts the job."""
+    """Hang timeout: a watchdog thread ends a rank whose step phase (forward, backward, allreduce, step,
+    save, eval) lasts longer, naming rank, step and phase (exit 124, so ``dstrain launch --max-restarts``
+    restarts the job); torch.distributed's collective timeout is set 10% (at least 5 s) later."""
 
 
 @dataclass

@@ -41,8 +41,11 @@ def use_cpu_accelerator_if_no_gpu() -> None:
         os.environ["DS_ACCELERATOR"] = "cpu"
 
 
-def init_distributed() -> World:
-    """Start the process group (NCCL on GPUs, gloo on CPU) and return this rank's place."""
+def init_distributed(timeout_s: float | None = None) -> World:
+    """Start the process group (NCCL on GPUs, gloo on CPU) and return this rank's place.
+
+    ``timeout_s``: how long a collective may wait before it fails (torch's default if None).
+    """
     use_cpu_accelerator_if_no_gpu()
     _fill_env()
     import deepspeed
@@ -50,7 +53,11 @@ def init_distributed() -> World:
 
     cuda = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
     if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", auto_mpi_discovery=False)
+        kwargs = {}
+        if timeout_s is not None:
+            from datetime import timedelta
+            kwargs["timeout"] = timedelta(seconds=timeout_s)
+        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", auto_mpi_discovery=False, **kwargs)
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world)))

@@ -6,7 +6,10 @@ rank, a collective that timed out: the launcher ends the other ranks and returns
 non-zero), the job is started again with ``--resume``, so each rank continues from
 the latest complete checkpoint, at most K times. Lost work is at most one checkpoint
 interval. Not restarted: success, a configuration refusal (exit 2: it would fail the
-same way), and an interrupt the user asked for (SIGINT/SIGTERM/SIGHUP, 128 + N).
+same way), a run stopped on a non-finite loss (exit 3, ``train.nonfinite=stop``: its
+checkpoint holds the last good state, and a deterministic run would meet the same
+numbers again), and an interrupt the user asked for (SIGINT/SIGTERM/SIGHUP, 128 + N).
+A rank ended by the hang watchdog (exit 124) is restarted like any failure.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import time
 from typing import Callable
 
 #: Exit statuses that are not failures to retry.
-NO_RESTART = {0, 2} | {128 + s for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+NO_RESTART = {0, 2, 3} | {128 + s for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
 
 
 def run_with_restarts(attempt: Callable[[bool], int], max_restarts: int, log: Callable[[str], None],

@@ -7,6 +7,12 @@ seq_len + 1]``; inputs are its first ``seq_len`` tokens, targets the last
 ``g // num_windows`` and is window ``perm_e[g % num_windows]`` of that epoch's
 seeded permutation. The order is a pure function of ``(seed, step)``, so resuming
 at step ``s`` needs no sampler state in the checkpoint.
+
+This also holds across world sizes: step ``s`` takes the same ``global_batch``
+samples whatever the split ``micro_batch x grad_accum x world_size``, so a
+checkpoint resumed on another number of ranks (``dstrain.reshard``) with the
+global batch kept continues with exactly the samples the original run would have
+used; :func:`WindowSampler.local_batch_indices` only decides which rank takes which.
 """
 
 from __future__ import annotations

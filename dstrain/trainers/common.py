@@ -70,22 +70,43 @@ def plan_and_record(cfg: RunConfig, world: runtime.World, out: Path, extra_text:
     return plan
 
 
+def _fires(name: str, step: int) -> bool:
+    """Whether test hook ``$name`` fires at ``step`` on this rank (see :func:`fault`)."""
+    if os.environ.get(name) != str(step) or int(os.environ.get("RANK", 0)) != int(
+            os.environ.get("DSTRAIN_FAULT_RANK", 0)):
+        return False
+    once = os.environ.get("DSTRAIN_FAULT_ONCE")
+    if once:
+        try:
+            os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return False
+    return True
+
+
 def fault(name: str, step: int) -> None:
     """Test hook: a rank dies (``os._exit(17)``, as abruptly as kill -9) when ``$name`` equals ``step``.
 
     ``DSTRAIN_FAULT_RANK`` picks the rank (default 0). With ``DSTRAIN_FAULT_ONCE=PATH`` the
     fault fires only while PATH does not exist, and creates it: a restarted job then runs through.
     """
-    if os.environ.get(name) != str(step) or int(os.environ.get("RANK", 0)) != int(
-            os.environ.get("DSTRAIN_FAULT_RANK", 0)):
-        return
-    once = os.environ.get("DSTRAIN_FAULT_ONCE")
-    if once:
-        try:
-            os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        except FileExistsError:
-            return
-    os._exit(17)
+    if _fires(name, step):
+        os._exit(17)
+
+
+def fault_nan(loss, step: int):
+    """Test hook: ``DSTRAIN_FAULT_NAN_STEP=n`` turns the loss of step n into NaN on the fault rank."""
+    if _fires("DSTRAIN_FAULT_NAN_STEP", step):
+        return loss * float("nan")
+    return loss
+
+
+def fault_hang(step: int) -> None:
+    """Test hook: ``DSTRAIN_FAULT_HANG_STEP=n`` makes the fault rank sleep in step n's forward
+    (``DSTRAIN_FAULT_HANG_S`` seconds, default an hour): its peers wait in a collective."""
+    if _fires("DSTRAIN_FAULT_HANG_STEP", step):
+        import time
+        time.sleep(float(os.environ.get("DSTRAIN_FAULT_HANG_S", 3600)))
 
 
 def save_checkpoint(engine, ckpt_root: Path, step: int, world: runtime.World, cfg: RunConfig, plan,
@@ -104,21 +125,99 @@ def save_checkpoint(engine, ckpt_root: Path, step: int, world: runtime.World, cf
     fault("DSTRAIN_FAULT_IN_SAVE", step)
     if world.is_main:
         ckpt.mark_complete(ckpt_root, tag, cfg.to_dict(), plan.ds_config,
-                           {"step": step, "world_size": world.world_size, "profile": plan.profile,
-                            "precision": plan.precision,
-                            "activation_checkpointing": plan.activation_checkpointing, **(state or {})},
+                           _trainer_state(step, world, plan, state),
                            keep=cfg.checkpoint.keep, param_groups=engine.param_group_names)
     runtime.barrier()
 
 
+def _trainer_state(step: int, world: runtime.World, plan, state: dict | None) -> dict:
+    return {"step": step, "world_size": world.world_size, "profile": plan.profile, "precision": plan.precision,
+            "activation_checkpointing": plan.activation_checkpointing, **(state or {})}
+
+
+class CheckpointSaver:
+    """``save(step)`` for one run: synchronous, or with ``checkpoint.async_write`` stalling training only for
+    the copy to host memory (``dstrain.async_checkpoint``: files written in the background, COMPLETE once
+    every rank's files are on disk, at most one save in flight). ``stalls`` holds each save's stall (s)."""
+
+    def __init__(self, engine, ckpt_root: Path, world: runtime.World, cfg: RunConfig, plan):
+        self.engine, self.ckpt_root, self.world, self.cfg, self.plan = engine, ckpt_root, world, cfg, plan
+        self.stalls: list[float] = []
+        self.writer = self.finisher = None
+        if cfg.checkpoint.async_write:
+            from dstrain import async_checkpoint
+            self.writer = async_checkpoint.install_writer(engine.ds)
+            self.finisher = async_checkpoint.BackgroundFinisher()
+
+    def save(self, step: int, state: dict | None = None,
+             write_extra: Callable[[Path], None] | None = None) -> None:
+        import time
+        start = time.perf_counter()
+        if self.writer is None:
+            save_checkpoint(self.engine, self.ckpt_root, step, self.world, self.cfg, self.plan, state, write_extra)
+        else:
+            self._save_async(step, state, write_extra)
+        self.stalls.append(time.perf_counter() - start)
+
+    def _save_async(self, step, state, write_extra) -> None:
+        self.finisher.wait()  # the previous save is complete (or its error is raised here)
+        tag, world = ckpt.tag_for(step), self.world
+        if world.is_main:
+            ckpt.prepare_tag_dir(self.ckpt_root, tag)
+        runtime.barrier()
+        self.engine.save(str(self.ckpt_root), tag, client_state={"step": step})  # host copies, queued
+        ckpt.save_rng(self.ckpt_root, tag, world.rank)
+        if write_extra is not None:
+            write_extra(self.ckpt_root / tag)
+        meta = (self.cfg.to_dict(), self.plan.ds_config, _trainer_state(step, world, self.plan, state),
+                self.engine.param_group_names)
+        self.finisher.submit(lambda: self._finish(tag, step, meta))
+
+    def _finish(self, tag: str, step: int, meta) -> None:
+        from dstrain import async_checkpoint
+        self.writer.wait()
+        fault("DSTRAIN_FAULT_IN_SAVE", step)
+        written = self.ckpt_root / tag / async_checkpoint.WRITTEN
+        written.mkdir(parents=True, exist_ok=True)
+        (written / f"rank_{self.world.rank:05d}").touch()
+        if self.world.is_main:
+            async_checkpoint.wait_for_markers(written, self.world.world_size, self.cfg.train.collective_timeout_s)
+            run_cfg, ds_cfg, trainer_state, groups = meta
+            ckpt.mark_complete(self.ckpt_root, tag, run_cfg, ds_cfg, trainer_state, keep=self.cfg.checkpoint.keep,
+                               param_groups=groups)
+
+    def wait(self) -> None:
+        """Until the last save is complete on disk (every rank calls it before leaving)."""
+        if self.finisher is not None:
+            self.finisher.wait()
+            runtime.barrier()
+
+
 def load_checkpoint(engine, ckpt_root: Path, tag: str, world: runtime.World) -> dict:
-    """Load DeepSpeed's state and this rank's RNG from ``tag``; return the trainer state."""
+    """Load DeepSpeed's state and this rank's RNG from ``tag``; return the trainer state.
+
+    A checkpoint written by another number of ranks is resharded (``dstrain.reshard``:
+    optimizer state included); ranks it has no random state for are seeded from
+    (step, rank) instead.
+    """
     state = json.loads((ckpt_root / tag / "trainer_state.json").read_text())
-    if state.get("world_size") != world.world_size:
-        raise RunFolderError(f"checkpoint {tag} was written by {state.get('world_size')} ranks, "
-                             f"this run has {world.world_size}")
-    engine.load(str(ckpt_root), tag)
-    ckpt.load_rng(ckpt_root, tag, world.rank)
+    saved_world = int(state.get("world_size", world.world_size))
+    if saved_world != world.world_size:
+        from dstrain import reshard
+        saved_cfg = json.loads((ckpt_root / tag / "run_config.json").read_text())
+        dims = getattr(getattr(engine, "parallel", None), "dims", None)
+        try:
+            reshard.check_layout(saved_cfg, {k: getattr(dims, k, 1) for k in ("tp", "sp", "pp")}, tag)
+            reshard.load_resharded(engine, ckpt_root, tag, saved_world, world,
+                                   log=lambda msg: print(msg, flush=True))
+        except reshard.ReshardError as err:
+            raise RunFolderError(str(err)) from None
+    else:
+        engine.load(str(ckpt_root), tag)
+    if (ckpt_root / tag / "rng" / f"rank_{world.rank}.pt").is_file():
+        ckpt.load_rng(ckpt_root, tag, world.rank)
+    else:
+        runtime.seed_everything(1_000_003 * int(state["step"]) + world.rank)
     if world.is_main:
         print(f"resumed from {ckpt_root / tag} at step {state['step']}", flush=True)
     return state

@@ -5,9 +5,11 @@ resumed run only needs the step number from the checkpoint; each rank's random
 state is saved and restored beside it. Metrics are averaged over ranks before
 rank 0 logs them.
 
-Test hooks (environment): ``DSTRAIN_FAULT_AFTER_STEP=n`` kills rank 0 right after
-step n; ``DSTRAIN_FAULT_IN_SAVE=n`` kills rank 0 while checkpoint n is being written
-(after DeepSpeed's files, before the COMPLETE marker).
+Test hooks (environment; ``DSTRAIN_FAULT_RANK`` picks the rank, default 0):
+``DSTRAIN_FAULT_AFTER_STEP=n`` kills it right after step n; ``DSTRAIN_FAULT_IN_SAVE=n``
+while checkpoint n is being written (after DeepSpeed's files, before the COMPLETE
+marker); ``DSTRAIN_FAULT_NAN_STEP=n`` makes its loss of step n NaN;
+``DSTRAIN_FAULT_HANG_STEP=n`` makes it sleep in step n (see ``trainers/common.py``).
 """
 from __future__ import annotations
 
@@ -18,8 +20,9 @@ from pathlib import Path
 import torch
 
 from dstrain import runtime
-from dstrain.trainers.common import (StopFlag, decide_resume, fault, load_checkpoint, pin_plan, plan_and_record,
-                                     save_checkpoint)
+from dstrain.trainers.common import (CheckpointSaver, StopFlag, decide_resume, fault, fault_hang, fault_nan,
+                                     load_checkpoint, pin_plan, plan_and_record)
+from dstrain.resilience import NonFiniteError, NonFiniteGuard, Watchdog, torch_timeout_s, update_skipped
 from dstrain.config import RunConfig
 from dstrain.data.corpus import ByteTokenizer, build_token_streams, load_documents
 from dstrain.data.sampler import WindowSampler, get_batch
@@ -46,7 +49,7 @@ class LMTrainer:
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
-        self.world = runtime.init_distributed()
+        self.world = runtime.init_distributed(timeout_s=torch_timeout_s(cfg.train.collective_timeout_s))
         self.parallel, self.dp_rank, self.dp_world = _parallel_layout(cfg, self.world)
         self.out = Path(cfg.output.dir)
         self.ckpt_root = self.out / "checkpoints"
@@ -70,6 +73,10 @@ class LMTrainer:
         # Per-rank dropout; tensor-parallel ranks share a seed (their replicated activations must agree).
         runtime.seed_everything(cfg.train.seed + 7919 * (self.world.rank // cfg.parallel.tp + 1))
         self.start_step = 0
+        self.saver = CheckpointSaver(self.engine, self.ckpt_root, self.world, cfg, self.plan)
+        self.guard = NonFiniteGuard(cfg.train.nonfinite, cfg.train.max_consecutive_skips, self.world.rank,
+                                    self.world.world_size)
+        self.watchdog = Watchdog(self.world.rank, cfg.train.collective_timeout_s)
         if resume_tag is not None:
             self._resume(resume_tag)
         with torch.device("meta"):
@@ -79,10 +86,13 @@ class LMTrainer:
 
     # ---------------------------------------------------------------- folder and resume
     def _resume(self, tag: str) -> None:
-        self.start_step = int(load_checkpoint(self.engine, self.ckpt_root, tag, self.world)["step"])
+        state = load_checkpoint(self.engine, self.ckpt_root, tag, self.world)
+        self.start_step = int(state["step"])
+        self.guard.skipped = int(state.get("skipped_steps", 0))
 
     def save(self, step: int) -> None:
-        save_checkpoint(self.engine, self.ckpt_root, step, self.world, self.cfg, self.plan)
+        self.watchdog.phase("save", step)
+        self.saver.save(step, state={"skipped_steps": self.guard.skipped})
 
     # ---------------------------------------------------------------- steps
     def _local(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,22 +104,37 @@ class LMTrainer:
         start = self.parallel.sp_rank * chunk
         return x[:, start:start + chunk], y[:, start:start + chunk]
 
-    def train_step(self, step: int) -> float:
-        """One optimizer step (grad_accum micro-batches); returns this rank's mean loss."""
-        t = self.cfg.train
+    def train_step(self, step: int) -> float | None:
+        """One optimizer step (grad_accum micro-batches); returns this rank's mean loss, None if the
+        update was skipped for a non-finite loss (``train.nonfinite``; the watchdog sees each phase)."""
+        t, n, watch = self.cfg.train, step + 1, self.watchdog
         indices = self.sampler.local_batch_indices(step, t.micro_batch, t.grad_accum,
                                                    self.dp_rank, self.dp_world)
         if self.pipelined:  # DeepSpeed's 1F1B over the grad_accum micro-batches; the loss is the dp mean
+            watch.phase("pipeline step", n)
             return self.engine.train_batch(
                 get_batch(self.train_tokens, micro, self.cfg.data.seq_len) for micro in indices)
-        total = 0.0
-        for micro in indices:
+        losses = []
+        for k, micro in enumerate(indices):
             x, y = self._local(*get_batch(self.train_tokens, micro, self.cfg.data.seq_len))
-            loss = self.engine(x.to(self.engine.device), y.to(self.engine.device))
+            watch.phase("forward", n)
+            if k == 0:
+                fault_hang(n)
+            loss = fault_nan(self.engine(x.to(self.engine.device), y.to(self.engine.device)), n)
+            losses.append(loss.detach())
+            watch.phase("backward", n)
             self.engine.backward(loss)
+            skip = False
+            if k == len(indices) - 1:
+                watch.phase("allreduce", n)
+                skip = self.guard.check(losses, n)  # the same answer on every rank; may raise NonFiniteError
+            watch.phase("step", n)
+            if skip:
+                with update_skipped(self.engine.ds):
+                    self.engine.step()
+                return None
             self.engine.step()
-            total += loss.item()
-        return total / len(indices)
+        return sum(loss.item() for loss in losses) / len(losses)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -139,19 +164,27 @@ class LMTrainer:
         start = time.perf_counter()
         try:
             for step in range(self.start_step + 1, t.steps + 1):
-                losses.append(self.train_step(step - 1))
+                try:
+                    loss = self.train_step(step - 1)
+                except NonFiniteError as err:
+                    self._save_last_good(err.step - 1, last_saved)
+                    raise
+                if loss is not None:
+                    losses.append(loss)
                 meter.add(tokens_per_step)
                 log.advance()
                 if step % t.log_every == 0 or step == t.steps:
+                    self.watchdog.phase("log", step)
                     rates = meter.read()
-                    stats = reduce_mean({"loss": sum(losses) / len(losses), "stop": float(self.stop.set),
+                    mean = {"loss": sum(losses) / len(losses)} if losses else {}  # none: every update skipped
+                    stats = reduce_mean({**mean, "stop": float(self.stop.set),
                                          "memory_gb": peak_memory_bytes() / 1e9, **rates})
                     losses = []
                     stats["tokens_per_s"] *= self.dp_world  # whole job (a replica's ranks share its tokens)
                     stats["flops_per_s"] *= self.dp_world
                     stats.pop("mfu", None)
                     stop = stats.pop("stop") > 0
-                    stats.update(lr=self.engine.lr)
+                    stats.update(lr=self.engine.lr, skipped_steps=self.guard.skipped)
                     norm = self.engine.grad_norm
                     if norm is not None:
                         stats["grad_norm"] = norm
@@ -162,6 +195,7 @@ class LMTrainer:
                         last_saved, stopped = step, True
                         break
                 if t.eval_every and step % t.eval_every == 0:
+                    self.watchdog.phase("eval", step)
                     log.log(step, {"loss": self.evaluate()}, prefix="val")
                 if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
                     self.save(step)
@@ -169,17 +203,29 @@ class LMTrainer:
                 fault("DSTRAIN_FAULT_AFTER_STEP", step)
             if not stopped and last_saved != step and step > self.start_step:
                 self.save(step)
+            self.watchdog.phase("eval", step)
             val_loss = self.evaluate() if not stopped else None
             if val_loss is not None:
                 log.log(step, {"loss": val_loss}, prefix="val")
+            self.watchdog.phase("save", step)
+            self.saver.wait()
         finally:
+            self.watchdog.close()
             log.close()
         summary = {"step": step, "val_loss": val_loss, "stopped": stopped,
                    "seconds": time.perf_counter() - start, "profile": self.plan.profile,
-                   "precision": self.plan.precision, "world_size": self.world.world_size}
+                   "precision": self.plan.precision, "world_size": self.world.world_size,
+                   "skipped_steps": self.guard.skipped, "checkpoint_stalls_s": self.saver.stalls}
         if self.world.is_main:
             (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
+
+
+    def _save_last_good(self, good: int, last_saved: int | None) -> None:
+        """Under train.nonfinite, before leaving: checkpoint ``good`` (the last step whose update was taken)."""
+        if good > self.start_step and good != last_saved:
+            self.save(good)
+        self.saver.wait()
 
 
 def _parallel_layout(cfg: RunConfig, world: runtime.World):

@@ -77,3 +77,59 @@ def test_rng_round_trip(tmp_path):
     assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
     with pytest.raises(FileNotFoundError, match="rank 0"):
         ckpt.load_rng(tmp_path, "step_00000001", rank=0)
+
+
+# ---------------------------------------------------------------- asynchronous writes and resharding
+
+def test_host_snapshot_is_independent_of_live_tensors():
+    from dstrain.async_checkpoint import to_host
+    live = {"w": torch.ones(3), "groups": [{"step": torch.tensor(2.0), "lr": 0.1}], "pair": (torch.zeros(2), "x")}
+    snap = to_host(live)
+    live["w"].add_(5)
+    live["groups"][0]["step"].add_(1)
+    live["pair"][0].fill_(7)
+    assert torch.equal(snap["w"], torch.ones(3)) and float(snap["groups"][0]["step"]) == 2.0
+    assert torch.equal(snap["pair"][0], torch.zeros(2)) and snap["pair"][1] == "x" and snap["groups"][0]["lr"] == 0.1
+
+
+def test_write_file_is_all_or_nothing(tmp_path, monkeypatch):
+    from dstrain import async_checkpoint
+    path = tmp_path / "state.pt"
+    async_checkpoint.write_file({"a": torch.arange(4)}, path)
+    assert torch.equal(torch.load(path)["a"], torch.arange(4))
+
+    def dies(*args, **kwargs):
+        raise OSError("disk full")
+    monkeypatch.setattr(async_checkpoint.torch, "save", dies)
+    with pytest.raises(OSError):
+        async_checkpoint.write_file({"a": torch.zeros(4)}, path)
+    assert torch.equal(torch.load(path)["a"], torch.arange(4))  # the old file is untouched
+
+
+def test_markers_wait_for_every_rank(tmp_path):
+    from dstrain.async_checkpoint import wait_for_markers
+    folder = tmp_path / "written"
+    folder.mkdir()
+    (folder / "rank_00000").touch()
+    with pytest.raises(TimeoutError, match="missing rank_00001"):
+        wait_for_markers(folder, 2, timeout_s=0.1)
+    (folder / "rank_00001").touch()
+    wait_for_markers(folder, 2, timeout_s=0.1)
+
+
+def test_reshard_refuses_a_changed_model_parallel_layout():
+    from dstrain.reshard import ReshardError, check_layout
+    check_layout({"parallel": {"tp": 1, "sp": 1}}, {"tp": 1, "sp": 1, "pp": 1}, "step_00000002")
+    with pytest.raises(ReshardError, match="written with tp=2 sp=1 pp=1, this run has tp=1 sp=1 pp=1"):
+        check_layout({"parallel": {"tp": 2}}, {"tp": 1, "sp": 1, "pp": 1}, "step_00000002")
+
+
+@pytest.mark.parametrize("split", [(2, 4, 1), (2, 2, 2), (2, 1, 4), (1, 1, 8)])
+def test_sampler_gives_the_same_global_batch_on_any_world_size(split):
+    from dstrain.data.sampler import WindowSampler
+    micro, accum, world = split
+    sampler = WindowSampler(10_000, 16, seed=3)
+    for step in (0, 5, 77):
+        taken = torch.cat([sampler.local_batch_indices(step, micro, accum, r, world).flatten()
+                           for r in range(world)])
+        assert sorted(taken.tolist()) == sorted(sampler.global_indices(step, 8).tolist())

@@ -1,0 +1,175 @@
+"""Bad numbers and hangs: the non-finite loss policy and the step watchdog.
+
+:class:`NonFiniteGuard` takes one all-reduce per optimizer step: every rank says
+whether any of its micro-batch losses was NaN/Inf, and all ranks learn the lowest
+rank that saw one, so they all take the same decision before the optimizer step:
+
+* ``skip``: the step's update is dropped on every rank (the base optimizer's ``step``
+  does nothing for that one call: weights and Adam moments stay as they were; the
+  gradients are discarded with DeepSpeed's usual zeroing; the learning-rate schedule
+  and the data order move on). Skips are counted; ``max_consecutive_skips`` in a row
+  raise :class:`NonFiniteError`.
+* ``stop``: the update is not taken; the trainer saves the last good state (the
+  previous step) and exits with :data:`EXIT_NONFINITE`, one line naming step and rank.
+
+:class:`Watchdog` is a daemon thread that watches the phase the rank is in
+(forward, backward, allreduce, step, save, eval ...). A phase that lasts longer than
+the timeout is a hang: the thread prints which rank waited, in which phase of which
+step, and ends the process with :data:`EXIT_HANG`; the launcher then ends the other
+ranks and ``dstrain launch --max-restarts`` starts the job again from its latest
+complete checkpoint.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import time
+
+EXIT_NONFINITE = 3
+"""A run stopped on a NaN/Inf loss: not restarted automatically (it would fail the same way)."""
+EXIT_HANG = 124
+"""A rank ended by the watchdog: restarted by ``--max-restarts``."""
+
+
+def torch_timeout_s(collective_timeout_s: float) -> float:
+    """torch.distributed's own timeout: a little after the watchdog's, whose report (naming the
+    phase) should come first; a collective stuck where the watchdog does not look still fails."""
+    return collective_timeout_s + max(5.0, 0.1 * collective_timeout_s)
+
+
+class NonFiniteError(RuntimeError):
+    """The run met a non-finite loss it may not continue past (one-line message)."""
+
+    exit_code = EXIT_NONFINITE
+
+    def __init__(self, message: str, step: int, rank: int):
+        super().__init__(message)
+        self.step = step
+        self.rank = rank
+
+
+def _first_bad_rank(local_bad: bool, rank: int, world_size: int) -> int | None:
+    """Lowest rank whose flag is set (every rank gets the same answer), or None."""
+    import torch
+    import torch.distributed as dist
+    value = torch.tensor([rank if local_bad else world_size], dtype=torch.int64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        backend = dist.get_backend()
+        if backend == "nccl":
+            value = value.cuda()
+        dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    first = int(value.item())
+    return first if first < world_size else None
+
+
+class NonFiniteGuard:
+    """Per-step agreement on non-finite losses and the bookkeeping of the chosen policy."""
+
+    def __init__(self, policy: str, max_consecutive: int, rank: int, world_size: int):
+        if policy not in ("skip", "stop"):
+            raise ValueError(f"train.nonfinite must be skip or stop, got {policy!r}")
+        self.policy = policy
+        self.max_consecutive = max_consecutive
+        self.rank, self.world_size = rank, world_size
+        self.skipped = 0
+        self.consecutive = 0
+
+    def check(self, losses: list, step: int) -> bool:
+        """Call on every rank before the step's last ``engine.step()``; True: skip this update.
+
+        Raises :class:`NonFiniteError` under ``stop`` (nothing has been updated yet)
+        and when too many steps in a row were skipped.
+        """
+        import torch
+        local_bad = any(not bool(torch.isfinite(loss.detach()).all()) for loss in losses)
+        bad_rank = _first_bad_rank(local_bad, self.rank, self.world_size)
+        if bad_rank is None:
+            self.consecutive = 0
+            return False
+        if self.policy == "stop":
+            raise NonFiniteError(f"non-finite loss at step {step} on rank {bad_rank}: stopped "
+                                 f"(train.nonfinite=stop); the checkpoint holds the last good state",
+                                 step, bad_rank)
+        self.skipped += 1
+        self.consecutive += 1
+        if self.consecutive >= self.max_consecutive:
+            raise NonFiniteError(f"non-finite loss at step {step} on rank {bad_rank}: {self.consecutive} "
+                                 f"steps skipped in a row (train.max_consecutive_skips="
+                                 f"{self.max_consecutive}); stopping", step, bad_rank)
+        if self.rank == 0:
+            print(f"dstrain: non-finite loss at step {step} on rank {bad_rank}: update skipped "
+                  f"({self.skipped} so far)", flush=True)
+        return True
+
+
+def base_optimizer(ds_engine):
+    """The optimizer that updates weights and moments (inside ZeRO's or DeepSpeed's wrappers)."""
+    import torch
+    opt = ds_engine.optimizer
+    seen = set()
+    while hasattr(opt, "optimizer") and isinstance(getattr(opt, "optimizer"), torch.optim.Optimizer) \
+            and id(opt) not in seen:
+        seen.add(id(opt))
+        opt = opt.optimizer
+    return opt
+
+
+@contextlib.contextmanager
+def update_skipped(ds_engine):
+    """Inside: the base optimizer's ``step`` is a no-op, so DeepSpeed's step only discards gradients."""
+    opt = base_optimizer(ds_engine)
+    opt.step = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        del opt.step
+
+
+class Watchdog:
+    """Ends this rank when one phase of a step lasts longer than ``timeout_s``.
+
+    ``phase(name, step)`` marks progress; ``pause()`` stops watching (between runs,
+    or around work that may legitimately take long).
+    """
+
+    def __init__(self, rank: int, timeout_s: float, exit=os._exit, out=sys.stderr):
+        self.rank = rank
+        self.timeout_s = float(timeout_s)
+        self._exit, self._out = exit, out
+        self._lock = threading.Lock()
+        self._phase: str | None = None
+        self._step = 0
+        self._since = time.monotonic()
+        self._stopped = threading.Event()
+        self.fired: str | None = None
+        self._thread = threading.Thread(target=self._watch, name="dstrain-watchdog", daemon=True)
+        self._thread.start()
+
+    def phase(self, name: str, step: int | None = None) -> None:
+        with self._lock:
+            self._phase = name
+            if step is not None:
+                self._step = step
+            self._since = time.monotonic()
+
+    def pause(self) -> None:
+        with self._lock:
+            self._phase = None
+
+    def close(self) -> None:
+        self._stopped.set()
+        self._thread.join(timeout=5)
+
+    def _watch(self) -> None:
+        poll = min(5.0, max(0.05, self.timeout_s / 20))
+        while not self._stopped.wait(poll):
+            with self._lock:
+                phase, step, waited = self._phase, self._step, time.monotonic() - self._since
+            if phase is not None and waited > self.timeout_s:
+                self.fired = (f"dstrain: hang: rank {self.rank} waited {waited:.0f}s in {phase} of step {step} "
+                              f"(train.collective_timeout_s={self.timeout_s:g}); ending this rank")
+                print(self.fired, file=self._out, flush=True)
+                self._exit(EXIT_HANG)
+                return
