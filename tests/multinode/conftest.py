@@ -1,0 +1,34 @@
+"""Two pretend hosts on this machine (one sshd per loopback address, pdsh over ssh); see hosts.py.
+
+Every test in this folder is marked ``multinode`` and ``dist`` (real multi-process runs).
+Where the machine lacks sshd/pdsh or refuses to start them, the tests are skipped with the reason.
+"""
+import os
+
+import pytest
+
+from tests.multinode.hosts import HostsUnavailable, start_hosts
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if os.sep + "multinode" + os.sep in str(item.fspath):
+            item.add_marker(pytest.mark.multinode)
+            item.add_marker(pytest.mark.dist)
+
+
+@pytest.fixture(scope="session")
+def deepspeed_cpu_ops_built():
+    """DeepSpeed's CPU kernels compiled once here, so ranks on every pretend host only load them."""
+    from dstrain.runtime import prebuild_cpu_ops
+    return prebuild_cpu_ops()
+
+
+@pytest.fixture(scope="session")
+def hosts(tmp_path_factory, deepspeed_cpu_ops_built):
+    try:
+        started = start_hosts(tmp_path_factory.mktemp("hosts"))
+    except HostsUnavailable as why:
+        pytest.skip(f"no pretend hosts on this machine: {why}")
+    yield started
+    started.stop()

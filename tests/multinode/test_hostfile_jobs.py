@@ -1,0 +1,62 @@
+"""``dstrain launch --hostfile``: DeepSpeed's pdsh runner starts ranks on two pretend hosts (sshd on
+127.0.0.2 and 127.0.0.3); the losses equal a plain single-process run on the same global batch."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dstrain.launcher import find_free_port
+from tests.dist import harness
+from tests.reference import plain_training
+
+STEPS = 3
+
+
+def job_env(hosts, tmp_path):
+    """What a user's shell would hold: CPU ranks, one thread each, gloo kept on loopback."""
+    return hosts.env({**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                      "GLOO_SOCKET_IFNAME": "lo", "DS_ENV_FILE": str(tmp_path / "deepspeed_env")})
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_two_hosts_zero2_matches_single_process(hosts, tmp_path, slots):
+    out, world = tmp_path / "run", 2 * slots
+    hostfile = hosts.hostfile(slots, tmp_path / "hostfile")
+    cmd = [sys.executable, "-m", "dstrain.cli", "launch", "--hostfile", str(hostfile),
+           "--master-port", str(find_free_port()), str(harness.RECIPE),
+           *harness.overrides(out, STEPS, "--deepspeed.profile=zero2", "--checkpoint.every=0")]
+    proc = subprocess.run(cmd, env=job_env(hosts, tmp_path), cwd=harness.ROOT, capture_output=True, text=True,
+                          timeout=600)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-6000:]
+
+    # pdsh ran DeepSpeed's per-node launcher on both hosts, with the master address dstrain resolved
+    assert "pdsh -S -f 1024 -w node1,node2" in log and "--master_addr=127.0.0.2" in log, log[-6000:]
+    for rank, node in enumerate(hosts.names):
+        assert f"{node}: " in log and f"nnodes=2, num_local_procs={slots}, node_rank={rank}" in log
+    env_lines = (tmp_path / "deepspeed_env").read_text().splitlines()
+    assert {"DS_ACCELERATOR=cpu", "OMP_NUM_THREADS=1", "GLOO_SOCKET_IFNAME=lo"} <= set(env_lines)
+
+    ds = json.loads((out / "ds_config.json").read_text())
+    assert ds["zero_optimization"]["stage"] == 2 and ds["train_batch_size"] == 2 * 2 * world
+    ref, _ = plain_training(harness.run_config(tmp_path / "ref", STEPS), world_size=world)
+    losses = harness.metrics(out)
+    got = [losses[s] for s in range(1, STEPS + 1)]
+    assert got == pytest.approx(ref, rel=2e-5, abs=2e-5), (got, ref)
+    assert ref[-1] < ref[0] - 0.1  # it learns, so equal losses mean something
+
+
+def test_unreachable_host_is_refused_before_anything_starts(hosts, tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node1 slots=1\n127.0.0.9 slots=1\n")  # resolves; no sshd there
+    cmd = [sys.executable, "-m", "dstrain.cli", "launch", "--hostfile", str(hostfile), str(harness.RECIPE),
+           *harness.overrides(tmp_path / "run", STEPS)]
+    proc = subprocess.run(cmd, env=job_env(hosts, tmp_path), cwd=harness.ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
+    assert proc.stderr.startswith(f"dstrain: error: hostfile {hostfile}: host '127.0.0.9' is unreachable by "
+                                  "passwordless ssh (")
+    assert len(proc.stderr.splitlines()) == 1 and not (tmp_path / "run").exists()
+    assert not (tmp_path / "deepspeed_env").exists()
