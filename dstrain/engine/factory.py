@@ -99,7 +99,7 @@ def plan_engine(cfg: RunConfig, world_size: int, hw=None, hw_notes: str = "",
         from dstrain.parallel.pipeline import plan_stages
         pipe, plan, stage_text = plan_stages(spec, mcfg, cfg, dims, hw, acts)
     else:
-        plan = _plan_or_suggest_pp(spec, mcfg, cfg, stats, hw, acts, dims, world_size)
+        plan, stage_text = _plan_or_suggest_pp(spec, mcfg, cfg, stats, hw, acts, dims, world_size)
     if ds.profile == "auto":
         profile, precision, ckpt = plan.profile, plan.precision, plan.activation_checkpointing
         why = f"profile {profile}: {plan.reason}"
@@ -149,22 +149,35 @@ def plan_engine(cfg: RunConfig, world_size: int, hw=None, hw_notes: str = "",
 
 
 def _plan_or_suggest_pp(spec, mcfg, cfg, stats, hw, acts, dims, world_size):
-    """``choose_plan``; when no ZeRO profile fits, the error names a pipeline degree that would."""
+    """``(choose_plan's plan, note)``, considering pipeline stages when ZeRO alone struggles.
+
+    When the plan needs parameter partitioning or offload (ZeRO-3, offload profiles), the
+    note names the smallest pipeline degree under which ZeRO-0/1 fits every stage (no
+    parameter gathering per micro-batch); when nothing fits, the PlanError names it.
+    """
     from dstrain.engine.profiles import PlanError, suggest_pp
-    ds = cfg.deepspeed
+    ds, t = cfg.deepspeed, cfg.train
+    pipelinable = spec.pipeline is not None and dims.tp * dims.sp == 1 and world_size > 1
+
+    def pp_that_fits():
+        counts = spec.pipeline(mcfg, False).param_counts()
+        return suggest_pp(counts, hw, acts, world_size, t.micro_batch, t.grad_accum, precision=ds.precision,
+                          margin=ds.margin)
     try:
-        return choose_plan(stats, hw, acts, dims.replica_size, cfg.train.micro_batch, precision=ds.precision,
+        plan = choose_plan(stats, hw, acts, dims.replica_size, t.micro_batch, precision=ds.precision,
                            activation_checkpointing=ds.activation_checkpointing, margin=ds.margin)
     except PlanError as err:
-        if spec.pipeline is None or dims.tp * dims.sp > 1:
-            raise
-        counts = spec.pipeline(mcfg, False).param_counts()
-        pp = suggest_pp(counts, hw, acts, world_size, cfg.train.micro_batch, cfg.train.grad_accum,
-                        precision=ds.precision, margin=ds.margin)
+        pp = pp_that_fits() if pipelinable else None
         if pp is None:
             raise
         raise PlanError(f"{err}; or cut the model into pipeline stages: --parallel.pp={pp} fits "
                         f"(ZeRO-0/1 per stage, dp {world_size // pp})", err.estimates) from None
+    if pipelinable and (plan.profile == "zero3" or "offload" in plan.profile):
+        pp = pp_that_fits()
+        if pp is not None:
+            return plan, (f"pipeline alternative: --parallel.pp={pp} fits with ZeRO-0/1 per stage (dp "
+                          f"{world_size // pp}), without {plan.profile}'s parameter gathering or offload")
+    return plan, ""
 
 
 _MONITOR_PATHS = (("tensorboard", "output_path"), ("csv_monitor", "output_path"),
@@ -434,11 +447,12 @@ def _create_pipeline_engine(build_model, pipeline_parts, plan: EnginePlan, train
     scheduler = None if "scheduler" in plan.ds_config else scheduler_factory(train)
     groups = [g for g in param_groups(module, train.weight_decay) if g["params"]]
     names = {id(p): n for n, p in module.named_parameters()}
+    group_names = [[names[id(p)] for p in g["params"]] for g in groups]  # before ZeRO flattens the groups
     cuda_env.apply()
     client = plan.optimizer.factory() if plan.optimizer is not None else None
     ds_engine, _, _, _ = deepspeed.initialize(
         model=module, model_parameters=groups, optimizer=client, lr_scheduler=scheduler, config=plan.ds_config)
-    return PipelineEngine(ds_engine, plan, [[names[id(p)] for p in g["params"]] for g in groups])
+    return PipelineEngine(ds_engine, plan, group_names)
 
 
 def compile_engine(ds_engine) -> None:

@@ -165,3 +165,63 @@ def test_suggest_pp_is_the_smallest_degree_that_fits():
     assert suggest_pp(LAYERS, HW, ACTS, world_size=8, micro_batch=1, grad_accum=8) == 2   # zero1 x dp 4
     assert suggest_pp(LAYERS, HW, ACTS, world_size=4, micro_batch=1, grad_accum=8) == 4   # 2 x dp 2: 900 MB
     assert suggest_pp(LAYERS, HW, ACTS, world_size=3, micro_batch=1, grad_accum=8) is None
+
+
+# ---------------------------------------------------------------- the factory and the run config
+
+def _cfg(*overrides):
+    from pathlib import Path
+    from dstrain.config import load_run_config
+    root = Path(__file__).resolve().parents[2]
+    return load_run_config(root / "models" / "gpt" / "recipes" / "tiny.json",
+                           ["--data.seq_len=64", "--deepspeed.precision=fp32", *overrides])
+
+
+def _hw(memory=16 * GB):
+    return Hardware("cpu", device_memory=memory, host_memory=2 * memory, ranks_per_node=4,
+                    bf16_supported_fast=False, fp16_supported=False, name="cpu")
+
+
+def test_plan_shows_the_stage_split():
+    plan = plan_engine_(_cfg("--parallel.pp=2", "--train.grad_accum=4"), 4)
+    assert plan.pipeline.bounds == [0, 3, 6] and plan.pipeline.dp == 2
+    assert plan.ds_config["train_batch_size"] == 8 * 4 * 2  # micro x accum x dp (not x pp)
+    text = plan.explanation
+    assert "pipeline: 2 stages x dp 2, split by parameters" in text
+    assert "bubble (p - 1) / (m + p - 1) = 0.20" in text
+    assert "stage 0: layers 0..2 (embedding, block x2), 459,392 params" in text
+    assert "stage 1: layers 3..5 (block x2, head), 426,752 params" in text
+    assert "(2 in flight)" in text and "(1 in flight)" in text
+
+
+def plan_engine_(cfg, world, memory=16 * GB):
+    from dstrain.engine.factory import plan_engine
+    return plan_engine(cfg, world_size=world, hw=_hw(memory))
+
+
+@pytest.mark.parametrize("profile", ["zero2", "zero3"])
+def test_zero2_and_zero3_refused_with_pp_in_one_line(profile):
+    with pytest.raises(ValueError, match=f"ZeRO stage {profile[-1]} cannot run with pipeline parallelism") as err:
+        plan_engine_(_cfg("--parallel.pp=2", f"--deepspeed.profile={profile}"), 2)
+    assert "\n" not in str(err.value)
+
+
+def test_run_config_refuses_pp_with_tp_and_unknown_partition():
+    from dstrain.config import ConfigError
+    with pytest.raises(ConfigError, match="parallel.pp.*supported with data parallelism only"):
+        _cfg("--parallel.pp=2", "--parallel.tp=2")
+    with pytest.raises(ConfigError, match="parallel.pp_partition.*must be parameters, uniform or cost"):
+        _cfg("--parallel.pp=2", "--parallel.pp_partition=type:Block")
+    with pytest.raises(ValueError, match="world size 3 is not divisible by tp x sp x pp = 1 x 1 x 2 = 2"):
+        plan_engine_(_cfg("--parallel.pp=2"), 3)
+
+
+def test_auto_considers_pp_when_only_zero3_fits():
+    # tiny GPT, fp32, 2 ranks: ZeRO-2 needs 12 bytes a parameter (10.6 MB), ZeRO-3 10 (+ the largest
+    # module gathered), one stage of pp = 2 (459k parameters) 20 bytes at ZeRO-0 (9.2 MB).
+    cfg = _cfg("--train.micro_batch=1", "--deepspeed.margin=1.0", "--deepspeed.activation_checkpointing=true")
+    plan = plan_engine_(cfg, 2, memory=int(10.3e6))
+    assert plan.profile == "zero3"
+    assert "pipeline alternative: --parallel.pp=2 fits with ZeRO-0/1 per stage (dp 1)" in plan.explanation
+    roomy = plan_engine_(cfg, 2)
+    assert roomy.profile == "zero0" and "pipeline alternative" not in roomy.explanation
