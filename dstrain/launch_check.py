@@ -93,6 +93,11 @@ def launch_summary(check: HostCheck, argv: Sequence[str], env: Mapping[str, str]
         lines.append("environment on other hosts: forwarded by DeepSpeed itself: "
                      + (" ".join(f"{k}={env[k]}" for k in forwarded) or "(nothing)"))
     elif check.remote:
+        if "--local-addr" in argv:
+            lines.append(f"this node's address: {argv[list(argv).index('--local-addr') + 1]} (torchrun --local-addr)")
+        else:
+            lines.append("this node's address: torchrun's guess from its hostname (no hostfile entry is this "
+                         "machine; --local-addr sets it)")
         lines.append("environment: torchrun runs on this node only; start the same command on every host "
                      "(each host's own environment is used)")
     else:

@@ -207,6 +207,17 @@ def test_multi_host_dry_run_shows_master_ports_and_environment(capsys, no_child,
     assert "PYTHONPATH=/src" in lines[-1].split()
 
 
+def test_torchrun_dry_run_names_this_nodes_address(capsys, no_child, two_hosts, monkeypatch):
+    monkeypatch.setattr(launcher, "local_hostnames", lambda: frozenset({"worker-1"}))
+    code, out, err = launch(capsys, "--dry-run", "--launcher", "torchrun", "--hostfile", two_hosts,
+                            "--accelerator", "cpu", RECIPE)
+    argv = words(out)
+    assert code == 0 and argv[argv.index("--rdzv-endpoint") + 1] == "10.0.0.10:29500"
+    assert argv[argv.index("--local-addr") + 1] == "10.0.0.11"  # this machine is worker-1
+    assert "dstrain: this node's address: 10.0.0.11 (torchrun --local-addr)" in err.splitlines()
+    assert "c10d rendezvous store" in err
+
+
 def test_multi_host_launch_checks_ssh_to_every_host_first(capsys, monkeypatch, two_hosts, reachable):
     monkeypatch.setattr(subprocess, "Popen", FakeChild)
     code, _, _ = launch(capsys, "--hostfile", two_hosts, "--accelerator", "cpu", RECIPE)
