@@ -1,4 +1,7 @@
-"""Throughput, memory, cross-rank averaging and the rank-0 sinks (TensorBoard, JSONL, progress bar)."""
+"""Throughput, memory, cross-rank averaging and the rank-0 sinks (TensorBoard, JSONL, progress bar).
+
+With DeepSpeed's comms logger on (``output.comms``), every ``train`` record is followed by a
+``comm`` record of per-step bytes and time per collective family (:mod:`dstrain.comms`)."""
 from __future__ import annotations
 
 import json
@@ -10,6 +13,8 @@ from typing import Mapping
 
 import torch
 import torch.distributed as dist
+
+from dstrain.comms import CommsMeter
 
 
 def peak_memory_bytes() -> int:
@@ -67,6 +72,7 @@ class RunLogger:
         self.rank = rank
         self.active = rank == 0
         self.writer = self.bar = self.jsonl = None
+        self.comms = CommsMeter(start_step)  # every rank reads (and so resets) DeepSpeed's comms logger
         if not self.active:
             return
         out = Path(out_dir)
@@ -81,8 +87,11 @@ class RunLogger:
                             dynamic_ncols=True, file=sys.stderr)
 
     def log(self, step: int, values: Mapping[str, float], prefix: str = "train") -> None:
+        comm = self.comms.read(step) if prefix == "train" else {}
         if not self.active:
             return
+        if comm:
+            self.log(step, comm, prefix="comm")
         record = {"step": step, **{f"{prefix}/{k}": v for k, v in values.items()}}
         self.jsonl.write(json.dumps(record) + "\n")
         self.jsonl.flush()
