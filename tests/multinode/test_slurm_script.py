@@ -1,0 +1,61 @@
+"""launch/slurm.sbatch run for real through a fake ``srun`` (tests/multinode/fake_slurm/srun) that starts
+one process per task with SLURM's variables: dstrain maps them to torch.distributed's and trains 2 ranks
+whose losses equal a plain single-process run on the same global batch."""
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.dist import harness
+from tests.reference import plain_training
+
+STEPS = 3
+FAKE_SRUN = Path(__file__).parent / "fake_slurm" / "srun"
+
+
+def free_job_id() -> int:
+    """A job id whose port in the script (20000 + id % 20000) is free here now."""
+    for _ in range(100):
+        job = random.randrange(1, 10**6)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("", 20000 + job % 20000))
+            except OSError:
+                continue
+            return job
+    raise RuntimeError("no free port in 20000..39999")
+
+
+def test_sbatch_script_trains_two_tasks(tmp_path, deepspeed_cpu_ops_built):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(f'#!/bin/sh\nexec {sys.executable} {FAKE_SRUN} "$@"\n')
+    (bin_dir / "srun").chmod(0o755)
+    out, job = tmp_path / "run", free_job_id()
+    drop = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
+    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("SLURM_")}
+    env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", PYTHON=sys.executable, DS_ACCELERATOR="cpu",
+               GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1", FAKE_SRUN_LOG=str(tmp_path / "srun.jsonl"),
+               SLURM_JOB_ID=str(job), SLURM_JOB_NODELIST="127.0.0.[2-3]", SLURM_NNODES="2", SLURM_NTASKS="2",
+               SLURM_TASKS_PER_NODE="1(x2)", SLURM_CPUS_PER_TASK="1")
+    args = harness.overrides(out, STEPS, "--deepspeed.profile=zero2", "--checkpoint.every=0")
+    proc = subprocess.run(["bash", str(harness.ROOT / "launch" / "slurm.sbatch"), str(harness.RECIPE), *args],
+                          env=env, cwd=harness.ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+
+    (call,) = [json.loads(line) for line in (tmp_path / "srun.jsonl").read_text().splitlines()]
+    assert call["argv"] == ["--kill-on-bad-exit=1", sys.executable, "-m", "dstrain.cli", "train",
+                            str(harness.RECIPE), *args]
+    assert call["env"] == {"MASTER_PORT": str(20000 + job % 20000)}  # MASTER_ADDR: the first node, per task
+    ds = json.loads((out / "ds_config.json").read_text())
+    assert ds["train_batch_size"] == 2 * 2 * 2
+
+    ref, _ = plain_training(harness.run_config(tmp_path / "ref", STEPS), world_size=2)
+    losses = harness.metrics(out)
+    got = [losses[s] for s in range(1, STEPS + 1)]
+    assert got == pytest.approx(ref, rel=2e-5, abs=2e-5), (got, ref)
