@@ -17,7 +17,9 @@ temporary directory as working directory, ``HOME`` and ``TMPDIR``, fresh random 
 the per-program resource limits, then ``_child._execute`` (audit hook, worker thread,
 result line with the nonce). Whatever a program changes (globals, ``sys.modules``,
 builtins, cwd, environment, signal dispositions, threads) lives in its forked copy and
-dies with it; the server's memory is never written by a child.
+dies with it; the server's memory is never written by a child. What children do share
+with each other is what the server held when it forked them: the pre-imported modules'
+initial state and the interpreter's string-hash seed (``random`` is reseeded per child).
 
 Frames on the control pipes: 4-byte big-endian length, a JSON header, then the raw byte
 blobs the header's ``"blobs"`` lengths announce. The server writes ``{"ready": ...}``

@@ -63,7 +63,7 @@ class ForkServer:
         ids = _unprivileged_ids() if self.drop_root else None
         if ids is not None:
             os.chown(self.dir, *ids)
-        cfg = {"stage": "serve", "nofile": 1024, "nproc": 0, "namespaces": bool(self.namespaces),
+        cfg = {"stage": "serve", "nofile": 1024, "namespaces": bool(self.namespaces),
                "uid": ids[0] if ids else None, "gid": ids[1] if ids else None}
         argv = [sys.executable, "-I", "-B", "-c", _child.STUB, _CHILD_SOURCE, "launch", json.dumps(cfg), "-1",
                 _SERVER_SOURCE]

@@ -75,20 +75,20 @@ def row_weights(completions: list, task) -> torch.Tensor:
 
 
 def generate_and_score(tr, tasks: list, seed: int) -> tuple:
-    """(completions, verifier rewards, shaped rewards, statuses, generation s, reward s); every
-    rank must call it together (``tasks`` may be empty)."""
+    """(completions, verifier rewards, shaped rewards, statuses, generation s, reward s) through
+    ``policy_rl.rollout``; every rank must call it together (``tasks`` may be empty: the rank
+    still takes part in the collective generation of ZeRO-3)."""
     task = tr.task
-    stops = tuple(dict.fromkeys(s for t in tasks for s in t.stop))
-    start = time.perf_counter()
-    completions = tr.rl.generate(tr.policy, tr.tokenizer, [t.prompt for t in tasks], num_samples=1,
-                                 temperature=task.temperature, top_p=task.top_p,
-                                 max_new_tokens=task.max_new_tokens, stop=stops, seed=seed)
-    gen_s = time.perf_counter() - start
-    raw, statuses = prl.score(tasks, [c.text for c in completions], tr.pool, task.partial_credit) if tasks \
-        else ([], [])
-    raw = torch.tensor(raw, dtype=torch.float32)
-    return completions, raw, shaped_rewards(raw, completions, task), statuses, gen_s, \
-        time.perf_counter() - start - gen_s
+    if not tasks:
+        start = time.perf_counter()
+        tr.rl.generate(tr.policy, tr.tokenizer, [], num_samples=1, temperature=task.temperature, top_p=task.top_p,
+                       max_new_tokens=task.max_new_tokens, stop=(), seed=seed)
+        empty = torch.zeros(0)
+        return [], empty, empty, [], time.perf_counter() - start, 0.0
+    roll = prl.rollout(tr.policy, tr.tokenizer, tr.rl, tasks, task, tr.pool, seed)
+    raw = roll.rewards.float()
+    return (roll.completions, raw, shaped_rewards(raw, roll.completions, task), roll.statuses, roll.gen_seconds,
+            roll.score_seconds)
 
 
 def _round0_log(raw: torch.Tensor, shaped: torch.Tensor, completions: list, statuses: list, G: int) -> dict:

@@ -137,6 +137,8 @@ class Rollout:
     statuses: list[str]
     gen_seconds: float
     gen_tokens: int
+    score_seconds: float = 0.0
+    """Time the verifiers took (the sandbox, for code)."""
 
 
 def score(tasks: list, texts: list[str], pool, partial_credit: bool) -> tuple[list[float], list[str]]:
@@ -158,7 +160,8 @@ def rollout(model, tokenizer, rl, tasks: list, task: PolicyTaskConfig, pool, see
     rewards, statuses = score(tasks, [c.text for c in completions], pool, task.partial_credit)
     return Rollout(completions, rl.pack(completions, tokenizer.pad_token_id),
                    torch.tensor(rewards, dtype=torch.float32), statuses, gen_seconds,
-                   sum(len(c.completion_ids) for c in completions))
+                   sum(len(c.completion_ids) for c in completions),
+                   time.perf_counter() - start - gen_seconds)
 
 
 @torch.no_grad()
