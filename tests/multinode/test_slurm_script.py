@@ -59,3 +59,27 @@ def test_sbatch_script_trains_two_tasks(tmp_path, deepspeed_cpu_ops_built):
     losses = harness.metrics(out)
     got = [losses[s] for s in range(1, STEPS + 1)]
     assert got == pytest.approx(ref, rel=2e-5, abs=2e-5), (got, ref)
+
+
+def test_srun_command_of_the_builder_gives_each_task_its_rank(tmp_path):
+    """dstrain's own srun argv (2 nodes x 2 tasks) through the fake srun: what every task maps itself to."""
+    from dstrain.launcher import LaunchSpec
+    from dstrain.slurm import build_srun_command
+
+    argv, env = build_srun_command(LaunchSpec("r.json", nproc=2, master_port=7001), 2, sys.executable,
+                                   {"SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_CPUS_PER_TASK": "3",
+                                    "PATH": os.environ["PATH"], "PYTHONPATH": str(harness.ROOT)}, detect=lambda: "cpu")
+    assert argv[:6] == ["srun", "--nodes=2", "--ntasks-per-node=2", "--ntasks=4", "--kill-on-bad-exit=1",
+                        sys.executable]
+    probe = ("import json, os; from dstrain.slurm import env_from_slurm; "
+             "print(json.dumps({**env_from_slurm(os.environ), 'DS_ACCELERATOR': os.environ['DS_ACCELERATOR']}))")
+    proc = subprocess.run([sys.executable, str(FAKE_SRUN), *argv[1:6], "-c", probe], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    tasks = sorted((json.loads(line) for line in proc.stdout.splitlines()), key=lambda t: int(t["RANK"]))
+    assert [(t["RANK"], t["LOCAL_RANK"], t["NODE_RANK"]) for t in tasks] == [
+        ("0", "0", "0"), ("1", "1", "0"), ("2", "0", "1"), ("3", "1", "1")]
+    for task in tasks:
+        assert task["WORLD_SIZE"] == "4" and task["LOCAL_WORLD_SIZE"] == "2"
+        assert (task["MASTER_ADDR"], task["MASTER_PORT"]) == ("gpu07", "7001")
+        assert task["OMP_NUM_THREADS"] == "3" and task["DS_ACCELERATOR"] == "cpu"

@@ -192,6 +192,17 @@ def test_deepspeed_env_file_lists_what_deepspeed_drops():
     delta = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "2", "PYTHONPATH": "x", "NCCL_DEBUG": "INFO"}
     assert deepspeed_env_file(delta) == "DS_ACCELERATOR=cpu\nOMP_NUM_THREADS=2\nNCCL_DEBUG=INFO\n"
     assert deepspeed_env_file(delta, "cuda") == "DS_ACCELERATOR=cpu\nOMP_NUM_THREADS=2\n"
+    assert deepspeed_env_file({"A": "two\nlines", "B": "1"}) == "B=1\n"  # the format has no room for it
+
+
+def test_rank_env_keeps_what_ranks_on_other_hosts_need():
+    shell = {"GLOO_SOCKET_IFNAME": "eth1", "TP_SOCKET_IFNAME": "eth1", "TORCH_EXTENSIONS_DIR": "/x",
+             "DSTRAIN_FAULT_RANK": "1", "HF_HOME": "/hf", "OMP_NUM_THREADS": "4", "DS_ACCELERATOR": "cpu",
+             "HOME": "/root", "PATH": "/bin", "SSH_AUTH_SOCK": "/s", "PYTHONPATH": "/src"}
+    kept = launcher.rank_env(shell)
+    assert set(kept) == {"GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "TORCH_EXTENSIONS_DIR", "DSTRAIN_FAULT_RANK",
+                         "HF_HOME", "OMP_NUM_THREADS", "DS_ACCELERATOR"}
+    assert launcher.deepspeed_forwarded(shell) == ["PYTHONPATH"]
 
 
 # --------------------------------------------------------------------------- DeepSpeed's own parser

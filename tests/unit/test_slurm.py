@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from dstrain.launcher import LaunchSpec
-from dstrain.slurm import build_srun_command, env_from_slurm, expand_nodelist
+from dstrain.slurm import build_srun_command, env_from_slurm, expand_nodelist, tasks_per_node_counts
 
 OVERRIDES = ("--train.lr=3e-4", "--model.name=gpt tiny", "--data.path=a=b", "--x='q'")
 
@@ -114,3 +114,9 @@ def test_launcher_main_srun_backend(capsys, monkeypatch):
                                   "import dstrain.launcher, dstrain.slurm"])
 def test_no_import_cycle_in_either_order(code):
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("text, counts", [("2(x3),1", [2, 2, 2, 1]), ("8", [8]), ("1(x2)", [1, 1]),
+                                          ("2,x", None), ("(x2)", None)])
+def test_tasks_per_node_counts(text, counts):
+    assert tasks_per_node_counts(text) == counts
