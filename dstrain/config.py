@@ -406,6 +406,8 @@ def _validate_parallel(cfg: RunConfig, source: str) -> None:
     _check(par.pp == 1 or par.tp * par.sp == 1, source, "parallel.pp",
            f"pipeline parallelism (pp = {par.pp}) is supported with data parallelism only; "
            f"got tp = {par.tp}, sp = {par.sp} (set both to 1)")
+    _check(par.pp == 1 or cfg.trainer == "lm", source, "parallel.pp",
+           f"pipeline parallelism runs the supervised LM trainer only, not trainer {cfg.trainer!r}")
     _check(par.pp_partition in ("parameters", "uniform", "cost"), source, "parallel.pp_partition",
            f"must be parameters, uniform or cost, got {par.pp_partition!r}")
     _check(par.sp_mode in ("auto", "exchange", "ulysses"), source, "parallel.sp_mode",

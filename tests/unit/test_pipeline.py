@@ -225,3 +225,15 @@ def test_auto_considers_pp_when_only_zero3_fits():
     assert "pipeline alternative: --parallel.pp=2 fits with ZeRO-0/1 per stage (dp 1)" in plan.explanation
     roomy = plan_engine_(cfg, 2)
     assert roomy.profile == "zero0" and "pipeline alternative" not in roomy.explanation
+
+
+def test_tied_layers_and_other_trainers_are_refused():
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+    from dstrain.config import ConfigError
+    from dstrain.parallel.pipeline import PipelineParts
+    with pytest.raises(ValueError, match="tied layers"):
+        PipelineParts([TiedLayerSpec("emb", torch.nn.Embedding, 8, 4), LayerSpec(torch.nn.Linear, 4, 8)],
+                      ["", ""], lambda out, y: out.sum())
+    with pytest.raises(ConfigError, match="pipeline parallelism runs the supervised LM trainer only"):
+        _cfg("--parallel.pp=2", "--trainer=hrm")
