@@ -359,7 +359,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m dstrain.launcher [--backend B] [--print] [options] RECIPE [overrides]``.
 
     Builds the command for the chosen backend and replaces this process with it
-    (os.execvpe), or only prints it with ``--print``.
+    (os.execvpe), or only prints it with ``--print``. A multi-host hostfile is checked
+    first as ``dstrain launch`` checks it (:mod:`dstrain.launch_check`; ssh only when
+    not printing), and its first host's address becomes the master address.
     """
     parser = argparse.ArgumentParser(prog="python -m dstrain.launcher", description=main.__doc__)
     parser.add_argument("--backend", choices=("deepspeed", "torchrun", "srun"), default="deepspeed")
@@ -369,6 +371,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         spec = spec_from_args(args)
+        if spec.hostfile and args.backend != "srun":
+            from dataclasses import replace
+
+            from dstrain.launch_check import check_hosts_for_launch
+            hosts = check_hosts_for_launch(spec, reach=not args.dry_run, torchrun=args.backend == "torchrun")
+            if hosts.remote:
+                spec = replace(spec, master_addr=hosts.master_addr,
+                               local_addr=spec.local_addr or (hosts.local_addr if args.backend == "torchrun" else None))
         if args.backend == "deepspeed":
             cmd, env = build_deepspeed_command(spec)
         elif args.backend == "torchrun":

@@ -399,6 +399,20 @@ def test_main_print(capsys, python, monkeypatch):
         launcher.main(["--print", "--include", "a", "--exclude", "b", "r.json"])
 
 
+def test_main_checks_a_multi_host_hostfile_first(capsys, python, monkeypatch, tmp_path):
+    from dstrain import hostfile as hf
+    monkeypatch.setattr(launcher.sys, "executable", python)
+    monkeypatch.setattr(hf, "resolve_host", lambda h: hf.Resolved(h, "10.0.0.7", "test") if h == "a" else None)
+    path = hostfile(tmp_path, "a slots=1\nb slots=1\n")
+    with pytest.raises(SystemExit) as info:
+        launcher.main(["--print", "--hostfile", path, "--accelerator", "cpu", "r.json"])
+    assert info.value.code == 2 and f"hostfile {path}: host 'b' does not resolve" in capsys.readouterr().err
+    monkeypatch.setattr(hf, "resolve_host", lambda h: hf.Resolved(h, {"a": "10.0.0.7", "b": "10.0.0.8"}[h], "test"))
+    assert launcher.main(["--print", "--hostfile", path, "--accelerator", "cpu", "r.json"]) == 0
+    argv = shlex.split(capsys.readouterr().out)
+    assert argv[argv.index("--master_addr") + 1] == "10.0.0.7"
+
+
 # --------------------------------------------------------------------------- launch/ scripts
 
 
