@@ -288,14 +288,13 @@ class PipelineEngine:
         self.parallel = None
         self.param_group_names = param_group_names
         self._norm = None
-        # fp32 without ZeRO clips through clip_fp32_gradients, which returns the norm and drops it.
-        original = ds_engine.clip_fp32_gradients
-
+        # fp32 without ZeRO clips through clip_fp32_gradients, which computes the norm and drops it:
+        # the same call, keeping the norm (summed over the stages: every parameter is tagged model_parallel).
         def clip_and_keep():
             from deepspeed.runtime.utils import clip_grad_norm_
             self._norm = clip_grad_norm_(parameters=ds_engine.module.parameters(),
                                          max_norm=ds_engine.gradient_clipping(), mpu=ds_engine.mpu)
-        ds_engine.clip_fp32_gradients = clip_and_keep if original is not None else original
+        ds_engine.clip_fp32_gradients = clip_and_keep
 
     @property
     def module(self):
