@@ -26,11 +26,13 @@ def _template(cfg: RunConfig) -> tuple[dict | None, str]:
 
 
 def data_parallel_size(cfg: RunConfig, world_size: int) -> int:
-    """Data-parallel ranks of a ``world_size`` job (world / (tp x sp)); ConfigError if they do not divide it."""
-    model = cfg.parallel.tp * cfg.parallel.sp
+    """Data-parallel ranks of a ``world_size`` job (world / (tp x sp x pp)); ConfigError if they do not divide it."""
+    par = cfg.parallel
+    model = par.tp * par.sp * par.pp
     if world_size % model:
+        pp = f" x pp {par.pp}" if par.pp > 1 else ""
         raise ConfigError("run config", "parallel",
-                          f"tp {cfg.parallel.tp} x sp {cfg.parallel.sp} = {model} does not divide the "
+                          f"tp {par.tp} x sp {par.sp}{pp} = {model} does not divide the "
                           f"{world_size} ranks of this launch")
     return world_size // model
 

@@ -237,3 +237,18 @@ def test_tied_layers_and_other_trainers_are_refused():
                       ["", ""], lambda out, y: out.sum())
     with pytest.raises(ConfigError, match="pipeline parallelism runs the supervised LM trainer only"):
         _cfg("--parallel.pp=2", "--trainer=hrm")
+
+
+def test_preflight_counts_data_parallel_ranks_without_the_stages(tmp_path):
+    import json
+
+    from dstrain.engine import ds_config as dsc
+    from dstrain.engine.ds_preflight import check_run, data_parallel_size
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 8,
+                                "zero_optimization": {"stage": 1}}))
+    cfg = _cfg("--parallel.pp=2", f"--deepspeed.profile={path}", "--train.micro_batch=8")
+    assert data_parallel_size(cfg, 4) == 2
+    check_run(cfg, 4, "cpu")  # 8 x 1 x dp 2 = 16: agrees
+    with pytest.raises(dsc.DSConfigError, match="train_batch_size"):
+        check_run(_cfg(f"--deepspeed.profile={path}", "--train.micro_batch=8"), 4, "cpu")  # dp 4 without pp
