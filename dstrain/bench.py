@@ -62,6 +62,7 @@ class BenchOptions:
     plain: str = "each"
     compiled_baseline: str = "auto"
     timeout: int = 1800
+    scaling: list[int] | None = None
     # worker only
     worker: bool = False
     mode: str = "dstrain"
@@ -86,6 +87,9 @@ def parse_args(argv: list[str]) -> BenchOptions:
     p.add_argument("--compiled-baseline", choices=("auto", "on", "off"), default="auto",
                    help="also time plain + torch.compile + fused AdamW once (auto: on GPUs)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per launched job")
+    p.add_argument("--scaling", type=lambda s: [int(x) for x in s.split(",") if x],
+                   help="world sizes, e.g. 1,2: strong and weak scaling of the dstrain engine instead of the "
+                        "plain comparison, with communication logged (dstrain/bench_scaling.py)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", choices=MODES, default="dstrain", help=argparse.SUPPRESS)
     p.add_argument("--profile", help=argparse.SUPPRESS)
@@ -103,6 +107,8 @@ def parse_args(argv: list[str]) -> BenchOptions:
             p.error(f"--{name} must be at least 1")
     if args.warmup < 0:
         p.error("--warmup must not be negative")
+    if args.scaling is not None and (not args.scaling or min(args.scaling) < 1 or 1 not in args.scaling):
+        p.error("--scaling takes world sizes that include 1, e.g. --scaling 1,2")
     return BenchOptions(**{k: v for k, v in vars(args).items()}, overrides=overrides)
 
 
@@ -264,10 +270,11 @@ def _version(dist_name: str) -> str | None:
 
 
 def _launch(opts: BenchOptions, overrides: list[str], mode: str, profile: str, result: Path,
-            log: Path) -> dict:
-    """One job through the deepspeed launcher; returns the JSON rank 0 wrote."""
+            log: Path, nproc: int | None = None) -> dict:
+    """One job through the deepspeed launcher (``nproc`` ranks, default ``opts.nproc``); rank 0's JSON."""
     from dstrain import launcher
-    spec = launcher.LaunchSpec(recipe=opts.recipe, overrides=tuple(overrides), nproc=opts.nproc,
+    nproc = nproc or opts.nproc
+    spec = launcher.LaunchSpec(recipe=opts.recipe, overrides=tuple(overrides), nproc=nproc,
                                master_port=launcher.find_free_port())
     argv, env = launcher.build_deepspeed_command(spec)
     # Same launcher flags as `dstrain launch`; only the module each rank runs differs.
@@ -280,7 +287,7 @@ def _launch(opts: BenchOptions, overrides: list[str], mode: str, profile: str, r
     keep = os.environ.get("DSTRAIN_BENCH_LOGS")  # a folder that keeps every job's full log
     if keep:
         Path(keep).mkdir(parents=True, exist_ok=True)
-        shutil.copy(log, Path(keep, f"{mode}_{Path(profile).stem}.log"))
+        shutil.copy(log, Path(keep, f"{mode}_{Path(profile).stem}_{nproc}.log"))
     if proc.returncode != 0 or not result.is_file():
         text = log.read_text(errors="replace")
         start = text.find("Traceback")
@@ -413,6 +420,9 @@ def main(argv: list[str] | None = None) -> int:
     from dstrain.config import ConfigError
     from dstrain.engine.ds_config import DSConfigError
     try:
+        if opts.scaling:
+            from dstrain.bench_scaling import run_scaling
+            return run_scaling(opts, argv)
         return run_benchmark(opts, argv)
     except (ConfigError, DSConfigError) as err:
         print(f"dstrain bench: error: {err}", file=sys.stderr)

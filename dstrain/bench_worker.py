@@ -142,7 +142,9 @@ def run_worker(opts: BenchOptions) -> int:
         step, optimizer = _dstrain_step_fn(engine)
     runtime.seed_everything(t.seed + 7919 * (world.rank + 1))
 
-    times, cpu_times, losses = [], [], []
+    times, cpu_times, losses, comm = [], [], [], []
+    from dstrain.comms import CommsMeter
+    meter = CommsMeter(0)  # reads DeepSpeed's comms logger when output.comms switched it on
     prof_dir = os.environ.get("DSTRAIN_BENCH_CPROFILE")  # where the time goes: one .pstats per rank
     prof = None
     for s in range(total):
@@ -157,6 +159,7 @@ def run_worker(opts: BenchOptions) -> int:
         _device_sync(world.device)
         times.append(time.perf_counter() - t0)
         cpu_times.append(time.process_time() - c0)
+        comm.append(meter.read(s + 1))
     if prof is not None:
         prof.disable()
         prof.dump_stats(os.path.join(prof_dir, f"{opts.mode}_{opts.profile}_rank{world.rank}.pstats"))
@@ -181,7 +184,9 @@ def run_worker(opts: BenchOptions) -> int:
                "compiled": plan.compile if opts.mode == "dstrain" else opts.mode == "plain_compiled",
                "start_memory_bytes": int(values[-1]), "losses": mean_losses.tolist(),
                "peak_flops": {"per_rank": peaks, "how": how}, "threads_per_rank": torch.get_num_threads(),
-               "flops_per_token": fpt, "params": sum(p.numel() for p in meta_model.parameters()),
+               "flops_per_token": fpt, "comm_ms": [c.get("total_ms", 0.0) for c in comm[opts.warmup:]],
+               "comm_bytes": [c.get("total_bytes", 0.0) for c in comm[opts.warmup:]],
+               "comm_logged": meter.active(), "params": sum(p.numel() for p in meta_model.parameters()),
                "tokens_per_step": cfg.tokens_per_step * world.world_size, "world_size": world.world_size}
         Path(opts.result).write_text(json.dumps(job))
     runtime.barrier()
