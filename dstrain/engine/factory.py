@@ -160,9 +160,10 @@ def _plan_or_suggest_pp(spec, mcfg, cfg, stats, hw, acts, dims, world_size):
     pipelinable = spec.pipeline is not None and dims.tp * dims.sp == 1 and world_size > 1
 
     def pp_that_fits():
+        from dstrain.parallel.pipeline import layer_activations
         counts = spec.pipeline(mcfg, False).param_counts()
         return suggest_pp(counts, hw, acts, world_size, t.micro_batch, t.grad_accum, precision=ds.precision,
-                          margin=ds.margin)
+                          margin=ds.margin, layer_acts=layer_activations(spec, mcfg, cfg.data.seq_len))
     try:
         plan = choose_plan(stats, hw, acts, dims.replica_size, t.micro_batch, precision=ds.precision,
                            activation_checkpointing=ds.activation_checkpointing, margin=ds.margin)

@@ -396,19 +396,21 @@ class StageEstimate:
 
 
 def stage_estimates(profile: str, layer_params, bounds, acts: Activations, dp: int, micro_batch: int,
-                    grad_accum: int, precision: str, ckpt: bool) -> list[StageEstimate]:
+                    grad_accum: int, precision: str, ckpt: bool, layer_acts=None) -> list[StageEstimate]:
     """Per-stage bytes under 1F1B: stage s holds min(pp - s, grad_accum) micro-batches' activations.
 
     A stage's model states are the profile's bytes for its own parameters (ZeRO-1 partitions
-    them over the dp ranks of the stage). Activations are the traced whole-model bytes per
-    sample, shared equally among the layers (an approximation: the output layer's logits
-    make the last stage's per-sample share larger than this).
+    them over the dp ranks of the stage). Activations per sample: the stage's layers' traced
+    bytes when ``layer_acts`` = (bytes per layer, bytes per layer with checkpointing) is
+    given, else the whole-model trace shared equally among the layers.
     """
     if profile not in PIPELINE_PROFILES:
         raise ValueError(f"{profile} is incompatible with pipeline parallelism (DeepSpeed's pipeline engine "
                          f"takes ZeRO-0 or ZeRO-1 only)")
     pp, layers = len(bounds) - 1, len(layer_params)
     per_sample = acts.per_sample_checkpointed if ckpt else acts.per_sample
+    per_layer = (list(layer_acts[1] if ckpt else layer_acts[0]) if layer_acts is not None
+                 else [per_sample / layers] * layers)
     scale = 1.0 if _PRECISION_ALIASES.get(precision, precision) == "fp32" else 0.5
     out = []
     for s in range(pp):
@@ -416,14 +418,14 @@ def stage_estimates(profile: str, layer_params, bounds, acts: Activations, dp: i
         params = int(sum(layer_params[lo:hi]))
         states, _ = model_state_bytes(profile, ModelStats(max(params, 1), 0, 0, 0), dp, precision, 1)
         flight = min(pp - s, grad_accum)
-        act = int(round(per_sample * (hi - lo) / layers * micro_batch * flight * scale))
+        act = int(round(sum(per_layer[lo:hi]) * micro_batch * flight * scale))
         out.append(StageEstimate(s, params, flight, states, act))
     return out
 
 
 def choose_pipeline_plan(layer_params, bounds, hw: Hardware, acts: Activations, dp: int, micro_batch: int,
                          grad_accum: int, precision: str = "auto", activation_checkpointing: str | bool = "auto",
-                         margin: float = 0.85) -> tuple[Plan, list[StageEstimate]]:
+                         margin: float = 0.85, layer_acts=None) -> tuple[Plan, list[StageEstimate]]:
     """The profile (ZeRO-0, then ZeRO-1) and checkpointing under which the fullest stage fits.
 
     Same walk as :func:`choose_plan` over the two profiles the pipeline engine takes; each
@@ -441,7 +443,8 @@ def choose_pipeline_plan(layer_params, bounds, hw: Hardware, acts: Activations, 
     tried: list[ProfileEstimate] = []
     for ckpt in passes:
         for profile in PIPELINE_PROFILES:
-            stages = stage_estimates(profile, layer_params, bounds, acts, dp, micro_batch, grad_accum, prec, ckpt)
+            stages = stage_estimates(profile, layer_params, bounds, acts, dp, micro_batch, grad_accum, prec, ckpt,
+                                     layer_acts)
             worst = max(stages, key=lambda e: e.total)
             why = (f"stage {worst.stage} needs {format_bytes(worst.total)} > {format_bytes(budget)} budget"
                    if worst.total > budget else "")
@@ -458,7 +461,8 @@ def choose_pipeline_plan(layer_params, bounds, hw: Hardware, acts: Activations, 
 
 
 def suggest_pp(layer_params, hw: Hardware, acts: Activations, world_size: int, micro_batch: int,
-               grad_accum: int, precision: str = "auto", margin: float = 0.85, split=None) -> int | None:
+               grad_accum: int, precision: str = "auto", margin: float = 0.85, split=None,
+               layer_acts=None) -> int | None:
     """The smallest pipeline degree (dividing the world, at most the layer count) whose plan fits, or None.
 
     ``split(pp) -> bounds`` cuts the layers (default: balanced parameter counts).
@@ -470,7 +474,7 @@ def suggest_pp(layer_params, hw: Hardware, acts: Activations, world_size: int, m
             continue
         try:
             choose_pipeline_plan(layer_params, split(pp), hw, acts, world_size // pp, micro_batch, grad_accum,
-                                 precision, "auto", margin)
+                                 precision, "auto", margin, layer_acts)
         except PlanError:
             continue
         return pp

@@ -110,6 +110,47 @@ def measure_costs(parts: PipelineParts, micro_batch: int, seq_len: int, repeats:
     return costs
 
 
+def trace_layer_activations(parts: PipelineParts, seq_len: int, checkpointing_parts: PipelineParts | None = None
+                            ) -> list[int]:
+    """Bytes autograd saves in each layer for one sample of ``seq_len`` tokens (fp32, meta-free trace).
+
+    The layers run in sequence under ``FakeTensorMode`` (nothing allocated), as
+    ``hardware.trace_activations`` runs a whole model; a storage saved by several layers
+    counts in the first, the loss counts in the last layer. Their sum is the whole
+    model's trace. ``checkpointing_parts``: trace those layers instead (recomputing blocks).
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    if parts.example_input is None:
+        raise ValueError("tracing layer activations needs PipelineParts.example_input")
+    use = checkpointing_parts or parts
+    seen: set[int] = set()
+    current: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        storage = t.untyped_storage()
+        if storage._cdata not in seen:
+            seen.add(storage._cdata)
+            current[storage._cdata] = storage.nbytes()
+        return t
+
+    out = []
+    with FakeTensorMode(allow_non_fake_inputs=False):
+        layers = [spec.build() for spec in use.layers]
+        params = {p.untyped_storage()._cdata for layer in layers for p in layer.parameters()}
+        x = use.example_input(1, seq_len)
+        labels = use.example_input(1, seq_len)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            for i, layer in enumerate(layers):
+                layer.train()
+                current.clear()
+                x = layer(x)
+                if i == len(layers) - 1:
+                    x = use.loss_fn(x, labels)
+                out.append(sum(v for k, v in current.items() if k not in params))
+        x.backward()
+    return out
+
+
 def stage_split(parts: PipelineParts, stages: int, method: str, micro_batch: int = 1,
                 seq_len: int = 0) -> tuple[list[int], list[float]]:
     """``(boundaries, weights)`` for ``method`` (weights: parameter counts, ones, or seconds)."""
@@ -222,7 +263,8 @@ def plan_stages(spec, model_cfg, cfg, dims, hw, acts):
     """``(PipelineSetup, Plan, per-stage text)`` of a run with ``parallel.pp > 1``.
 
     The split follows ``parallel.pp_partition``; the profile is chosen among ZeRO-0 and
-    ZeRO-1 by the fullest stage's memory (``profiles.choose_pipeline_plan``).
+    ZeRO-1 by the fullest stage's memory (``profiles.choose_pipeline_plan``), with each
+    stage's activations traced layer by layer (:func:`trace_layer_activations`).
     """
     from dstrain.engine.profiles import choose_pipeline_plan, format_stages
     if spec.pipeline is None:
@@ -232,15 +274,22 @@ def plan_stages(spec, model_cfg, cfg, dims, hw, acts):
     parts = spec.pipeline(model_cfg, False)
     bounds, _ = stage_split(parts, dims.pp, cfg.parallel.pp_partition, t.micro_batch, cfg.data.seq_len)
     counts = parts.param_counts()
+    layer_acts = layer_activations(spec, model_cfg, cfg.data.seq_len)
     plan, stages = choose_pipeline_plan(counts, bounds, hw, acts, dims.dp, t.micro_batch, t.grad_accum,
                                         precision=ds.precision, activation_checkpointing=ds.activation_checkpointing,
-                                        margin=ds.margin)
+                                        margin=ds.margin, layer_acts=layer_acts)
     lines = describe_split(parts, bounds, counts)
     setup = PipelineSetup(dims.pp, dims.dp, cfg.parallel.pp_partition, bounds, lines)
     text = (f"pipeline: {dims.pp} stages x dp {dims.dp}, split by {cfg.parallel.pp_partition}, 1F1B over "
             f"{t.grad_accum} micro-batches (bubble (p - 1) / (m + p - 1) = "
             f"{(dims.pp - 1) / (t.grad_accum + dims.pp - 1):.2f})\n" + format_stages(stages, lines))
     return setup, plan, text
+
+
+def layer_activations(spec, model_cfg, seq_len: int) -> tuple[list[int], list[int]]:
+    """Traced activation bytes per layer and sample, without and with activation checkpointing."""
+    return (trace_layer_activations(spec.pipeline(model_cfg, False), seq_len),
+            trace_layer_activations(spec.pipeline(model_cfg, False), seq_len, spec.pipeline(model_cfg, True)))
 
 
 def check_profile(ds_config: dict, source: str) -> None:

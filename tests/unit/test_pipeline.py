@@ -252,3 +252,30 @@ def test_preflight_counts_data_parallel_ranks_without_the_stages(tmp_path):
     check_run(cfg, 4, "cpu")  # 8 x 1 x dp 2 = 16: agrees
     with pytest.raises(dsc.DSConfigError, match="train_batch_size"):
         check_run(_cfg(f"--deepspeed.profile={path}", "--train.micro_batch=8"), 4, "cpu")  # dp 4 without pp
+
+
+@pytest.mark.parametrize("name,size", MODELS)
+def test_layer_traces_add_up_to_the_whole_model(name, size):
+    from dstrain.engine import hardware
+    from dstrain.parallel.pipeline import layer_activations
+    spec = registry.get_spec(name)
+    mcfg = registry.make_model_config(name, size, {})
+    plain, ckpt = layer_activations(spec, mcfg, 64)
+    whole = hardware.trace_activations(lambda: spec.build(mcfg), lambda: spec.inputs_for_trace(mcfg, 1, 64),
+                                       lambda m, flag: spec.parallelize(m, activation_checkpointing=flag))
+    # The same saved tensors, counted layer by layer (the plain model's position index aside).
+    assert sum(plain) == pytest.approx(whole.per_sample, abs=1024)
+    assert sum(ckpt) == pytest.approx(whole.per_sample_checkpointed, abs=1024)
+    assert plain[1] == plain[2] > 10 * ckpt[1]          # blocks: everything vs their input only
+    assert plain[-1] == ckpt[-1] > 0                     # the head is not recomputed: logits and loss
+
+
+def test_stage_activations_follow_the_layer_traces():
+    layer_acts = ([0, 10, 10, 10, 10, 40], [0, 1, 1, 1, 1, 40])
+    acts = Activations(per_sample=81, per_sample_checkpointed=44)
+    st = stage_estimates("zero0", [1] * 6, [0, 3, 6], acts, dp=1, micro_batch=1, grad_accum=4, precision="fp32",
+                         ckpt=False, layer_acts=layer_acts)
+    assert [e.activations for e in st] == [20 * 2, 60 * 1]  # stage 0: 2 micro-batches in flight
+    st = stage_estimates("zero0", [1] * 6, [0, 3, 6], acts, dp=1, micro_batch=1, grad_accum=4, precision="fp32",
+                         ckpt=True, layer_acts=layer_acts)
+    assert [e.activations for e in st] == [2 * 2, 42 * 1]
