@@ -1,6 +1,10 @@
 """``dstrain launch --max-restarts``: a rank dies at a random step, the job restarts from the latest
-complete checkpoint on its own, and ends with the uninterrupted run's weights (fp32, CPU, 1e-6)."""
+complete checkpoint on its own, and ends with the uninterrupted run's weights (fp32, CPU, 1e-6); the
+faulty run writes its checkpoints asynchronously (``checkpoint.async_write``), the reference
+synchronously. A rank that hangs is ended by the watchdog, which names rank, phase and step, and
+the job is restarted the same way."""
 import random
+import re
 
 import pytest
 import torch
@@ -25,7 +29,8 @@ def test_killed_rank_restarts_from_checkpoint_and_matches_uninterrupted(tmp_path
 
     step = random.Random().randint(EVERY + 1, STEPS - 1)  # after a checkpoint, before the end
     rank = random.Random().randint(0, 1)
-    proc = harness.launch([*harness.overrides(faulty, STEPS, *extra), "--max-restarts", "2"],
+    proc = harness.launch([*harness.overrides(faulty, STEPS, *extra, "--checkpoint.async_write=true"),
+                           "--max-restarts", "2"],
                           env={"DSTRAIN_FAULT_AFTER_STEP": str(step), "DSTRAIN_FAULT_RANK": str(rank),
                                "DSTRAIN_FAULT_ONCE": str(tmp_path / "fired")})
     assert (tmp_path / "fired").exists(), "the fault never fired"
@@ -43,3 +48,17 @@ def test_without_restarts_the_failure_is_the_exit_status(tmp_path):
     proc = harness.launch(harness.overrides(tmp_path / "run", 4, "--checkpoint.every=2"),
                           env={"DSTRAIN_FAULT_AFTER_STEP": "3"}, check=False)
     assert proc.returncode != 0 and "job failed" not in proc.stdout + proc.stderr  # no restart attempted
+
+
+def test_hung_rank_is_reported_and_restarted(tmp_path):
+    out = tmp_path / "run"
+    args = harness.overrides(out, 4, "--deepspeed.profile=zero2", "--checkpoint.every=2",
+                             "--train.collective_timeout_s=20")
+    proc = harness.launch([*args, "--max-restarts", "1"],
+                          env={"DSTRAIN_FAULT_HANG_STEP": "3", "DSTRAIN_FAULT_RANK": "1",
+                               "DSTRAIN_FAULT_ONCE": str(tmp_path / "fired")})
+    log = proc.stdout + proc.stderr
+    assert (tmp_path / "fired").exists(), "the hang never started"
+    assert re.search(r"hang: rank [01] waited \d+s in (forward|backward|allreduce|step) of step 3", log), log[-3000:]
+    assert "restart 1/1 from checkpoint step_00000002" in log, log[-3000:]
+    assert ckpt.find_latest(out / "checkpoints") == ckpt.tag_for(4)
