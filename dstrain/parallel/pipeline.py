@@ -83,14 +83,17 @@ def measure_costs(parts: PipelineParts, micro_batch: int, seq_len: int, repeats:
     """Seconds of forward + backward of one layer of each kind (median of ``repeats``), per layer.
 
     Layers of one kind are timed once (a block stands for every block); the input of
-    each kind is what the layers before it produce from ``parts.example_input``.
+    each kind is what the layers before it produce from ``parts.example_input``, and the
+    last layer is timed with the loss.
     """
     if parts.example_input is None:
         raise ValueError("cost partitioning needs PipelineParts.example_input")
     x = parts.example_input(micro_batch, seq_len)
+    labels = parts.example_input(micro_batch, seq_len)
     seen: dict[str, float] = {}
     costs = []
-    for spec, kind in zip(parts.layers, parts.kinds):
+    last = len(parts.layers) - 1
+    for i, (spec, kind) in enumerate(zip(parts.layers, parts.kinds)):
         if kind in seen:
             costs.append(seen[kind])
             continue
@@ -100,7 +103,7 @@ def measure_costs(parts: PipelineParts, micro_batch: int, seq_len: int, repeats:
             inp = x.detach().requires_grad_(x.is_floating_point())
             start = time.perf_counter()
             out = layer(inp)
-            out.float().square().mean().backward()
+            (parts.loss_fn(out, labels) if i == last else out.float().square().mean()).backward()
             times.append(time.perf_counter() - start)
         seen[kind] = sorted(times)[len(times) // 2]
         costs.append(seen[kind])
@@ -110,19 +113,17 @@ def measure_costs(parts: PipelineParts, micro_batch: int, seq_len: int, repeats:
     return costs
 
 
-def trace_layer_activations(parts: PipelineParts, seq_len: int, checkpointing_parts: PipelineParts | None = None
-                            ) -> list[int]:
+def trace_layer_activations(parts: PipelineParts, seq_len: int) -> list[int]:
     """Bytes autograd saves in each layer for one sample of ``seq_len`` tokens (fp32, meta-free trace).
 
     The layers run in sequence under ``FakeTensorMode`` (nothing allocated), as
     ``hardware.trace_activations`` runs a whole model; a storage saved by several layers
     counts in the first, the loss counts in the last layer. Their sum is the whole
-    model's trace. ``checkpointing_parts``: trace those layers instead (recomputing blocks).
+    model's trace.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
     if parts.example_input is None:
         raise ValueError("tracing layer activations needs PipelineParts.example_input")
-    use = checkpointing_parts or parts
     seen: set[int] = set()
     current: dict[int, int] = {}
 
@@ -135,17 +136,17 @@ def trace_layer_activations(parts: PipelineParts, seq_len: int, checkpointing_pa
 
     out = []
     with FakeTensorMode(allow_non_fake_inputs=False):
-        layers = [spec.build() for spec in use.layers]
+        layers = [spec.build() for spec in parts.layers]
         params = {p.untyped_storage()._cdata for layer in layers for p in layer.parameters()}
-        x = use.example_input(1, seq_len)
-        labels = use.example_input(1, seq_len)
+        x = parts.example_input(1, seq_len)
+        labels = parts.example_input(1, seq_len)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             for i, layer in enumerate(layers):
                 layer.train()
                 current.clear()
                 x = layer(x)
                 if i == len(layers) - 1:
-                    x = use.loss_fn(x, labels)
+                    x = parts.loss_fn(x, labels)
                 out.append(sum(v for k, v in current.items() if k not in params))
         x.backward()
     return out
@@ -289,7 +290,7 @@ def plan_stages(spec, model_cfg, cfg, dims, hw, acts):
 def layer_activations(spec, model_cfg, seq_len: int) -> tuple[list[int], list[int]]:
     """Traced activation bytes per layer and sample, without and with activation checkpointing."""
     return (trace_layer_activations(spec.pipeline(model_cfg, False), seq_len),
-            trace_layer_activations(spec.pipeline(model_cfg, False), seq_len, spec.pipeline(model_cfg, True)))
+            trace_layer_activations(spec.pipeline(model_cfg, True), seq_len))
 
 
 def check_profile(ds_config: dict, source: str) -> None:
