@@ -2,6 +2,7 @@
 
     python benchmarks/grpo_learning.py                       # models/policy/recipes/grpo_debug.json, 2 ranks
     python benchmarks/grpo_learning.py --steps 40 --out /tmp/grpo --extra=--task.n_train=64
+    python benchmarks/grpo_learning.py --steps 80 --dynamic      # + a third run with DAPO dynamic sampling
 
 Both runs share everything else: the warm start (done once by the first run and
 reused by the second through a copied ``warm_start/``), the prompts of every step and
@@ -9,6 +10,13 @@ the sampling seeds. With learning rate 0 the policy stays the warm-started one, 
 curve is what sampling noise alone gives. Writes ``<out>/grpo_learning_<device>.json``
 (per-step mean reward of both runs, the means of the last half, held-out pass@1 /
 pass@k before and after) and a PNG of the two curves.
+
+``--dynamic`` adds a third run at the recipe's learning rate with
+``task.dynamic_sampling`` on (same prompts in its first round, same seeds) and records,
+for every run, the mean step time split (``time/*``), the generation rounds per step
+and the fraction of groups dropped, and the dynamic run's step-time overhead over plain
+GRPO. Its curve is the verifier reward of each step's regular prompts (the first round),
+so the three curves are comparable.
 """
 from __future__ import annotations
 
@@ -34,13 +42,28 @@ def run(recipe: str, out: Path, lr: float | None, steps: int, nproc: int, extra:
     return time.perf_counter() - start
 
 
-def rewards(out: Path) -> dict[int, float]:
+def rewards(out: Path, key: str = "train/reward_mean") -> dict[int, float]:
     values = {}
     for line in (out / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
-        if "train/reward_mean" in record:
-            values[record["step"]] = record["train/reward_mean"]
+        if key in record:
+            values[record["step"]] = record[key]
     return values
+
+
+def means(out: Path, keys: tuple[str, ...]) -> dict[str, float]:
+    """Mean over the logged steps of each key present (time split, dynamic sampling)."""
+    found = {}
+    for key in keys:
+        curve = rewards(out, key)
+        if curve:
+            found[key] = sum(curve.values()) / len(curve)
+    return found
+
+
+STEP_KEYS = ("time/step", "time/generation", "time/reward", "time/reference", "time/training",
+             "dynamic/rounds", "dynamic/dropped_fraction", "dynamic/filled_fraction", "dynamic/generated_groups",
+             "train/zero_variance_groups", "train/trained_zero_variance_groups")
 
 
 def plot(result: dict, path: Path) -> None:
@@ -48,9 +71,12 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4))
-    for name, style in (("grpo", "-"), ("lr0", "--")):
+    for name, style in (("grpo", "-"), ("lr0", "--"), ("dynamic", "-.")):
+        if name not in result["runs"]:
+            continue
         curve = result["runs"][name]["reward_mean"]
-        label = f"lr {result['runs'][name]['lr']:g}" + (" (GRPO)" if name == "grpo" else " (no update)")
+        label = f"lr {result['runs'][name]['lr']:g}" + {"grpo": " (GRPO)", "lr0": " (no update)",
+                                                        "dynamic": " (GRPO + dynamic sampling)"}[name]
         ax.plot([int(k) for k in curve], list(curve.values()), style, marker="o", ms=3, label=label)
     ax.set_xlabel("step")
     ax.set_ylabel(f"mean reward (log window of {result['log_every']} steps)")
@@ -67,7 +93,10 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="default: the recipe's train.steps")
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--out", default="runs/grpo_learning")
-    ap.add_argument("--extra", action="append", default=[], help="override passed to both runs (repeatable)")
+    ap.add_argument("--extra", action="append", default=[], help="override passed to every run (repeatable)")
+    ap.add_argument("--dynamic", action="store_true", help="a third run with task.dynamic_sampling on")
+    ap.add_argument("--max-rounds", type=int, default=4, help="task.dynamic_sampling_max_rounds of that run")
+    ap.add_argument("--oversample", type=float, default=0.0, help="task.dynamic_sampling_oversample of that run")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     from dstrain.config import load_run_config
@@ -81,20 +110,37 @@ def main(argv=None) -> int:
     if warm.is_dir():
         shutil.copytree(warm, out / "lr0" / "warm_start")
     seconds["lr0"] = run(args.recipe, out / "lr0", 0.0, steps, args.nproc, args.extra)
+    names = ["grpo", "lr0"]
+    if args.dynamic:
+        if warm.is_dir():
+            shutil.copytree(warm, out / "dynamic" / "warm_start")
+        seconds["dynamic"] = run(args.recipe, out / "dynamic", None, steps, args.nproc, args.extra + [
+            "--task.dynamic_sampling=true", f"--task.dynamic_sampling_max_rounds={args.max_rounds}",
+            f"--task.dynamic_sampling_oversample={args.oversample}"])
+        names.append("dynamic")
 
     import torch
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     result = {"recipe": args.recipe, "device": device, "nproc": args.nproc, "steps": steps,
               "log_every": cfg.train.log_every, "overrides": args.extra,
               "command": " ".join(["python", "benchmarks/grpo_learning.py", *(argv or sys.argv[1:])]), "runs": {}}
-    for name in ("grpo", "lr0"):
+    for name in names:
         curve = rewards(out / name)
         half = [v for k, v in curve.items() if k > steps / 2]
         summary = json.loads((out / name / "summary.json").read_text())
         result["runs"][name] = {"lr": cfg.train.lr if name == "grpo" else 0.0, "seconds": seconds[name],
                                 "reward_mean": {str(k): v for k, v in sorted(curve.items())},
                                 "reward_mean_last_half": sum(half) / max(len(half), 1),
-                                "eval_before": summary.get("eval_before"), "eval_after": summary.get("eval_after")}
+                                "eval_before": summary.get("eval_before"), "eval_after": summary.get("eval_after"),
+                                "step_means": means(out / name, STEP_KEYS), "time_split": summary.get("time_split")}
+    if args.dynamic:
+        plain, dyn = (result["runs"][n]["step_means"].get("time/step") for n in ("grpo", "dynamic"))
+        if plain and dyn:
+            result["dynamic_overhead"] = {"step_time_ratio": dyn / plain,
+                                          "rounds_per_step": result["runs"]["dynamic"]["step_means"].get(
+                                              "dynamic/rounds")}
+            print(f"dynamic sampling: {dyn:.2f} s/step vs {plain:.2f} s/step plain "
+                  f"(x{dyn / plain:.2f}), {result['dynamic_overhead']['rounds_per_step']:.2f} rounds per step")
     tag = "cpu" if device == "cpu" else "gpu"
     (out / f"grpo_learning_{tag}.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, out / f"grpo_learning_{tag}.png")

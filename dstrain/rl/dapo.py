@@ -45,7 +45,8 @@ def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def refill_prompts(n_tasks: int, step: int, round_: int, rank: int, count: int, seed: int) -> list[int]:
-    """``count`` task indices for refill round ``round_`` (>= 1) of ``step`` on ``rank``:
+    """``count`` task indices for refill round ``round_`` of ``step`` on ``rank`` (round 0: the
+    first round's oversampling):
     distinct while ``count <= n_tasks``, drawn with a generator seeded by all four."""
     rng = random.Random(((seed * 1_000_003 + step) * 8191 + round_) * 131 + rank)
     out: list[int] = []

@@ -60,6 +60,10 @@ class PolicyTaskConfig:
     ``micro_batch x grad_accum`` to be a multiple of ``num_generations`` (whole groups per rank)."""
     dynamic_sampling_max_rounds: int = 4
     """Generation rounds per step at most (the first included)."""
+    dynamic_sampling_oversample: float = 0.0
+    """Extra groups sampled in the first round, as a fraction of the share (e.g. 0.5: half as many
+    again, on fresh prompts), so that one round usually fills the batch; set it near the expected
+    fraction of groups dropped."""
     overlong_filter: bool = False
     """Mask out of the loss the completions that ``max_new_tokens`` cut (no stop string, no EOS)."""
     overlong_buffer: int = 0
@@ -102,7 +106,7 @@ class PolicyTaskConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"task.{name} must be at least 1, got {getattr(self, name)}")
         for name in ("n_train", "beta", "epsilon_high", "eval_k", "warm_start_steps", "warm_start_lr",
-                     "time_limit_s", "overlong_buffer", "overlong_penalty"):
+                     "time_limit_s", "overlong_buffer", "overlong_penalty", "dynamic_sampling_oversample"):
             if getattr(self, name) < 0:
                 raise ValueError(f"task.{name} must not be negative, got {getattr(self, name)}")
         if not 0 < self.epsilon < 1:

@@ -12,7 +12,9 @@ never span ranks, so no completion or token tensor has to move between ranks and
 advantages need no gather; and generation is a collective under ZeRO-3 (parameters are
 gathered around each call), so a rank that is already full still calls ``generate``,
 with no prompts, while the others refill. Round 0 samples the step's regular prompts;
-refill round ``k`` samples ``dapo.refill_prompts(seed, step, k, rank)`` (pure, resume-exact).
+refill round ``k`` samples ``dapo.refill_prompts(seed, step, k, rank)`` (pure, resume-exact);
+``task.dynamic_sampling_oversample`` adds that fraction of fresh groups to round 0 (drawn as
+"round 0" refills), which saves rounds when the drop rate is known roughly.
 When the cap of rounds is reached with a share still short, that rank trains on the
 groups it kept, padded to its ``n`` rows with dropped samples of weight 0 (their loss
 mask is zero), and the loss is normalised over the kept samples of the whole batch
@@ -25,6 +27,7 @@ to the reward before advantages (and before the zero-variance test);
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -121,6 +124,9 @@ def dynamic_batch(tr, step: int) -> StepBatch:
     filler = dapo.GroupFiller(needed=n // G, group_size=G)
     prompts = prl.step_prompts(len(tr.train_tasks), step, tr.prompts_per_step, tr.cfg.data.seed)
     groups = [prompts[s // G] for s in range(r * n, (r + 1) * n, G)]
+    extra = math.ceil(task.dynamic_sampling_oversample * len(groups))
+    if extra:  # round 0 also samples fresh prompts, so that one round usually fills the share
+        groups += dapo.refill_prompts(len(tr.train_tasks), step, 0, r, extra, tr.cfg.data.seed)
     base = (tr.cfg.train.seed * 1_000_003 + step) * 4099 + r
     times, tokens, log = {"generation": 0.0, "reward": 0.0}, 0, {}
     while True:
@@ -129,8 +135,8 @@ def dynamic_batch(tr, step: int) -> StepBatch:
         times["generation"] += gen_s
         times["reward"] += score_s
         tokens += sum(len(c.completion_ids) for c in completions)
-        if filler.rounds == 0:
-            log, _ = _round0_log(raw, shaped, completions, statuses, G)
+        if filler.rounds == 0:  # the step's regular prompts: comparable with plain GRPO's log
+            log, _ = _round0_log(raw[:n], shaped[:n], completions[:n], statuses[:n], G)
         filler.add(shaped, completions)
         if _max_all(float(filler.deficit > 0)) == 0 or filler.rounds >= task.dynamic_sampling_max_rounds:
             break

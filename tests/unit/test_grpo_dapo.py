@@ -48,6 +48,7 @@ def test_shaped_rewards_and_filter_weights():
 @pytest.mark.parametrize("kw, key", [({"overlong_buffer": 9, "max_new_tokens": 8}, "overlong_buffer"),
                                      ({"overlong_buffer": -1}, "overlong_buffer"),
                                      ({"dynamic_sampling_max_rounds": 0}, "dynamic_sampling_max_rounds"),
+                                     ({"dynamic_sampling_oversample": -0.5}, "dynamic_sampling_oversample"),
                                      ({"sandbox_mode": "vm"}, "sandbox_mode")])
 def test_bad_dapo_values_name_the_key(kw, key):
     with pytest.raises(ValueError, match=key):
@@ -134,6 +135,16 @@ def test_dynamic_sampling_trains_no_zero_variance_group(monkeypatch):
     assert sb.log["zero_variance_groups"] == pytest.approx(sum(kinds[i] != "mixed" for i in round0) / 4)
     for g in range(4):
         assert sb.advantages[g * 4:(g + 1) * 4].sum().abs() < 1e-5  # group-centred
+
+
+def test_oversampling_adds_fresh_groups_to_the_first_round(monkeypatch):
+    task = PolicyTaskConfig(num_generations=4, dynamic_sampling=True, dynamic_sampling_oversample=1.0)
+    kinds = ["mixed"] * 20
+    tr = fake_trainer(kinds, task, local_samples=16, monkeypatch=monkeypatch)
+    sb = gs.dynamic_batch(tr, step=0)
+    assert tr.rl.calls == [32]  # 4 regular groups + 4 fresh ones, one round
+    assert sb.log["dynamic/rounds"] == 1.0 and sb.log["dynamic/generated_groups"] == 8.0
+    assert sb.batch["input_ids"].shape[0] == 16 and sb.weights.sum() == 16
 
 
 def test_dynamic_sampling_cap_leaves_a_weighted_short_batch(monkeypatch):
