@@ -118,11 +118,14 @@ def plan_engine(cfg: RunConfig, world_size: int, hw=None, hw_notes: str = "",
     values = run_values(cfg, dims.dp, precision, stats.hidden_size)
     resolved = dsc.fill_ds_config(fill_zero_sizes(template, stats.params, stats.hidden_size), values, source)
     optimizer, resolved = choose_optimizer(resolved, cfg.train.optimizer, hw.device_type, values)
-    resolved, amp_note = mixed_precision(resolved, template, ds.mixed_precision, hw.device_type)
+    # The pipeline engine runs DeepSpeed's own bf16 (its BF16_Optimizer path), not torch.autocast.
+    amp_mode = "deepspeed" if pipe is not None and ds.mixed_precision == "auto" else ds.mixed_precision
+    resolved, amp_note = mixed_precision(resolved, template, amp_mode, hw.device_type)
     resolved, section_notes = user_sections(resolved, cfg.output.dir, source)
     resolved, comm_notes = comms_sections(resolved, cfg.output.comms, ds.comm_dtype, source)
     section_notes += comm_notes
     compile_ = cfg.train.compile if isinstance(cfg.train.compile, bool) else hw.device_type == "cuda"
+    compile_ = compile_ and pipe is None  # the pipeline engine runs its layers uncompiled
     table = format_plan(plan, stats, hw, dims.replica_size, cfg.train.micro_batch)
     layout = (f"parallel layout: dp {dims.dp} x tp {dims.tp} x sp {dims.sp} = {world_size} ranks; model states "
               f"planned for the full model partitioned over dp x sp = {dims.replica_size}, activations "

@@ -279,3 +279,13 @@ def test_stage_activations_follow_the_layer_traces():
     st = stage_estimates("zero0", [1] * 6, [0, 3, 6], acts, dp=1, micro_batch=1, grad_accum=4, precision="fp32",
                          ckpt=True, layer_acts=layer_acts)
     assert [e.activations for e in st] == [2 * 2, 42 * 1]
+
+
+def test_pipeline_plan_on_a_gpu_keeps_deepspeed_bf16_and_no_compile():
+    from dstrain.engine.factory import plan_engine
+    gpu = Hardware("cuda", device_memory=80 * GB, host_memory=512 * GB, ranks_per_node=8,
+                   bf16_supported_fast=True, fp16_supported=True, name="made-up GPU")
+    plan = plan_engine(_cfg("--parallel.pp=2", "--deepspeed.precision=auto"), world_size=2, hw=gpu)
+    assert plan.precision == "bf16" and plan.ds_config["bf16"]["enabled"] is True
+    assert "torch_autocast" not in plan.ds_config and plan.compile is False
+    assert plan_engine(_cfg("--deepspeed.precision=auto"), world_size=2, hw=gpu).compile is True
