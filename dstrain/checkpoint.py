@@ -8,6 +8,8 @@ Layout of ``<output>/checkpoints``::
         ds_config.json        the resolved DeepSpeed JSON
         trainer_state.json    step and counters
         rng/rank_<r>.pt       every rank's random state
+        written/rank_<r>      asynchronous saves: rank r's files are on disk
+        universal/            DeepSpeed's universal conversion, made when resumed on another world size
     latest                    tag of the newest complete checkpoint (atomic rename)
 
 A checkpoint without ``COMPLETE`` (the process died while writing it) is never
@@ -97,6 +99,7 @@ def mark_complete(root: str | Path, tag: str, run_config: dict, ds_config: dict,
     _atomic_write(tag_dir / COMPLETE, json.dumps({"step": trainer_state.get("step")}) + "\n")
     _atomic_write(root / LATEST, tag + "\n")
     for old in complete_tags(root)[:-keep]:
+        (root / old / COMPLETE).unlink(missing_ok=True)  # a kill during the removal leaves no half "complete" tag
         shutil.rmtree(root / old, ignore_errors=True)
 
 
