@@ -95,8 +95,14 @@ def env_delta(env: Mapping[str, str], base_env: Mapping[str, str] | None = None)
 
 # Variables the ranks need from the launching shell that DeepSpeed does not forward to
 # other hosts by itself: threads, the accelerator, which interface gloo binds (a host
-# with several interfaces), compiled-extension folder, dstrain's own switches.
-RANK_ENV_NAMES = ("DS_ACCELERATOR", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "LOCAL_SIZE")
+# with several interfaces), compiled-extension folder, dstrain's own switches, and the
+# environment's PATH: DeepSpeed JIT-compiles its ops with the first ``ninja`` on PATH,
+# and an ssh login's default PATH finds another ninja than the venv's, whose build log
+# does not match, so every launch rebuilt the ops (a minute or two each) and the next
+# local run rebuilt them back. DeepSpeed's pdsh runner already requires the same python
+# path on every host; PATH follows the same rule.
+RANK_ENV_NAMES = ("DS_ACCELERATOR", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "LOCAL_SIZE", "PATH", "VIRTUAL_ENV",
+                  "CONDA_PREFIX", "LD_LIBRARY_PATH")
 RANK_ENV_PREFIXES = ("GLOO_", "TP_SOCKET_", "TORCH_", "DSTRAIN_", "HF_")
 
 

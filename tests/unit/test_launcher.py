@@ -201,7 +201,7 @@ def test_rank_env_keeps_what_ranks_on_other_hosts_need():
              "HOME": "/root", "PATH": "/bin", "SSH_AUTH_SOCK": "/s", "PYTHONPATH": "/src"}
     kept = launcher.rank_env(shell)
     assert set(kept) == {"GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "TORCH_EXTENSIONS_DIR", "DSTRAIN_FAULT_RANK",
-                         "HF_HOME", "OMP_NUM_THREADS", "DS_ACCELERATOR"}
+                         "HF_HOME", "OMP_NUM_THREADS", "DS_ACCELERATOR", "PATH"}
     assert launcher.deepspeed_forwarded(shell) == ["PYTHONPATH"]
 
 
