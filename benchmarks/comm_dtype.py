@@ -1,0 +1,126 @@
+"""Gradient communication in fp32 against bf16: step time, bytes moved and the loss curve.
+
+    python benchmarks/comm_dtype.py [RECIPE] [--nproc 2] [--steps 200] [--profile zero2]
+        [--dtypes fp32,bf16] [--out benchmarks/results/comm_dtype_cpu.json] [--a.b=c ...]
+
+Runs ``dstrain launch`` once per communication dtype (``--deepspeed.comm_dtype``),
+fp32 training, the same seed and data, with ``output.comms`` on, then compares the
+runs: logged bytes and milliseconds of communication per step, step time (from the
+logged tokens/s), and the training-loss curves (largest and final differences).
+Writes JSON and a PNG of the curves.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def read_metrics(path: Path) -> dict[str, dict[int, float]]:
+    series: dict[str, dict[int, float]] = {}
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        for key, value in rec.items():
+            if key != "step" and isinstance(value, (int, float)):
+                series.setdefault(key, {})[rec["step"]] = float(value)
+    return series
+
+
+def run(recipe: str, dtype: str, args, extra: list[str], out: Path) -> dict:
+    cmd = [sys.executable, "-m", "dstrain.cli", "launch", "--nproc", str(args.nproc), recipe,
+           f"--train.steps={args.steps}", "--train.log_every=1", f"--deepspeed.profile={args.profile}",
+           "--deepspeed.precision=fp32", f"--deepspeed.comm_dtype={dtype}", "--output.comms=true",
+           "--output.tensorboard=false", "--output.progress=false", "--checkpoint.every=0",
+           f"--output.dir={out}", *extra]
+    env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0:
+        raise SystemExit(f"run with comm_dtype={dtype} failed:\n{proc.stderr[-3000:]}")
+    m = read_metrics(out / "metrics.jsonl")
+    steps = sorted(m["train/loss"])
+    later = [s for s in steps if s > max(3, len(steps) // 10)]  # past start-up
+    tps = statistics.median(m["train/tokens_per_s"][s] for s in later)
+    tokens_per_step = None
+    cfg = json.loads((out / "run_config.json").read_text())
+    if cfg:
+        t = cfg["train"]
+        tokens_per_step = t["micro_batch"] * t["grad_accum"] * cfg["data"]["seq_len"] * args.nproc
+    return {"comm_dtype": dtype, "loss": [m["train/loss"][s] for s in steps], "steps": steps,
+            "tokens_per_s": tps, "step_time_s": tokens_per_step / tps if tokens_per_step else None,
+            "comm_ms_per_step": statistics.median(m["comm/total_ms"][s] for s in later),
+            "comm_bytes_per_step": statistics.median(m["comm/total_bytes"][s] for s in later),
+            "comm_share": statistics.median(m["comm/share"][s] for s in later)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("recipe", nargs="?", default="models/gpt/recipes/tiny.json")
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--profile", default="zero2")
+    p.add_argument("--dtypes", default="fp32,bf16")
+    p.add_argument("--out", default="benchmarks/results/comm_dtype_cpu.json")
+    args, extra = p.parse_known_args(argv)
+    load_before = os.getloadavg()
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="dstrain-commdtype-") as tmp:
+        for dtype in args.dtypes.split(","):
+            print(f"[comm_dtype] {dtype}: {args.nproc} ranks, {args.steps} steps", file=sys.stderr, flush=True)
+            runs.append(run(args.recipe, dtype, args, extra, Path(tmp, dtype)))
+    ref = runs[0]
+    for r in runs[1:]:
+        diffs = [abs(a - b) for a, b in zip(r["loss"], ref["loss"])]
+        r["vs_" + ref["comm_dtype"]] = {
+            "max_abs_loss_diff": max(diffs), "final_loss_diff": r["loss"][-1] - ref["loss"][-1],
+            "mean_last_10pct_loss_diff": statistics.fmean(
+                a - b for a, b in list(zip(r["loss"], ref["loss"]))[-max(1, len(diffs) // 10):]),
+            "bytes_ratio": r["comm_bytes_per_step"] / ref["comm_bytes_per_step"],
+            "comm_ms_ratio": r["comm_ms_per_step"] / ref["comm_ms_per_step"],
+            "step_time_ratio": (r["step_time_s"] / ref["step_time_s"]) if r["step_time_s"] else None}
+    result = {"benchmark": "comm_dtype", "command": "python benchmarks/comm_dtype.py " + " ".join(argv or sys.argv[1:]),
+              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "device": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+              "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
+              "recipe": args.recipe, "profile": args.profile, "nproc": args.nproc, "runs": runs}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for r in runs:
+        a.plot(r["steps"], r["loss"], label=f"gradients reduced in {r['comm_dtype']}", linewidth=1)
+    a.set_xlabel("step")
+    a.set_ylabel("training loss")
+    a.legend(fontsize=8)
+    names = [r["comm_dtype"] for r in runs]
+    b.bar([x - 0.2 for x in range(len(runs))], [r["comm_ms_per_step"] for r in runs], 0.4, label="comm ms / step")
+    b.bar([x + 0.2 for x in range(len(runs))], [r["comm_bytes_per_step"] / 1e6 for r in runs], 0.4,
+          label="comm MB / step")
+    b.set_xticks(range(len(runs)), names)
+    b.legend(fontsize=8)
+    fig.suptitle(f"{args.recipe}, {args.nproc} ranks, {args.profile}, fp32 training; load average "
+                 f"{load_before[0]:.1f} before", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=100)
+    for r in runs:
+        cmp = next((v for k, v in r.items() if k.startswith("vs_")), {})
+        print(f"{r['comm_dtype']}: step {r['step_time_s']:.4f} s, comm {r['comm_ms_per_step']:.1f} ms "
+              f"({100 * r['comm_share']:.1f}%), {r['comm_bytes_per_step'] / 1e6:.2f} MB/step, final loss "
+              f"{r['loss'][-1]:.4f}" + (f", max |loss diff| {cmp['max_abs_loss_diff']:.2e}" if cmp else ""))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
