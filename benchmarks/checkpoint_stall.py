@@ -74,6 +74,7 @@ def stall_run(tmp: Path, args, mode: str) -> dict:
     stalls = summary["checkpoint_stalls_s"]
     size = sum(f.stat().st_size for f in (out / "checkpoints").rglob("*") if f.is_file()) / 2 / 1e6  # 2 kept
     return {"stalls_s": [round(s, 4) for s in stalls], "mean_stall_s": round(sum(stalls) / len(stalls), 4),
+            "async_parts_s": summary.get("checkpoint_async_s", []),
             "wall_s": round(time.perf_counter() - start_t, 1), "checkpoint_mb": round(size, 1)}
 
 

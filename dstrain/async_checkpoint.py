@@ -72,12 +72,17 @@ def _make_writer_class():
             self.name = "dstrain.HostCopyWriter"
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dstrain-ckpt-write")
             self._pending: list[Future] = []
+            self.copy_s = 0.0
+            """Seconds spent copying state to host memory since the caller last reset it."""
 
         def create(self, info):
             pass
 
         def save(self, state_dict, path: str):
-            self._pending.append(self._pool.submit(write_file, to_host(state_dict), path))
+            start = time.perf_counter()
+            snapshot = to_host(state_dict)
+            self.copy_s += time.perf_counter() - start
+            self._pending.append(self._pool.submit(write_file, snapshot, path))
 
         def load(self, path: str, map_location=None):
             return torch.load(path, map_location=map_location, weights_only=False)

@@ -143,6 +143,8 @@ class CheckpointSaver:
     def __init__(self, engine, ckpt_root: Path, world: runtime.World, cfg: RunConfig, plan):
         self.engine, self.ckpt_root, self.world, self.cfg, self.plan = engine, ckpt_root, world, cfg, plan
         self.stalls: list[float] = []
+        self.breakdown: list[dict] = []
+        """Asynchronous saves: per save, seconds waiting for the previous one and copying to host memory."""
         self.writer = self.finisher = None
         if cfg.checkpoint.async_write:
             from dstrain import async_checkpoint
@@ -160,7 +162,11 @@ class CheckpointSaver:
         self.stalls.append(time.perf_counter() - start)
 
     def _save_async(self, step, state, write_extra) -> None:
+        import time
+        start = time.perf_counter()
         self.finisher.wait()  # the previous save is complete (or its error is raised here)
+        waited = time.perf_counter() - start
+        self.writer.copy_s = 0.0
         tag, world = ckpt.tag_for(step), self.world
         if world.is_main:
             ckpt.prepare_tag_dir(self.ckpt_root, tag)
@@ -171,6 +177,7 @@ class CheckpointSaver:
             write_extra(self.ckpt_root / tag)
         meta = (self.cfg.to_dict(), self.plan.ds_config, _trainer_state(step, world, self.plan, state),
                 self.engine.param_group_names)
+        self.breakdown.append({"wait_previous_s": round(waited, 4), "host_copy_s": round(self.writer.copy_s, 4)})
         self.finisher.submit(lambda: self._finish(tag, step, meta))
 
     def _finish(self, tag: str, step: int, meta) -> None:
