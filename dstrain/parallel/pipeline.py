@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -307,8 +307,9 @@ def build_engine_module(build_model, pipeline_parts, setup: PipelineSetup, activ
     The plain model is built once in host memory (same seed, same weights as a
     non-pipelined run), its state dict copied into this stage's layers and freed.
     """
-    from dstrain.parallel.dims import ParallelDims
     import torch.distributed as dist
+
+    from dstrain.parallel.dims import ParallelDims
     dims = ParallelDims.from_world(dist.get_world_size(), pp=setup.pp)
     with torch.device("cpu"):
         plain = build_model()

@@ -171,6 +171,7 @@ def test_suggest_pp_is_the_smallest_degree_that_fits():
 
 def _cfg(*overrides):
     from pathlib import Path
+
     from dstrain.config import load_run_config
     root = Path(__file__).resolve().parents[2]
     return load_run_config(root / "models" / "gpt" / "recipes" / "tiny.json",
