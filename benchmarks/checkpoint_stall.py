@@ -95,12 +95,17 @@ def rank_pids(proc: subprocess.Popen) -> list[int]:
     return pids
 
 
-def incomplete_tag(root: Path) -> str | None:
+def incomplete_tag(root: Path, since: float) -> str | None:
+    """A tag being written now: no COMPLETE, and its folder made or filled after ``since`` (a folder left
+    incomplete by an earlier kill is not one; the resumed job replaces it when it saves that step again)."""
     if not root.is_dir():
         return None
     for p in root.iterdir():
-        if p.is_dir() and p.name.startswith("step_") and not ckpt.is_complete(p):
-            return p.name
+        try:
+            if p.is_dir() and p.name.startswith("step_") and not ckpt.is_complete(p) and p.stat().st_mtime >= since:
+                return p.name
+        except FileNotFoundError:
+            continue
     return None
 
 
@@ -133,6 +138,7 @@ def kill_rounds(tmp: Path, args, save_s: float) -> list[dict]:
         extra = ["--checkpoint.async_write=true", *(["--resume"] if i else [])]
         proc = start(job_args(out, args, 100_000, *extra), tmp / f"kill_{i}.log")
         record = {"round": i, "target": target, "latest_before": before}
+        since = time.time()
         deadline = time.monotonic() + 600
         metrics = out / "metrics.jsonl"
         lines0 = len(metrics.read_text().splitlines()) if metrics.is_file() else 0
@@ -145,10 +151,10 @@ def kill_rounds(tmp: Path, args, save_s: float) -> list[dict]:
                 time.sleep(0.05)  # the first round: something to lose first
             time.sleep(rng.uniform(0, 3.0))
         else:
-            while time.monotonic() < deadline and proc.poll() is None and incomplete_tag(root) is None:
+            while time.monotonic() < deadline and proc.poll() is None and incomplete_tag(root, since) is None:
                 time.sleep(0.005)
             time.sleep(rng.uniform(0, save_s))
-        record["save_in_progress"] = incomplete_tag(root)
+        record["save_in_progress"] = incomplete_tag(root, since)
         pids = rank_pids(proc)
         if proc.poll() is not None or not pids:
             record["error"] = f"job ended before the kill (exit {proc.poll()})"
