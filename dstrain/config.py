@@ -182,6 +182,22 @@ class OutputConfig:
 
 
 @dataclass
+class RolloutConfig:
+    """Where RL rollouts (generation and rewards) run; see ``dstrain.rl.rollout``."""
+
+    backend: str = "local"
+    """local (in the training ranks) | ray (one Ray actor per rank, weights pushed after each step)."""
+    address: Any = None
+    """ray: a running cluster to join (``auto`` after ``ray start``); default: rank 0 starts a local one."""
+    num_cpus: Any = None
+    """ray: CPUs of the local cluster rank 0 starts (default: the machine's)."""
+    cpus_per_worker: float = 1.0
+    """ray: CPUs reserved per actor."""
+    threads_per_worker: int = 0
+    """ray: torch threads in each actor (0: the training rank's)."""
+
+
+@dataclass
 class RunConfig:
     """A whole run; see the section classes for the fields."""
 
@@ -194,6 +210,7 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     task: dict = field(default_factory=dict)
     """Trainer-specific settings, typed and checked by the trainer's task config class."""
     placement: dict = field(default_factory=dict)
@@ -410,6 +427,13 @@ def _validate_parallel(cfg: RunConfig, source: str) -> None:
            f"pipeline parallelism runs the supervised LM trainer only, not trainer {cfg.trainer!r}")
     _check(par.pp_partition in ("parameters", "uniform", "cost"), source, "parallel.pp_partition",
            f"must be parameters, uniform or cost, got {par.pp_partition!r}")
+    ro = cfg.rollout
+    _check(ro.backend in ("local", "ray"), source, "rollout.backend", f"must be local or ray, got {ro.backend!r}")
+    _check(ro.cpus_per_worker > 0, source, "rollout.cpus_per_worker", f"must be positive, got {ro.cpus_per_worker}")
+    _check(ro.threads_per_worker >= 0, source, "rollout.threads_per_worker",
+           f"must be 0 (the rank's) or more, got {ro.threads_per_worker}")
+    _check(ro.backend == "local" or cfg.trainer == "grpo", source, "rollout.backend",
+           f"ray rollouts are built for the grpo trainer; {cfg.trainer!r} runs them locally (rollout.backend=local)")
     _check(par.sp_mode in ("auto", "exchange", "ulysses"), source, "parallel.sp_mode",
            f"must be auto, exchange or ulysses, got {par.sp_mode!r}")
     _check(cfg.data.seq_len % par.sp == 0, source, "data.seq_len",
