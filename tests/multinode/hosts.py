@@ -7,7 +7,8 @@ to those addresses. Nothing global changes (except creating sshd's privilege-sep
 folder where the machine lacks it and we are root): the client config reaches ``ssh``
 through a wrapper script put first on ``PATH`` (``ssh`` reads the user's config from the
 password database's home, not from ``$HOME``), and ``pdsh`` reaches it through
-``PDSH_SSH_ARGS``. Every address used is in 127.0.0.0/8.
+``PDSH_SSH_ARGS``. The config also names ``node-down`` (:data:`DOWN`), an address and port where
+nothing listens. Every address used is in 127.0.0.0/8.
 
 When the machine cannot do it (no sshd, ssh-keygen or pdsh; sshd refuses to start), a
 :class:`HostsUnavailable` says why; the fixture turns it into a skip.
@@ -21,6 +22,9 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+
+DOWN = "node-down"  # in the ssh config, nothing listening behind it
 
 
 class HostsUnavailable(RuntimeError):
@@ -120,6 +124,9 @@ def start_hosts(folder: Path, count: int = 2, timeout: float = 20.0) -> Hosts:
                 f"Host {name}\n  HostName {addr}\n  Port {port}\n  User {user}\n  IdentityFile {client_key}\n"
                 "  IdentitiesOnly yes\n  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n"
                 "  BatchMode yes\n  LogLevel ERROR\n  ConnectTimeout 5\n")
+        # An alias that resolves (through the config) but where no sshd listens: an unreachable host.
+        config_lines.append(f"Host {DOWN}\n  HostName 127.0.0.250\n  Port {_free_port('127.0.0.250')}\n"
+                            "  BatchMode yes\n  LogLevel ERROR\n  ConnectTimeout 5\n")
         ssh_config = folder / "ssh_config"
         ssh_config.write_text("".join(config_lines))
         bin_dir = folder / "bin"

@@ -9,6 +9,7 @@ import pytest
 
 from dstrain.launcher import find_free_port
 from tests.dist import harness
+from tests.multinode.hosts import DOWN
 from tests.reference import plain_training
 
 STEPS = 3
@@ -50,13 +51,13 @@ def test_two_hosts_zero2_matches_single_process(hosts, tmp_path, slots):
 
 def test_unreachable_host_is_refused_before_anything_starts(hosts, tmp_path):
     hostfile = tmp_path / "hostfile"
-    hostfile.write_text("node1 slots=1\n127.0.0.9 slots=1\n")  # resolves; no sshd there
+    hostfile.write_text(f"node1 slots=1\n{DOWN} slots=1\n")  # resolves through the ssh config; no sshd there
     cmd = [sys.executable, "-m", "dstrain.cli", "launch", "--hostfile", str(hostfile), str(harness.RECIPE),
            *harness.overrides(tmp_path / "run", STEPS)]
     proc = subprocess.run(cmd, env=job_env(hosts, tmp_path), cwd=harness.ROOT, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
-    assert proc.stderr.startswith(f"dstrain: error: hostfile {hostfile}: host '127.0.0.9' is unreachable by "
+    assert proc.stderr.startswith(f"dstrain: error: hostfile {hostfile}: host '{DOWN}' is unreachable by "
                                   "passwordless ssh (")
     assert len(proc.stderr.splitlines()) == 1 and not (tmp_path / "run").exists()
     assert not (tmp_path / "deepspeed_env").exists()
