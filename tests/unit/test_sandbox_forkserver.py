@@ -102,33 +102,62 @@ def test_a_dead_server_is_replaced_before_the_next_job(pool):
     assert server.starts == 2 and server.alive
 
 
-def test_a_server_killed_during_a_job_costs_that_job_only(pool):
+def after_start(monkeypatch, action):
+    """Run ``action(server)`` once, 0.2 s after a server has reported that the program started."""
+    import threading
+    from dstrain.rewards import forkserver
+    original, fired = forkserver.ForkServer._read_frame, []
+
+    def read_frame(self, deadline):
+        header, blobs = original(self, deadline)
+        if header is not None and "started" in header and not fired:
+            fired.append(threading.Timer(0.2, action, (self,)))
+            fired[0].start()
+        return header, blobs
+
+    monkeypatch.setattr(forkserver.ForkServer, "_read_frame", read_frame)
+    return fired
+
+
+def test_a_server_killed_during_a_job_costs_that_job_only(monkeypatch, pool):
     pool.run("x = 1\n", ["assert True"])
     server = pool.servers.servers[0]
-    killer = __import__("threading").Timer(0.3, lambda: os.killpg(server.pid, signal.SIGKILL))
-    killer.start()
+    fired = after_start(monkeypatch, lambda s: os.killpg(s.pid, signal.SIGKILL))
     r = pool.run("import time\ntime.sleep(1.5)\n", ["assert True"])
-    killer.join()
+    fired[0].join()
     assert r.status == "crash" and r.reward() == 0.0 and "server" in r.detail
     assert pool.run("y = 3\n", ["assert y == 3"]).status == "passed"
+    assert server.starts == 2
 
 
-def test_a_stuck_server_is_replaced(monkeypatch, pool):
+def test_a_server_stuck_during_a_job_is_replaced(monkeypatch):
     from dstrain.rewards import forkserver
     monkeypatch.setattr(forkserver, "GRACE_S", 0.5)
-    short = SandboxLimits(cpu_seconds=5, wall_seconds=0.5, memory_bytes=512 << 20, mode="fork_server")
+    short = SandboxLimits(cpu_seconds=5, wall_seconds=1.0, memory_bytes=512 << 20, mode="fork_server")
     with SandboxPool(workers=1, limits=short) as p:
         p.run("x = 1\n", ["assert True"])
         server = p.servers.servers[0]
-        stopper = __import__("threading").Timer(0.1, lambda: os.killpg(server.pid, signal.SIGSTOP))
-        stopper.start()
+        fired = after_start(monkeypatch, lambda s: os.killpg(s.pid, signal.SIGSTOP))
         start = time.monotonic()
-        r = p.run("import time\ntime.sleep(0.3)\n", ["assert True"])
-        stopper.join()
+        r = p.run("import time\ntime.sleep(0.6)\n", ["assert True"])
+        fired[0].join()
         assert r.status == "crash" and "stopped answering" in r.detail
-        assert time.monotonic() - start < 0.5 + 0.5 + 2.0
+        assert time.monotonic() - start < 1.0 + 0.5 + 3.0
         assert p.run("y = 3\n", ["assert y == 3"]).status == "passed"
         assert server.starts == 2
+
+
+def test_a_server_stuck_before_a_job_is_replaced_and_the_job_runs(monkeypatch):
+    from dstrain.rewards import forkserver
+    monkeypatch.setattr(forkserver, "GRACE_S", 0.5)
+    short = SandboxLimits(cpu_seconds=5, wall_seconds=1.0, memory_bytes=512 << 20, mode="fork_server")
+    with SandboxPool(workers=1, limits=short) as p:
+        p.run("x = 1\n", ["assert True"])
+        server = p.servers.servers[0]
+        os.killpg(server.pid, signal.SIGSTOP)
+        r = p.run("y = 3\n", ["assert y == 3"])
+        assert r.status == "passed", r.detail
+        assert server.starts == 2 and server.alive
 
 
 def test_pool_close_stops_servers_and_removes_their_folders(tmp_path):
