@@ -146,9 +146,11 @@ class ParallelConfig:
     """Sequence-parallel degree: each sample's tokens are split over sp ranks."""
     sp_mode: str = "auto"
     """auto | exchange | ulysses: how sequence-parallel attention communicates (see dstrain.parallel.sequence)."""
-    pp: int = 1
+    pp: Any = 1
     """Pipeline-parallel degree: the model is cut into pp stages (DeepSpeed's pipeline engine, 1F1B
-    over train.grad_accum micro-batches); dp = world / pp. Data parallelism only besides it."""
+    over train.grad_accum micro-batches); dp = world / pp. Data parallelism only besides it. "auto":
+    the factory picks pp when ZeRO without parameter partitioning (ZeRO-0/1/2) does not fit the model
+    but ZeRO-0/1 fits every stage of some pp (preferred over ZeRO-3's gathering), else 1."""
     pp_partition: str = "parameters"
     """parameters | uniform | cost: how layers are split into stages (balanced parameter counts, equal
     layer counts, or measured forward + backward time per layer kind)."""
@@ -417,13 +419,15 @@ def validate(cfg: RunConfig, source: str) -> None:
 
 def _validate_parallel(cfg: RunConfig, source: str) -> None:
     par = cfg.parallel
-    for key in ("tp", "sp", "pp"):
+    for key in ("tp", "sp"):
         value = getattr(par, key)
         _check(value >= 1, source, f"parallel.{key}", f"must be at least 1, got {value}")
-    _check(par.pp == 1 or par.tp * par.sp == 1, source, "parallel.pp",
+    _check(par.pp == "auto" or (isinstance(par.pp, int) and not isinstance(par.pp, bool) and par.pp >= 1),
+           source, "parallel.pp", f"must be a positive integer or auto, got {json.dumps(par.pp)}")
+    _check(par.pp in (1, "auto") or par.tp * par.sp == 1, source, "parallel.pp",
            f"pipeline parallelism (pp = {par.pp}) is supported with data parallelism only; "
            f"got tp = {par.tp}, sp = {par.sp} (set both to 1)")
-    _check(par.pp == 1 or cfg.trainer == "lm", source, "parallel.pp",
+    _check(par.pp in (1, "auto") or cfg.trainer == "lm", source, "parallel.pp",
            f"pipeline parallelism runs the supervised LM trainer only, not trainer {cfg.trainer!r}")
     _check(par.pp_partition in ("parameters", "uniform", "cost"), source, "parallel.pp_partition",
            f"must be parameters, uniform or cost, got {par.pp_partition!r}")

@@ -28,9 +28,10 @@ def _template(cfg: RunConfig) -> tuple[dict | None, str]:
 def data_parallel_size(cfg: RunConfig, world_size: int) -> int:
     """Data-parallel ranks of a ``world_size`` job (world / (tp x sp x pp)); ConfigError if they do not divide it."""
     par = cfg.parallel
-    model = par.tp * par.sp * par.pp
+    stages = par.pp if isinstance(par.pp, int) else 1  # "auto": decided with the plan (profile auto only)
+    model = par.tp * par.sp * stages
     if world_size % model:
-        pp = f" x pp {par.pp}" if par.pp > 1 else ""
+        pp = f" x pp {stages}" if stages > 1 else ""
         raise ConfigError("run config", "parallel",
                           f"tp {par.tp} x sp {par.sp}{pp} = {model} does not divide the "
                           f"{world_size} ranks of this launch")

@@ -81,7 +81,7 @@ def plan_engine(cfg: RunConfig, world_size: int, hw=None, hw_notes: str = "",
     from dstrain.parallel.dims import ParallelDims
     spec, mcfg = _model_parts(cfg)
     par = cfg.parallel
-    dims = ParallelDims.from_world(world_size, par.tp, par.sp, par.pp)
+    dims = ParallelDims.from_world(world_size, par.tp, par.sp, 1 if par.pp == "auto" else par.pp)
     build = lambda: spec.build(mcfg)  # noqa: E731
     stats = hardware.model_stats(build)
     if hw is None:
@@ -94,7 +94,10 @@ def plan_engine(cfg: RunConfig, world_size: int, hw=None, hw_notes: str = "",
         build, lambda: spec.inputs_for_trace(mcfg, 1, cfg.data.seq_len // dims.sp),
         lambda m, flag: spec.parallelize(m, activation_checkpointing=flag))
     ds = cfg.deepspeed
-    pipe, stage_text = None, ""
+    pipe, stage_text, auto_note = None, "", ""
+    if par.pp == "auto":
+        pp, auto_note = _auto_pp(spec, mcfg, cfg, stats, hw, acts, world_size)
+        dims = ParallelDims.from_world(world_size, par.tp, par.sp, pp)
     if dims.pp > 1:
         from dstrain.parallel.pipeline import plan_stages
         pipe, plan, stage_text = plan_stages(spec, mcfg, cfg, dims, hw, acts)
@@ -133,7 +136,7 @@ def plan_engine(cfg: RunConfig, world_size: int, hw=None, hw_notes: str = "",
     if pipe is not None:
         layout = (f"parallel layout: pp {dims.pp} x dp {dims.dp} = {world_size} ranks; the table's model states "
                   f"and activations are the fullest stage's")
-    explanation = "\n".join(x for x in (hw_notes, layout, table, stage_text, why,
+    explanation = "\n".join(x for x in (hw_notes, auto_note, layout, table, stage_text, why,
                                         f"precision {precision}, activation checkpointing "
                                         f"{'on' if ckpt else 'off'}, torch.compile {'on' if compile_ else 'off'}"
                                         f" (train.compile={cfg.train.compile})",
@@ -149,6 +152,37 @@ def plan_engine(cfg: RunConfig, world_size: int, hw=None, hw_notes: str = "",
                       activation_checkpointing=ckpt, explanation=explanation, plan=plan,
                       shard_at_build=shard and pipe is None, optimizer=optimizer, compile=compile_,
                       pipeline=pipe)
+
+
+def _auto_pp(spec, mcfg, cfg, stats, hw, acts, world_size) -> tuple[int, str]:
+    """``parallel.pp = auto``: ``(pp, why)``.
+
+    1 when the profile is named, the model or trainer cannot be pipelined, or ZeRO without
+    parameter partitioning (ZeRO-0/1/2, no offload) fits the whole model; otherwise the
+    smallest pp under which ZeRO-0/1 fits every stage (activations move between neighbouring
+    stages instead of ZeRO-3 gathering every parameter for every micro-batch); 1 again when
+    no pp fits (ZeRO-3 / offload decide).
+    """
+    from dstrain.engine.profiles import PlanError, suggest_pp
+    par, ds, t = cfg.parallel, cfg.deepspeed, cfg.train
+    if ds.profile != "auto" or spec.pipeline is None or par.tp * par.sp > 1 or cfg.trainer != "lm" \
+            or world_size < 2:
+        return 1, "parallel.pp auto -> 1: pipelining needs deepspeed.profile auto, tp = sp = 1, the lm trainer, " \
+                  "a model with pipeline layers and 2+ ranks"
+    try:
+        choose_plan(stats, hw, acts, world_size, t.micro_batch, precision=ds.precision,
+                    activation_checkpointing=ds.activation_checkpointing, margin=ds.margin,
+                    profiles=("zero0", "zero1", "zero2"))
+        return 1, "parallel.pp auto -> 1: ZeRO-0/1/2 fits the whole model"
+    except PlanError:
+        pass
+    from dstrain.parallel.pipeline import layer_activations
+    pp = suggest_pp(spec.pipeline(mcfg, False).param_counts(), hw, acts, world_size, t.micro_batch, t.grad_accum,
+                    precision=ds.precision, margin=ds.margin, layer_acts=layer_activations(spec, mcfg, cfg.data.seq_len))
+    if pp is None:
+        return 1, "parallel.pp auto -> 1: ZeRO-0/1/2 does not fit and no pipeline degree fits with ZeRO-0/1"
+    return pp, (f"parallel.pp auto -> {pp}: ZeRO-0/1/2 does not fit the whole model on {world_size} ranks, "
+                f"ZeRO-0/1 fits every one of {pp} stages (preferred over ZeRO-3's parameter gathering)")
 
 
 def _plan_or_suggest_pp(spec, mcfg, cfg, stats, hw, acts, dims, world_size):

@@ -225,6 +225,18 @@ def load_plain_weights(module, parts: PipelineParts, plain_state: dict[str, torc
             tensor.copy_(plain_state[key])
 
 
+def stages_in_checkpoint(tag_dir: str | Path) -> int:
+    """Pipeline stages a checkpoint was saved with (1 for a checkpoint without layer files).
+
+    The pipeline engine writes one ``layer_XX-model_states.pt`` per layer and one
+    ``mp_rank_SS_model_states.pt`` per stage.
+    """
+    tag_dir = Path(tag_dir)
+    if not any(tag_dir.glob("layer_*-model_states.pt")):
+        return 1
+    return len(list(tag_dir.glob("mp_rank_*_model_states.pt")))
+
+
 def plain_state_dict(tag_dir: str | Path, prefixes: Sequence[str]) -> dict[str, torch.Tensor]:
     """The plain model's state dict from a pipeline checkpoint's ``layer_XX-model_states.pt`` files."""
     tag_dir = Path(tag_dir)

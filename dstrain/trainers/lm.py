@@ -50,7 +50,6 @@ class LMTrainer:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         self.world = runtime.init_distributed(timeout_s=torch_timeout_s(cfg.train.collective_timeout_s))
-        self.parallel, self.dp_rank, self.dp_world = _parallel_layout(cfg, self.world)
         self.out = Path(cfg.output.dir)
         self.ckpt_root = self.out / "checkpoints"
         resume_tag = decide_resume(self.cfg, self.world, self.out, self.ckpt_root)
@@ -61,7 +60,13 @@ class LMTrainer:
 
         if resume_tag is not None:
             pin_plan(self.cfg, self.ckpt_root, resume_tag)
+            if cfg.parallel.pp == "auto":  # resume with the stages the checkpoint was written by
+                from dstrain.parallel.pipeline import stages_in_checkpoint
+                cfg.parallel.pp = stages_in_checkpoint(self.ckpt_root / resume_tag)
         self.plan = plan_and_record(cfg, self.world, self.out)
+        # After the plan: parallel.pp = auto is decided there.
+        pp = self.plan.pipeline.pp if self.plan.pipeline is not None else 1
+        self.parallel, self.dp_rank, self.dp_world = _parallel_layout(cfg, self.world, pp)
 
         runtime.seed_everything(cfg.train.seed)  # identical initial weights on every rank
         pipeline_parts = (None if self.spec.pipeline is None
@@ -229,14 +234,14 @@ class LMTrainer:
         self.saver.wait()
 
 
-def _parallel_layout(cfg: RunConfig, world: runtime.World):
-    """(ParallelState or None, data-parallel rank, data-parallel world size) of this rank."""
+def _parallel_layout(cfg: RunConfig, world: runtime.World, pp: int = 1):
+    """(ParallelState or None, data-parallel rank, data-parallel world size) of this rank (``pp``: the plan's)."""
     par = cfg.parallel
-    if par.tp * par.sp * par.pp == 1:
+    if par.tp * par.sp * pp == 1:
         return None, world.rank, world.world_size
     from dstrain.parallel.dims import init_parallel
     try:
-        state = init_parallel(par.tp, par.sp, par.pp)
+        state = init_parallel(par.tp, par.sp, pp)
     except ValueError as err:
         from dstrain.config import ConfigError
         raise ConfigError("run config", "parallel", str(err)) from None

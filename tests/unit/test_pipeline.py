@@ -290,3 +290,32 @@ def test_pipeline_plan_on_a_gpu_keeps_deepspeed_bf16_and_no_compile():
     assert plan.precision == "bf16" and plan.ds_config["bf16"]["enabled"] is True
     assert "torch_autocast" not in plan.ds_config and plan.compile is False
     assert plan_engine(_cfg("--deepspeed.precision=auto"), world_size=2, hw=gpu).compile is True
+
+
+def test_pp_auto_pipelines_only_when_zero_without_partitioning_does_not_fit():
+    cfg = lambda *extra: _cfg("--parallel.pp=auto", "--train.micro_batch=1", "--deepspeed.margin=1.0",  # noqa: E731
+                              "--deepspeed.activation_checkpointing=true", *extra)
+    tight = plan_engine_(cfg(), 2, memory=int(10.3e6))  # as above: only ZeRO-3 fits the whole model
+    assert tight.pipeline is not None and tight.pipeline.pp == 2 and tight.pipeline.dp == 1
+    assert "parallel.pp auto -> 2: ZeRO-0/1/2 does not fit the whole model on 2 ranks" in tight.explanation
+    assert tight.profile in ("zero0", "zero1") and "stage 1: layers 3..5" in tight.explanation
+    roomy = plan_engine_(cfg(), 2)
+    assert roomy.pipeline is None and "parallel.pp auto -> 1: ZeRO-0/1/2 fits the whole model" in roomy.explanation
+    named = plan_engine_(cfg("--deepspeed.profile=zero3"), 2, memory=int(10.3e6))
+    assert named.pipeline is None and "pipelining needs deepspeed.profile auto" in named.explanation
+
+
+@pytest.mark.parametrize("value", ["0", "two", "true"])
+def test_pp_must_be_a_positive_integer_or_auto(value):
+    from dstrain.config import ConfigError
+    with pytest.raises(ConfigError, match="parallel.pp.*must be a positive integer or auto"):
+        _cfg(f"--parallel.pp={value}")
+
+
+def test_stages_in_checkpoint(tmp_path):
+    from dstrain.parallel.pipeline import stages_in_checkpoint
+    (tmp_path / "mp_rank_00_model_states.pt").touch()
+    assert stages_in_checkpoint(tmp_path) == 1  # a plain DeepSpeed checkpoint
+    for name in ("layer_00-model_states.pt", "layer_01-model_states.pt", "mp_rank_01_model_states.pt"):
+        (tmp_path / name).touch()
+    assert stages_in_checkpoint(tmp_path) == 2
