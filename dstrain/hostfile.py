@@ -47,6 +47,11 @@ def _slots(text: str, where: str, host: str) -> int:
     return int(text)
 
 
+def _check_default_slots(slots: int) -> None:
+    if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
+        raise HostfileError(f"--slots must be an integer >= 1, got {slots!r}")
+
+
 def parse_hostfile(path: str | os.PathLike) -> Hosts:
     """``[(host, slots), ...]`` in file order; HostfileError naming file, line and host otherwise."""
     hosts: Hosts = []
@@ -72,7 +77,7 @@ def parse_hostfile(path: str | os.PathLike) -> Hosts:
 
 def parse_host_list(items: Sequence[str], slots: int = 1) -> Hosts:
     """``["node1", "node2:4"]`` -> ``[("node1", slots), ("node2", 4)]``; duplicates and bad slots refused."""
-    _slots(str(slots), "--slots", "(every host)")
+    _check_default_slots(slots)
     hosts: Hosts = []
     for item in items:
         host, sep, count = item.partition(":")
@@ -89,7 +94,7 @@ def hosts_from_slurm(environ: Mapping[str, str], slots: int | None = None) -> Ho
         raise HostfileError("--from-slurm: SLURM_JOB_NODELIST is not set (run inside a SLURM allocation)")
     names = expand_nodelist(nodelist)
     if slots is not None:
-        _slots(str(slots), "--slots", "(every host)")
+        _check_default_slots(slots)
         return _no_duplicates([(n, slots) for n in names], "SLURM_JOB_NODELIST")
     per_node = environ.get("SLURM_TASKS_PER_NODE")
     if not per_node:

@@ -50,7 +50,7 @@ def test_host_list():
         hf.parse_host_list(["a", "b:0"])
     with pytest.raises(hf.HostfileError, match="host 'b' has slots='x'"):
         hf.parse_host_list(["b:x"])
-    with pytest.raises(hf.HostfileError, match="--slots"):
+    with pytest.raises(hf.HostfileError, match=r"^--slots must be an integer >= 1, got 0$"):
         hf.parse_host_list(["a"], slots=0)
     with pytest.raises(hf.HostfileError, match="bad host name"):
         hf.parse_host_list([":3"])
