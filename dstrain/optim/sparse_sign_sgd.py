@@ -14,6 +14,11 @@ was used:
 Every rank applies the same update to its full copy, so the copies stay identical.
 Since sign(g) does not depend on how the loss is scaled, a per-rank mean loss gives
 the same update as a single process averaging over the union of the batches.
+
+Nothing here waits for the device: equal ids are summed by sorting and
+``searchsorted`` (fixed shapes, no ``unique``), the id range is checked only for ids
+still on the host, and with ``equal_counts`` (every rank passes the same number of
+ids, as the HRM trainer's fixed batch does) the all-gather needs no size exchange.
 """
 from __future__ import annotations
 
@@ -39,12 +44,16 @@ class SparseEmbedding:
         return self.weight.shape[0]
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows ``weight[ids]`` as a new leaf that requires grad (kept for :meth:`SparseSignSGD.step`)."""
-        ids = ids.to(self.weight.device).long()
+        """Rows ``weight[ids]`` as a new leaf that requires grad (kept for :meth:`SparseSignSGD.step`).
+
+        Ids on the host are range-checked first; ids already on an accelerator are not
+        (that check would wait for the device).
+        """
         if ids.dim() != 1:
             raise ValueError(f"ids must be 1-D, got shape {list(ids.shape)}")
-        if ids.numel() and (ids.min() < 0 or ids.max() >= self.num_ids):
+        if ids.device.type == "cpu" and ids.numel() and (ids.min() < 0 or ids.max() >= self.num_ids):
             raise IndexError(f"puzzle ids must be in [0, {self.num_ids}), got [{int(ids.min())}, {int(ids.max())}]")
+        ids = ids.to(self.weight.device, non_blocking=True).long()
         self.ids = ids
         self.rows = self.weight[ids].detach().requires_grad_(True)
         return self.rows
@@ -60,11 +69,19 @@ class SparseEmbedding:
         self.weight.copy_(weight)
 
 
-def _all_gather_rows(ids: torch.Tensor, grads: torch.Tensor, group=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Concatenate every rank's ``ids`` and ``grads`` (ranks may hold different counts)."""
+def _all_gather_rows(ids: torch.Tensor, grads: torch.Tensor, group=None, equal_counts: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Concatenate every rank's ``ids`` and ``grads`` (ranks may hold different counts unless
+    ``equal_counts``, which skips the size exchange and its wait)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return ids, grads
     world = dist.get_world_size(group)
+    if equal_counts:
+        all_ids = [torch.empty_like(ids) for _ in range(world)]
+        all_grads = [torch.empty_like(grads) for _ in range(world)]
+        dist.all_gather(all_ids, ids, group=group)
+        dist.all_gather(all_grads, grads.contiguous(), group=group)
+        return torch.cat(all_ids), torch.cat(all_grads)
     count = torch.tensor([ids.numel()], dtype=torch.long, device=ids.device)
     counts = [torch.zeros_like(count) for _ in range(world)]
     dist.all_gather(counts, count, group=group)
@@ -84,28 +101,32 @@ def _all_gather_rows(ids: torch.Tensor, grads: torch.Tensor, group=None) -> tupl
 class SparseSignSGD:
     """Distributed sign-SGD with decoupled weight decay over the rows touched in a step."""
 
-    def __init__(self, embedding: SparseEmbedding, lr: float, weight_decay: float = 0.0, group=None):
+    def __init__(self, embedding: SparseEmbedding, lr: float, weight_decay: float = 0.0, group=None,
+                 equal_counts: bool = False):
         if lr < 0 or weight_decay < 0:
             raise ValueError(f"lr and weight_decay must not be negative, got {lr}, {weight_decay}")
         self.embedding, self.lr, self.weight_decay, self.group = embedding, lr, weight_decay, group
+        self.equal_counts = equal_counts
 
     @torch.no_grad()
     def update(self, ids: torch.Tensor, grads: torch.Tensor, lr: float | None = None) -> torch.Tensor:
         """Apply one step for this rank's ``ids`` ``[n]`` and row gradients ``[n, dim]``.
 
-        Collective: every rank must call it. Returns the ids that were updated (sorted, unique).
+        Collective: every rank must call it. Returns the ids of every rank, sorted (an id
+        appears once per use; each distinct id is updated once).
         """
         lr = self.lr if lr is None else lr
         weight = self.embedding.weight
         if grads.shape != (ids.numel(), weight.shape[1]):
             raise ValueError(f"grads must be [{ids.numel()}, {weight.shape[1]}], got {list(grads.shape)}")
-        ids, grads = _all_gather_rows(ids.to(weight.device).long(), grads.to(weight), self.group)
-        touched, inverse = torch.unique(ids, return_inverse=True)
-        summed = torch.zeros(touched.numel(), weight.shape[1], dtype=weight.dtype, device=weight.device)
-        summed.index_add_(0, inverse, grads)
-        rows = weight[touched] * (1.0 - lr * self.weight_decay) - lr * torch.sign(summed)
-        weight[touched] = rows
-        return touched
+        ids, grads = _all_gather_rows(ids.to(weight.device).long(), grads.to(weight), self.group,
+                                      self.equal_counts)
+        ids, order = torch.sort(ids)
+        first = torch.searchsorted(ids, ids)  # each position -> the first position of its id
+        summed = torch.zeros_like(grads).index_add_(0, first, grads[order])[first]
+        rows = weight[ids] * (1.0 - lr * self.weight_decay) - lr * torch.sign(summed)
+        weight.index_copy_(0, ids, rows)  # repeated ids write identical rows
+        return ids
 
     def step(self, lr: float | None = None) -> torch.Tensor:
         """Update from the last :meth:`SparseEmbedding.lookup` and its gradient (zeros if none)."""

@@ -114,9 +114,10 @@ class HRMTrainer:
             rows = 1 if self.task.puzzle_ids == "shared" else len(self.train_set) + 1
             self.puzzle_emb = SparseEmbedding(rows, emb_len * self.model_cfg.hidden_size, device=self.device)
             self.sparse_opt = SparseSignSGD(self.puzzle_emb, self.task.puzzle_emb_lr,
-                                            self.task.puzzle_emb_weight_decay)
+                                            self.task.puzzle_emb_weight_decay, equal_counts=True)
         runtime.seed_everything(cfg.train.seed + 7919 * (self.world.rank + 1))  # per-rank exploration
         self.carry: dict | None = None
+        self._prefetched: dict[int, dict] = {}
         self.start_step = 0
         if resume_tag is not None:
             self._resume(resume_tag)
@@ -147,29 +148,41 @@ class HRMTrainer:
     def _ids(self, groups: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(groups) if self.task.puzzle_ids == "shared" else groups + 1
 
-    def _next_rows(self, step: int) -> dict:
-        """This step's rows: halted rows take this step's new puzzles, the others keep theirs."""
+    def _fetch(self, step: int) -> dict:
+        """Step ``step``'s new puzzles, on the device (copied without waiting, from pinned memory on GPUs)."""
         b = self.train_set.local_batch(step, self.global_batch, self.world.rank, self.world.world_size)
-        new = {"inputs": torch.from_numpy(b.inputs), "labels": torch.from_numpy(b.labels),
-               "groups": torch.from_numpy(b.groups)}
+        pin = self.device.type == "cuda"
+        out = {}
+        for key, array in (("inputs", b.inputs), ("labels", b.labels), ("groups", b.groups)):
+            t = torch.from_numpy(array)
+            out[key] = (t.pin_memory() if pin else t).to(self.device, non_blocking=True)
+        return out
+
+    def _next_rows(self, step: int) -> dict:
+        """This step's rows: halted rows take this step's new puzzles, the others keep theirs.
+
+        Everything stays on the device and keeps its shape (the halting mask selects with
+        ``torch.where``), so no step waits for the device.
+        """
+        new = self._prefetched.pop(step, None) or self._fetch(step)
+        self._prefetched = {step + 1: self._fetch(step + 1)}  # the next batch's copy overlaps this step
         if self.carry is None:
-            return {**new, "reset": torch.ones(self.local_batch, dtype=torch.bool)}
-        reset = self.carry["halted"].cpu()
-        rows = {k: torch.where(reset.view(-1, *[1] * (v.dim() - 1)), v, self.carry[k].cpu())
+            return {**new, "reset": torch.ones(self.local_batch, dtype=torch.bool, device=self.device)}
+        reset = self.carry["halted"].to(self.device)
+        rows = {k: torch.where(reset.view(-1, *[1] * (v.dim() - 1)), v, self.carry[k].to(self.device))
                 for k, v in new.items()}
         return {**rows, "reset": reset}
 
-    def train_step(self, step: int) -> tuple[float, dict]:
-        """One ACT segment and one optimizer step; returns this rank's loss and metric sums."""
+    def train_step(self, step: int) -> tuple[torch.Tensor, dict]:
+        """One ACT segment and one optimizer step; returns this rank's loss and metric sums as
+        device tensors (read them at log steps only: reading waits for the device)."""
         rows = self._next_rows(step)
-        dev = self.device
         emb = None
         if self.puzzle_emb is not None:
-            emb = self.puzzle_emb.lookup(self._ids(rows["groups"]).to(dev))
+            emb = self.puzzle_emb.lookup(self._ids(rows["groups"]))
         carry = self.carry or {}
-        loss, out = self.engine(rows["inputs"].to(dev), rows["labels"].to(dev), emb,
-                                carry.get("z_H"), carry.get("z_L"), carry.get("steps"),
-                                rows["reset"].to(dev))
+        loss, out = self.engine(rows["inputs"], rows["labels"], emb,
+                                carry.get("z_H"), carry.get("z_L"), carry.get("steps"), rows["reset"])
         self.engine.backward(loss)
         lr_factor = self.engine.lr / self.cfg.train.lr if self.cfg.train.lr > 0 else 1.0
         self.engine.step()
@@ -178,7 +191,7 @@ class HRMTrainer:
         self.carry = {"z_H": out["z_H"], "z_L": out["z_L"], "steps": out["steps"],
                       "halted": out["halted"], "inputs": rows["inputs"], "labels": rows["labels"],
                       "groups": rows["groups"]}
-        return float(loss.item()), {k: float(v) for k, v in out["metrics"].items()}
+        return loss.detach(), out["metrics"]
 
     @torch.no_grad()
     def evaluate(self, inputs: np.ndarray | None = None, labels: np.ndarray | None = None) -> dict:
@@ -202,9 +215,11 @@ class HRMTrainer:
                 loss, metrics = self.train_step(step - 1)
                 losses.append(loss)
                 for k, v in metrics.items():
-                    sums[k] = sums.get(k, 0.0) + v
+                    sums[k] = sums[k] + v if k in sums else v.clone()
                 log.advance()
                 if step % t.log_every == 0 or step == t.steps:
+                    sums = {k: float(v) for k, v in sums.items()}  # the one wait for the device per log step
+                    losses = torch.stack(losses).double().cpu().tolist()
                     now = time.perf_counter()
                     limit = self.task.time_limit_s
                     out_of_time = bool(limit) and now - start > limit

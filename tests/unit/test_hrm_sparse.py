@@ -12,7 +12,7 @@ def test_update_matches_a_dense_reference():
     ids = torch.tensor([4, 1, 4, 0])
     grads = torch.randn(4, 4)
     touched = SparseSignSGD(emb, lr=0.1, weight_decay=0.5).update(ids, grads)
-    assert touched.tolist() == [0, 1, 4]
+    assert touched.tolist() == [0, 1, 4, 4]  # sorted, once per use
     dense = torch.zeros(6, 4).index_add_(0, ids, grads)  # gradient of equal ids summed
     expected = before.clone()
     for row in (0, 1, 4):  # decayed once, then a signed step
@@ -47,3 +47,25 @@ def test_errors_and_state():
     assert torch.equal(emb.weight, other.weight)
     with pytest.raises(ValueError, match="does not match"):
         emb.load_state_dict(SparseEmbedding(4, 2).state_dict())
+
+
+def test_update_matches_the_unique_based_computation_on_many_repeats():
+    """Sort + searchsorted summing equals torch.unique + index_add over random repeated ids."""
+    g = torch.Generator().manual_seed(1)
+    emb = SparseEmbedding(50, 8, init_std=1.0, generator=g)
+    before = emb.weight.clone()
+    ids = torch.randint(0, 20, (300,), generator=g)
+    grads = torch.randn(300, 8, generator=g)
+    SparseSignSGD(emb, lr=0.03, weight_decay=0.7).update(ids, grads)
+    touched, inverse = torch.unique(ids, return_inverse=True)
+    summed = torch.zeros(len(touched), 8).index_add_(0, inverse, grads)
+    expected = before.clone()
+    expected[touched] = before[touched] * (1 - 0.03 * 0.7) - 0.03 * torch.sign(summed)
+    assert torch.equal(emb.weight, expected)
+
+
+def test_lookup_rejects_non_flat_ids():
+    emb = SparseEmbedding(3, 2)
+    assert emb.lookup(torch.tensor([0, 2])).shape == (2, 2)
+    with pytest.raises(ValueError, match="1-D"):
+        emb.lookup(torch.zeros(2, 2, dtype=torch.long))

@@ -1,0 +1,162 @@
+"""HRM training speed: segments/s of the ACT training step and the projected wall time of a recipe.
+
+    python benchmarks/hrm_speed.py [--sizes debug,sudoku] [--batch 16] [--steps 10] [--warmup 2] \
+        [--device auto] [--precision fp32|bf16] [--compile] [--sync-every-step] \
+        [--recipe models/hrm/recipes/sudoku_extreme.json] [--out benchmarks/results/hrm_speed_cpu.json]
+
+One process, no DeepSpeed: the loop the HRM trainer runs on one rank, written out so
+each speed change can be switched on and off. A step is one ACT segment for ``batch``
+rows: halted rows take new puzzles (selected on the device with ``torch.where``: the
+carry, the halting mask and the batch keep their shapes), the model's forward with the
+Q-target segment, backward, AdamW, and the sparse sign-SGD update of the shared puzzle
+embedding. Puzzles are generated beforehand and held on the device.
+
+Options that change the loop: ``--compile`` (``torch.compile(model, dynamic=False)``, as
+``train.compile`` does inside the engine), ``--precision bf16`` (autocast, as the
+factory's bf16 on GPUs), ``--sync-every-step`` (read the loss and metrics on the host
+every step, as the trainer did before: on a GPU each read waits for the device).
+
+Reported per size: dense parameters, seconds per step at ``--batch``, segments/s, and
+``projected_recipe_hours``: the recipe's ``train.steps * task.global_batch`` segments at
+the measured segments/s (a lower bound on a CPU, where a larger batch is no faster per row).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from dstrain.data import sudoku  # noqa: E402
+from dstrain.optim.sparse_sign_sgd import SparseEmbedding, SparseSignSGD  # noqa: E402
+from models import registry  # noqa: E402
+
+
+def make_pool(rows: int, blanks: int, seed: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    puzzles, solutions = sudoku.generate_many(rows, blanks, seed)
+    inputs, labels = sudoku.encode(puzzles, solutions)
+    return torch.from_numpy(inputs).to(device), torch.from_numpy(labels).to(device)
+
+
+def time_size(size: str, args, device: torch.device) -> dict:
+    cfg = registry.make_model_config("hrm", size)
+    torch.manual_seed(0)
+    model = registry.get_spec("hrm").build(cfg).to(device).train()
+    dense = sum(p.numel() for p in model.parameters())
+    step_fn = torch.compile(model, dynamic=False) if args.compile else model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1,
+                            foreach=True)
+    table = SparseEmbedding(1, cfg.puzzle_emb_len * cfg.hidden_size, device=device)
+    sparse = SparseSignSGD(table, lr=1e-2, weight_decay=0.1, equal_counts=True)
+    b, total = args.batch, args.warmup + args.steps
+    pool_x, pool_y = make_pool(b * (total + 1), args.blanks, 0, device)
+    ids = torch.zeros(b, dtype=torch.long, device=device)
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if args.precision == "bf16" else nullcontext())
+    carry = None
+    x, y = pool_x[:b], pool_y[:b]
+    sums = None
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    for step in range(total):
+        if step == args.warmup:
+            sync()
+            start = time.perf_counter()
+        new_x, new_y = pool_x[(step + 1) * b:(step + 2) * b], pool_y[(step + 1) * b:(step + 2) * b]
+        if carry is None:
+            reset = torch.ones(b, dtype=torch.bool, device=device)
+            z_H = z_L = steps = None
+        else:
+            reset, z_H, z_L, steps = carry["halted"], carry["z_H"], carry["z_L"], carry["steps"]
+            x = torch.where(reset[:, None], new_x, x)
+            y = torch.where(reset[:, None], new_y, y)
+        with autocast:
+            loss, out = step_fn(x, y, table.lookup(ids), z_H, z_L, steps, reset)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sparse.step()
+        carry = out
+        metrics = out["metrics"]
+        if args.sync_every_step:
+            _ = float(loss.item()), {k: float(v) for k, v in metrics.items()}
+        else:
+            sums = metrics if sums is None else {k: sums[k] + v for k, v in metrics.items()}
+    sync()
+    seconds = time.perf_counter() - start
+    per_step = seconds / args.steps
+    seg_s = b / per_step
+    recipe = json.loads(Path(args.recipe).read_text())
+    recipe_segments = recipe["train"]["steps"] * recipe["task"]["global_batch"]
+    return {"size": size, "dense_params": dense, "batch": b, "steps": args.steps, "s_per_step": per_step,
+            "segments_per_s": seg_s, "recipe_segments": recipe_segments,
+            "projected_recipe_hours": recipe_segments / seg_s / 3600,
+            "flops_per_segment_token": model.flops_per_segment_token(),
+            "model_tflops": model.flops_per_segment_token() * cfg.total_len * seg_s / 1e12}
+
+
+def machine(device: torch.device) -> dict:
+    info = {"device": str(device), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "cpu": platform.processor() or platform.machine(), "load_avg": os.getloadavg()}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    try:
+        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                        text=True, timeout=10).stdout.strip()
+    except OSError:
+        pass
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="debug,sudoku")
+    parser.add_argument("--batch", type=int, default=0, help="rows per step (default: 16 on CPU, 384 on GPU)")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--blanks", type=int, default=40)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--sync-every-step", action="store_true")
+    parser.add_argument("--recipe", default=str(ROOT / "models" / "hrm" / "recipes" / "sudoku_extreme.json"))
+    parser.add_argument("--out", default="")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0:
+        parser.error("--steps must be at least 1 and --warmup not negative")
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    if not args.batch:
+        args.batch = 384 if device.type == "cuda" else 16
+    results = []
+    for size in [s for s in args.sizes.split(",") if s]:
+        r = time_size(size, args, device)
+        results.append(r)
+        print(f"{size}: {r['dense_params']:,} params, batch {r['batch']}: {r['s_per_step'] * 1000:.1f} ms/step, "
+              f"{r['segments_per_s']:.0f} segments/s, recipe ({r['recipe_segments']:,} segments) "
+              f"~{r['projected_recipe_hours']:.2f} h", flush=True)
+    record = {"command": "python " + " ".join([str(Path(sys.argv[0]).relative_to(ROOT))
+                                                if Path(sys.argv[0]).is_absolute() else sys.argv[0],
+                                                *(argv if argv is not None else sys.argv[1:])]),
+              "options": {k: v for k, v in vars(args).items() if k not in ("out", "recipe")},
+              "recipe": str(Path(args.recipe).resolve().relative_to(ROOT)), "machine": machine(device),
+              "results": results}
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
