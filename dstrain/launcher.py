@@ -194,25 +194,7 @@ def build_deepspeed_command(
     local_names = local_hostnames() if local_hosts is None else frozenset(local_hosts)
 
     argv = [deepspeed_executable(python)]
-    include, exclude = spec.include, spec.exclude
-    remote = False
-    local_pool = spec.nproc  # slots in DeepSpeed's local pool (used for CPU include/exclude)
-    if spec.hostfile is not None:
-        hosts = _hostfile_hosts(spec)
-        if len(hosts) == 1 and hosts[0][0] in local_names:
-            host, slots = hosts[0]
-            local_pool = slots
-            procs = spec.nproc if spec.nproc > 1 else slots
-            include = include and _rename_filter_host(include, host, "localhost")
-            exclude = exclude and _rename_filter_host(exclude, host, "localhost")
-        else:
-            remote = True
-            procs = spec.nproc if spec.nproc > 1 else max(s for _, s in hosts)
-    else:
-        if spec.num_nodes is not None and spec.num_nodes > 1:
-            raise ValueError(f"num_nodes={spec.num_nodes} needs a hostfile listing the nodes")
-        procs = spec.nproc
-
+    remote, procs, local_pool, include, exclude = _deepspeed_placement(spec, local_names)
     if remote:
         argv += ["--hostfile", spec.hostfile]
         if spec.num_nodes is not None:
@@ -243,6 +225,26 @@ def build_deepspeed_command(
     if accel == "cpu":
         _apply_cpu_env(env, procs, cpu_count)
     return argv, env
+
+
+def _deepspeed_placement(spec: LaunchSpec, local_names: Collection[str]):
+    """``(remote, processes per node, local slot pool, include, exclude)`` of a deepspeed launch.
+
+    A hostfile whose only host is this machine becomes a local launch, its host
+    renamed to "localhost" inside include/exclude (DeepSpeed's name for it then).
+    """
+    include, exclude = spec.include, spec.exclude
+    if spec.hostfile is None:
+        if spec.num_nodes is not None and spec.num_nodes > 1:
+            raise ValueError(f"num_nodes={spec.num_nodes} needs a hostfile listing the nodes")
+        return False, spec.nproc, spec.nproc, include, exclude
+    hosts = _hostfile_hosts(spec)
+    if len(hosts) == 1 and hosts[0][0] in local_names:
+        host, slots = hosts[0]
+        include = include and _rename_filter_host(include, host, "localhost")
+        exclude = exclude and _rename_filter_host(exclude, host, "localhost")
+        return False, spec.nproc if spec.nproc > 1 else slots, slots, include, exclude
+    return True, spec.nproc if spec.nproc > 1 else max(s for _, s in hosts), spec.nproc, include, exclude
 
 
 def _count_filtered_slots(include: str | None, exclude: str | None, pool: int) -> int:
