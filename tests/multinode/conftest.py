@@ -25,10 +25,13 @@ def deepspeed_cpu_ops_built():
 
 
 @pytest.fixture(scope="session")
-def hosts(tmp_path_factory, deepspeed_cpu_ops_built):
+def hosts(tmp_path_factory, request):
     try:
         started = start_hosts(tmp_path_factory.mktemp("hosts"))
     except HostsUnavailable as why:
         pytest.skip(f"no pretend hosts on this machine: {why}")
-    yield started
-    started.stop()
+    try:
+        request.getfixturevalue("deepspeed_cpu_ops_built")  # only once the hosts are up (a skip builds nothing)
+        yield started
+    finally:
+        started.stop()
