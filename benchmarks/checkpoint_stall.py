@@ -149,7 +149,7 @@ def kill_rounds(tmp: Path, args, save_s: float) -> list[dict]:
         if target == "step":
             while time.monotonic() < deadline and proc.poll() is None and ckpt.find_latest(root) is None:
                 time.sleep(0.05)  # the first round: something to lose first
-            time.sleep(rng.uniform(0, 3.0))
+            time.sleep(rng.uniform(0, args.step_window))  # now and then past a save: the latest moves on
         else:
             while time.monotonic() < deadline and proc.poll() is None and incomplete_tag(root, since) is None:
                 time.sleep(0.005)
@@ -184,6 +184,8 @@ def main() -> int:
     p.add_argument("--stall-steps", type=int, default=9)
     p.add_argument("--kills", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--step-window", type=float, default=15.0,
+                   help="a step kill comes at a random moment of this many seconds after training resumed")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "checkpoint_stall_cpu.json"))
     args = p.parse_args()
     import deepspeed
