@@ -10,6 +10,10 @@ password database's home, not from ``$HOME``), and ``pdsh`` reaches it through
 ``PDSH_SSH_ARGS``. The config also names ``node-down`` (:data:`DOWN`), an address and port where
 nothing listens. Every address used is in 127.0.0.0/8.
 
+With ``netns=True`` each host is instead a network namespace of its own (tests/multinode/netns.py:
+``eth0`` on a private bridge, 10.213.x.y, sshd on port 22), closer to real machines: its ranks
+reach the others only through that interface (``Hosts.iface`` names it for GLOO_SOCKET_IFNAME).
+
 When the machine cannot do it (no sshd, ssh-keygen or pdsh; sshd refuses to start), a
 :class:`HostsUnavailable` says why; the fixture turns it into a skip.
 """
@@ -40,6 +44,8 @@ class Hosts:
     ssh_config: Path
     bin_dir: Path
     procs: list[subprocess.Popen] = field(default_factory=list)
+    iface: str = "lo"  # the interface gloo should bind on every host (GLOO_SOCKET_IFNAME)
+    teardown: list = field(default_factory=list)
 
     def env(self, base: dict | None = None) -> dict:
         """Environment in which ``ssh NAME`` and ``pdsh -w NAME`` reach the pretend hosts."""
@@ -63,6 +69,8 @@ class Hosts:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        for undo in self.teardown:
+            undo()
 
 
 def _free_port(addr: str) -> int:
@@ -79,7 +87,8 @@ def _need(program: str, hint: str) -> str:
     return path
 
 
-def start_hosts(folder: Path, count: int = 2, timeout: float = 20.0) -> Hosts:
+def start_hosts(folder: Path, count: int = 2, timeout: float = 20.0, netns: bool = False) -> Hosts:
+    """Hosts on loopback aliases, or with ``netns`` each in its own network namespace (see netns.py)."""
     sshd = _need("sshd", "apt-get install openssh-server")
     keygen = _need("ssh-keygen", "apt-get install openssh-client")
     ssh = _need("ssh", "apt-get install openssh-client")
@@ -100,12 +109,17 @@ def start_hosts(folder: Path, count: int = 2, timeout: float = 20.0) -> Hosts:
 
     names = [f"node{i + 1}" for i in range(count)]
     addrs = [f"127.0.0.{i + 2}" for i in range(count)]
+    spaces, teardown = [None] * count, []
+    if netns:
+        from tests.multinode.netns import make_namespaces
+        addrs, spaces, undo = make_namespaces(count, HostsUnavailable)
+        teardown.append(undo)
     ports, procs, config_lines = [], [], []
     hosts = None
     try:
-        for name, addr in zip(names, addrs):
+        for name, addr, space in zip(names, addrs, spaces):
             try:
-                port = _free_port(addr)
+                port = 22 if space else _free_port(addr)
             except OSError as err:
                 raise HostsUnavailable(f"cannot bind {addr} ({err}): no loopback alias") from None
             host_key = folder / f"{name}_host_key"
@@ -118,7 +132,8 @@ def start_hosts(folder: Path, count: int = 2, timeout: float = 20.0) -> Hosts:
                 "AllowTcpForwarding no\nX11Forwarding no\nPrintMotd no\nMaxStartups 100\n"
                 "MaxSessions 100\nLogLevel ERROR\n")
             log = open(folder / f"{name}_sshd.log", "w")
-            procs.append(subprocess.Popen([sshd, "-D", "-e", "-f", str(conf)], stdout=log, stderr=log))
+            prefix = ["ip", "netns", "exec", space] if space else []
+            procs.append(subprocess.Popen([*prefix, sshd, "-D", "-e", "-f", str(conf)], stdout=log, stderr=log))
             ports.append(port)
             config_lines.append(
                 f"Host {name}\n  HostName {addr}\n  Port {port}\n  User {user}\n  IdentityFile {client_key}\n"
@@ -136,13 +151,15 @@ def start_hosts(folder: Path, count: int = 2, timeout: float = 20.0) -> Hosts:
         wrapper.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -F ] && exec {ssh} "$@"; done\n'
                            f'exec {ssh} -F {ssh_config} "$@"\n')
         wrapper.chmod(0o755)
-        hosts = Hosts(folder, names, addrs, ports, ssh_config, bin_dir, procs)
+        hosts = Hosts(folder, names, addrs, ports, ssh_config, bin_dir, procs, "eth0" if netns else "lo", teardown)
         _wait_until_up(hosts, timeout)
         return hosts
     except BaseException:
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
+        for undo in teardown:
+            undo()
         raise
 
 
