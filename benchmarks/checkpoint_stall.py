@@ -57,7 +57,10 @@ def finish(proc: subprocess.Popen, timeout: float) -> int:
     try:
         return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the job this script started, and only it
+        import psutil  # the job this script started, and only it (deepspeed runs in a session of its own)
+        for kid in psutil.Process(proc.pid).children(recursive=True):
+            kid.kill()
+        proc.kill()
         return proc.wait()
 
 
