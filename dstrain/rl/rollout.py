@@ -6,7 +6,8 @@ on the backend.
 
 ``ray`` (``rollout.backend = "ray"``): rank 0 starts a local Ray cluster (or joins
 ``rollout.address``, e.g. ``auto`` after ``ray start`` on every machine) and the
-other ranks join it; each rank owns one actor holding a copy of the policy (same
+other ranks join it (with the cluster's auth mode; its token is in the user's
+``~/.ray``, so ranks on other machines join a cluster started there with ``ray start``); each rank owns one actor holding a copy of the policy (same
 architecture and dtype) and its own sandbox pool, so generation and the verifiers
 run in the actor's process, on whatever node Ray placed it. After every optimizer
 step the next ``run`` first pushes the policy's weights: the full state is read
@@ -41,7 +42,7 @@ class LocalRollout:
         tr = self.tr
         return prl.rollout(tr.policy, tr.tokenizer, tr.rl, tasks, tr.task, tr.pool, seed)
 
-    def close(self) -> None:
+    def close(self, clean: bool = True) -> None:
         pass
 
 
@@ -115,11 +116,11 @@ class RayRollout:
     """One Ray actor per rank; weights pushed after each optimizer step, changed tensors only."""
 
     def __init__(self, tr, rollout_cfg):
-        self.ray = ray = _import_ray()
         self.tr, self.cfg = tr, rollout_cfg
         self.started_cluster = False
-        address = None
+        shared = None
         if tr.world.is_main:
+            self.ray = ray = _import_ray()
             if not ray.is_initialized():
                 if rollout_cfg.address:
                     ray.init(address=rollout_cfg.address, log_to_driver=False)
@@ -127,10 +128,15 @@ class RayRollout:
                     ray.init(num_cpus=rollout_cfg.num_cpus, include_dashboard=False, log_to_driver=False,
                              configure_logging=False)
                     self.started_cluster = True
-            address = ray.get_runtime_context().gcs_address
-        address = runtime.broadcast_object(address)
-        if not tr.world.is_main and not ray.is_initialized():
-            ray.init(address=address, log_to_driver=False)
+            # joiners need the cluster's auth mode (the token itself is in the user's ~/.ray)
+            shared = (ray.get_runtime_context().gcs_address, os.environ.get("RAY_AUTH_MODE"))
+        address, auth_mode = runtime.broadcast_object(shared)
+        if not tr.world.is_main:
+            if auth_mode:  # before ray is imported: it reads the mode once
+                os.environ["RAY_AUTH_MODE"] = auth_mode
+            self.ray = ray = _import_ray()
+            if not ray.is_initialized():
+                ray.init(address=address, log_to_driver=False)
         dtype = str(next(tr.policy.parameters()).dtype).replace("torch.", "")
         from dataclasses import asdict
         cfg = tr.cfg
@@ -171,14 +177,17 @@ class RayRollout:
                            out["statuses"], out["gen_seconds"], sum(len(c.completion_ids) for c in comps),
                            out["score_seconds"])
 
-    def close(self) -> None:
+    def close(self, clean: bool = True) -> None:
+        """End this rank's actor and leave the cluster; rank 0 ends a cluster it started after the
+        others left (``clean``: every rank is here; after a crash nobody waits for the others)."""
         with contextlib.suppress(Exception):
             self.ray.get(self.worker.close.remote(), timeout=30)
             self.ray.kill(self.worker)
         if not self.tr.world.is_main:  # leave the cluster before rank 0 ends it
             with contextlib.suppress(Exception):
                 self.ray.shutdown()
-        runtime.barrier()
+        if clean:
+            runtime.barrier()
         if self.tr.world.is_main:
             with contextlib.suppress(Exception):
                 self.ray.shutdown()

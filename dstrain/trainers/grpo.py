@@ -33,6 +33,7 @@ from dstrain import runtime
 from dstrain.config import ConfigError, RunConfig
 from dstrain.engine.factory import create_engine
 from dstrain.rl import grpo_math as gm
+from dstrain.rl.rollout import make_rollout
 from dstrain.trainers import policy_rl as prl
 from dstrain.trainers import task_config
 from dstrain.trainers.common import (StopFlag, decide_resume, load_checkpoint, pin_plan, plan_and_record,
@@ -95,6 +96,7 @@ class GRPOTrainer(RLLoop):
             self.reference = self.rl.reference(self.model_cfg, self.task.reference,
                                                train_ds_config=self.plan.ds_config, seed=cfg.train.seed)
         self.pool = sandbox_pool(self.task)
+        self.rollouts = None  # set once the engine exists (a Ray actor copies the policy's dtype)
         self.loss_cfg = gm.GRPOLossConfig(eps_low=self.task.epsilon, eps_high=self.task.clip_high,
                                           beta=self.task.beta, loss_type=self.task.loss_type,
                                           max_completion_length=self.task.max_new_tokens)
@@ -102,6 +104,7 @@ class GRPOTrainer(RLLoop):
         if resume_tag is not None:
             self.start_step = int(load_checkpoint(self.engine, self.ckpt_root, resume_tag, self.world)["step"])
         self.stop = StopFlag()
+        self.rollouts = make_rollout(self, cfg.rollout)
 
     def _print(self, msg: str) -> None:
         if self.world.is_main:
@@ -179,6 +182,11 @@ class GRPOTrainer(RLLoop):
         out.update(
             gen_tokens_per_s=sb.gen_tokens / max(sb.times["generation"], 1e-9),
             train_tokens_per_s=attn.sum().item() * self.task.num_iterations / max(train_seconds, 1e-9))
+        rollouts, sync = getattr(self, "rollouts", None), {}
+        if rollouts is not None:
+            sync, rollouts.last_sync = rollouts.last_sync, {}
+        if sync:  # ray: the weights pushed to the actor before this step's generation
+            out.update({"time/weight_sync": sync["weight_sync_s"], "weight_sync_mb": sync["weight_sync_bytes"] / 1e6})
         out.update({"time/generation": sb.times["generation"], "time/reward": sb.times["reward"],
                     "time/reference": reference_s, "time/training": train_seconds,
                     "time/step": time.perf_counter() - step_start})

@@ -36,6 +36,7 @@ import torch
 from dstrain import runtime
 from dstrain.rl import dapo
 from dstrain.rl import grpo_math as gm
+from dstrain.rl.rollout import LocalRollout
 from dstrain.trainers import policy_rl as prl
 
 
@@ -78,17 +79,21 @@ def row_weights(completions: list, task) -> torch.Tensor:
 
 
 def generate_and_score(tr, tasks: list, seed: int) -> tuple:
-    """(completions, verifier rewards, shaped rewards, statuses, generation s, reward s) through
-    ``policy_rl.rollout``; every rank must call it together (``tasks`` may be empty: the rank
+    """(completions, verifier rewards, shaped rewards, statuses, generation s, reward s) through the
+    trainer's rollout backend (``dstrain.rl.rollout``); every rank must call it together (``tasks`` may be empty: the rank
     still takes part in the collective generation of ZeRO-3)."""
-    task = tr.task
+    task, rollouts = tr.task, getattr(tr, "rollouts", None)
     if not tasks:
         start = time.perf_counter()
-        tr.rl.generate(tr.policy, tr.tokenizer, [], num_samples=1, temperature=task.temperature, top_p=task.top_p,
-                       max_new_tokens=task.max_new_tokens, stop=(), seed=seed)
+        if rollouts is not None and not isinstance(rollouts, LocalRollout):
+            rollouts.run([], seed)  # joins the (collective) weight push; the actor has nothing to do
+        else:
+            tr.rl.generate(tr.policy, tr.tokenizer, [], num_samples=1, temperature=task.temperature,
+                           top_p=task.top_p, max_new_tokens=task.max_new_tokens, stop=(), seed=seed)
         empty = torch.zeros(0)
         return [], empty, empty, [], time.perf_counter() - start, 0.0
-    roll = prl.rollout(tr.policy, tr.tokenizer, tr.rl, tasks, task, tr.pool, seed)
+    roll = (rollouts.run(tasks, seed) if rollouts is not None
+            else prl.rollout(tr.policy, tr.tokenizer, tr.rl, tasks, task, tr.pool, seed))
     raw = roll.rewards.float()
     return (roll.completions, raw, shaped_rewards(raw, roll.completions, task), roll.statuses, roll.gen_seconds,
             roll.score_seconds)

@@ -9,6 +9,7 @@ plus the attributes set in its ``__init__``: ``cfg``, ``task``, ``world``, ``out
 from __future__ import annotations
 
 import json
+import sys
 import time
 
 from dstrain.config import ConfigError
@@ -123,6 +124,9 @@ class RLLoop:
         finally:
             log.close()
             self.pool.close()
+            rollouts = getattr(self, "rollouts", None)
+            if rollouts is not None:  # a Ray cluster: leave it (and end it on rank 0); no barrier after a crash
+                rollouts.close(clean=sys.exc_info()[0] is None)
         split = time_split(time_sums)
         if split and self.world.is_main:
             print(format_time_split(split), flush=True)
