@@ -20,6 +20,7 @@ setup(
         "psutil",
         "numpy",
     ],
-    extras_require={"dev": ["pytest", "hypothesis", "matplotlib"]},
+    # ray: rollout.backend=ray (RL generation on Ray actors); the tests of that backend need it.
+    extras_require={"dev": ["pytest", "hypothesis", "matplotlib", "ray"], "ray": ["ray"]},
     entry_points={"console_scripts": ["dstrain=dstrain.cli:main"]},
 )
