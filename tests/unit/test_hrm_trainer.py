@@ -36,6 +36,7 @@ def test_shipped_recipes_validate(recipe):
     ("--task.train_puzzle=3", "task.train_puzzle", "did you mean 'train_puzzles'"),
     ("--task.mask_givens=1", "task.mask_givens", "expected true or false"),
     ("--task.global_batch=-4", "task", "global_batch must not be negative"),
+    ("--task.grid=5", "task", "grid must be 4, 6 or 9"),
 ])
 def test_bad_task_settings_name_the_key(override, key, message):
     with pytest.raises(ConfigError, match=message) as err:
@@ -61,3 +62,13 @@ def test_evaluate_rows_runs_every_puzzle_to_the_step_limit():
     assert summarise({"rows": 4, "count": 2, "exact_accuracy": 1, "lm_loss": 8}) == \
         {"exact_accuracy": 0.5, "lm_loss": 2.0, "halted_fraction": 0.5}
     assert not model.training and np.isfinite(stats["accuracy"])
+
+
+def test_grid_size_bounds_blanks_and_needs_generated_puzzles():
+    with pytest.raises(ConfigError, match=r"blanks must be within \[0, 12\] \(a unique 4x4"):
+        load_run_config(DEBUG, ["--task.grid=4", "--task.blanks=13"])
+    assert load_run_config(DEBUG, ["--task.grid=6", "--task.blanks=28"]) is not None
+    data = json.loads(DEBUG.read_text())
+    data["task"].update(source="file", train_file="puzzles.txt", grid=6)
+    with pytest.raises(ConfigError, match="grid must be 9 when task.source is file"):
+        run_config_from_dict(data, "recipe")
