@@ -143,6 +143,9 @@ class RayRollout:
         actor = ray.remote(num_cpus=rollout_cfg.cpus_per_worker)(RolloutWorker)
         self.worker = actor.remote(cfg.model.name, cfg.model.size, dict(cfg.model.args), asdict(tr.task), dtype,
                                    rollout_cfg.threads_per_worker or torch.get_num_threads())
+        start = time.perf_counter()
+        ray.get(self.worker.pid.remote())  # the actor is built (imports, policy, sandbox pool) before step 1
+        self.startup_s = time.perf_counter() - start
         self.pushed: dict[str, torch.Tensor] = {}
         self.version = None
         self.last_sync = {}
