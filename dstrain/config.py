@@ -436,8 +436,8 @@ def _validate_parallel(cfg: RunConfig, source: str) -> None:
     _check(ro.cpus_per_worker > 0, source, "rollout.cpus_per_worker", f"must be positive, got {ro.cpus_per_worker}")
     _check(ro.threads_per_worker >= 0, source, "rollout.threads_per_worker",
            f"must be 0 (the rank's) or more, got {ro.threads_per_worker}")
-    _check(ro.backend == "local" or cfg.trainer == "grpo", source, "rollout.backend",
-           f"ray rollouts are built for the grpo trainer; {cfg.trainer!r} runs them locally (rollout.backend=local)")
+    _check(ro.backend == "local" or cfg.trainer in ("grpo", "score"), source, "rollout.backend",
+           f"ray rollouts are for the RL trainers (grpo, score); {cfg.trainer!r} has none (use rollout.backend=local)")
     _check(par.sp_mode in ("auto", "exchange", "ulysses"), source, "parallel.sp_mode",
            f"must be auto, exchange or ulysses, got {par.sp_mode!r}")
     _check(cfg.data.seq_len % par.sp == 0, source, "data.seq_len",

@@ -37,10 +37,10 @@ class LocalRollout:
         self.tr = tr
         self.last_sync = {}
 
-    def run(self, tasks: list, seed: int):
+    def run(self, tasks: list, seed: int, prompts: list[str] | None = None):
         from dstrain.trainers import policy_rl as prl
         tr = self.tr
-        return prl.rollout(tr.policy, tr.tokenizer, tr.rl, tasks, tr.task, tr.pool, seed)
+        return prl.rollout(tr.policy, tr.tokenizer, tr.rl, tasks, tr.task, tr.pool, seed, prompts=prompts)
 
     def close(self, clean: bool = True) -> None:
         pass
@@ -58,18 +58,19 @@ def _import_ray():
 class RolloutWorker:
     """The Ray actor's body: a policy copy, its tokenizer and a sandbox pool (plain class; wrapped by ray)."""
 
-    def __init__(self, model_name: str, model_size: str, model_args: dict, task_fields: dict, dtype: str,
-                 threads: int):
+    def __init__(self, model_name: str, model_size: str, model_args: dict, task_class: str, task_fields: dict,
+                 dtype: str, threads: int):
         torch.set_num_threads(max(1, threads))
         from models import registry
-        from dstrain.trainers.grpo_config import PolicyTaskConfig
+        import importlib
         from dstrain.trainers.rl_loop import sandbox_pool
         spec = registry.get_spec(model_name)
         self.rl = spec.rl
         self.model_cfg = registry.make_model_config(model_name, model_size, model_args)
         self.model = self.rl.build(self.model_cfg).to(getattr(torch, dtype)).eval()
         self.tokenizer = self.rl.load_tokenizer(self.model_cfg)
-        self.task = PolicyTaskConfig(**task_fields)
+        module, name = task_class.rsplit(".", 1)  # the trainer's own task dataclass (GRPO's, SCoRe's)
+        self.task = getattr(importlib.import_module(module), name)(**task_fields)
         self.pool = sandbox_pool(self.task)
 
     def load(self, tensors: dict) -> int:
@@ -80,9 +81,9 @@ class RolloutWorker:
         self.model.load_state_dict(tensors, strict=False)
         return len(tensors)
 
-    def rollout(self, tasks: list, seed: int) -> dict:
+    def rollout(self, tasks: list, seed: int, prompts: list[str] | None = None) -> dict:
         from dstrain.trainers import policy_rl as prl
-        roll = prl.rollout(self.model, self.tokenizer, self.rl, tasks, self.task, self.pool, seed)
+        roll = prl.rollout(self.model, self.tokenizer, self.rl, tasks, self.task, self.pool, seed, prompts=prompts)
         return {"completions": roll.completions, "rewards": roll.rewards, "statuses": roll.statuses,
                 "gen_seconds": roll.gen_seconds, "score_seconds": roll.score_seconds}
 
@@ -141,7 +142,9 @@ class RayRollout:
         from dataclasses import asdict
         cfg = tr.cfg
         actor = ray.remote(num_cpus=rollout_cfg.cpus_per_worker)(RolloutWorker)
-        self.worker = actor.remote(cfg.model.name, cfg.model.size, dict(cfg.model.args), asdict(tr.task), dtype,
+        task_class = f"{type(tr.task).__module__}.{type(tr.task).__qualname__}"
+        self.worker = actor.remote(cfg.model.name, cfg.model.size, dict(cfg.model.args), task_class, asdict(tr.task),
+                                   dtype,
                                    rollout_cfg.threads_per_worker or torch.get_num_threads())
         start = time.perf_counter()
         ray.get(self.worker.pid.remote())  # the actor is built (imports, policy, sandbox pool) before step 1
@@ -169,12 +172,12 @@ class RayRollout:
                           "weight_sync_bytes": sum(v.numel() * v.element_size() for v in changed.values())}
         return self.last_sync
 
-    def run(self, tasks: list, seed: int):
+    def run(self, tasks: list, seed: int, prompts: list[str] | None = None):
         from dstrain.trainers import policy_rl as prl
         self.sync()
         if not tasks:
             return None
-        out = self.ray.get(self.worker.rollout.remote(tasks, seed))
+        out = self.ray.get(self.worker.rollout.remote(tasks, seed, prompts))
         comps = out["completions"]
         return prl.Rollout(comps, self.tr.rl.pack(comps, self.tr.tokenizer.pad_token_id), out["rewards"],
                            out["statuses"], out["gen_seconds"], sum(len(c.completion_ids) for c in comps),

@@ -20,10 +20,12 @@ import dataclasses
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 from dstrain import runtime
+from dstrain.rl.rollout import make_rollout
 from dstrain.config import ConfigError, RunConfig, save_run_config
 from dstrain.engine.factory import create_engine, plan_engine
 from dstrain.engine.profiles import PlanError
@@ -84,8 +86,12 @@ class ScoreTrainer(RLLoop):
         self.models, self.devices, self.profiles = self._build_models()
         self.tokenizer = self.rl.load_tokenizer(self.model_cfg)
         self.pool = sandbox_pool(self.task)
+        # the policy's turns (and their rewards) run where rollout.backend says; the guidance model stays here
+        self.rollouts = make_rollout(SimpleNamespace(
+            cfg=cfg, policy=self.models.policy.module, engine=self.models.policy, tokenizer=self.tokenizer,
+            rl=self.rl, task=self.task, pool=self.pool, world=w), cfg.rollout)
         self.runner = ScoreStep(self.models, self.rl, self.tokenizer, self.task, self.pool, w.rank,
-                                t.micro_batch, t.grad_accum, cfg.train.seed)
+                                t.micro_batch, t.grad_accum, cfg.train.seed, rollouts=self.rollouts)
         self.start_step = 0
         if resume_tag is not None:
             self.start_step = int(load_checkpoint(self.models.policy, self.ckpt_root, resume_tag, w)["step"])

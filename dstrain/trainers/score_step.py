@@ -76,8 +76,9 @@ class ScoreStep:
     """Runs episodes and updates on ``models`` (see the module docstring)."""
 
     def __init__(self, models: ScoreModels, rl, tokenizer, task, pool, rank: int, micro_batch: int,
-                 grad_accum: int, seed: int):
+                 grad_accum: int, seed: int, rollouts=None):
         self.m, self.rl, self.tok, self.task, self.pool = models, rl, tokenizer, task, pool
+        self.rollouts = rollouts  # dstrain.rl.rollout backend for the policy's turns (None: in this process)
         self.rank, self.micro_batch, self.grad_accum, self.seed = rank, micro_batch, grad_accum, seed
         self.n = micro_batch * grad_accum
 
@@ -94,19 +95,23 @@ class ScoreStep:
         base = ((self.seed * 1_000_003 + step) * 4099 + self.rank) * 3
         seconds = {}
         start = time.perf_counter()
-        turn1 = prl.rollout(self.m.policy.module, self.tok, self.rl, tasks, self.task, self.pool, base,
-                            prompts=[ep.turn1_prompt(t.prompt) for t in tasks])
+        turn1 = self._rollout(tasks, base, [ep.turn1_prompt(t.prompt) for t in tasks])
         t1_texts = [c.text for c in turn1.completions]
         mid = time.perf_counter()
         hints = self.hints(tasks, t1_texts, base + 1)
         seconds["generate_guidance"] = time.perf_counter() - mid
         prompts2 = [ep.turn2_prompt(t.prompt, a, h.text) for t, a, h in zip(tasks, t1_texts, hints)]
-        turn2 = prl.rollout(self.m.policy.module, self.tok, self.rl, tasks, self.task, self.pool, base + 2,
-                            prompts=prompts2)
+        turn2 = self._rollout(tasks, base + 2, prompts2)
         seconds["generate_policy"] = time.perf_counter() - start - seconds["generate_guidance"]
         return Episodes(tasks, turn1, hints, turn2, all_gather_1d(turn1.rewards), all_gather_1d(turn2.rewards), seconds)
 
     # ---------------------------------------------------------------- helpers
+    def _rollout(self, tasks: list, seed: int, prompts: list[str]):
+        if self.rollouts is not None:
+            return self.rollouts.run(tasks, seed, prompts=prompts)
+        return prl.rollout(self.m.policy.module, self.tok, self.rl, tasks, self.task, self.pool, seed,
+                           prompts=prompts)
+
     def _micro(self) -> list[slice]:
         return [slice(i * self.micro_batch, (i + 1) * self.micro_batch) for i in range(self.grad_accum)]
 

@@ -1,4 +1,4 @@
-"""GRPO on 2 CPU ranks with rollouts on Ray actors equals the same run with local rollouts.
+"""GRPO and SCoRe on 2 CPU ranks with rollouts on Ray actors equal the same runs with local rollouts.
 
 Each rank's actor holds a copy of the policy, gets the changed weights after every
 optimizer step and samples with the rank's seed, so completions, rewards and hence
@@ -20,9 +20,15 @@ QUICK = ["--task.warm_start_steps=10", "--task.n_train=32", "--task.n_eval=2", "
          "--checkpoint.every=0", "--train.steps=3"]
 
 
-def run(out, *extra):
+SCORE = harness.ROOT / "models" / "policy" / "recipes" / "score_debug.json"
+SCORE_QUICK = ["--task.warm_start_steps=10", "--task.n_train=32", "--task.n_eval=2", "--task.stage_one_steps=1",
+               "--task.guidance_every=2", "--train.log_every=1", "--train.eval_every=0", "--output.progress=false",
+               "--output.tensorboard=false", "--checkpoint.every=0", "--train.steps=3"]
+
+
+def run(out, *extra, recipe=RECIPE, quick=QUICK):
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "dstrain.cli", "launch", "--nproc", "2", str(RECIPE), *QUICK,
+    cmd = [sys.executable, "-m", "dstrain.cli", "launch", "--nproc", "2", str(recipe), *quick,
            f"--output.dir={out}", *extra]
     proc = subprocess.run(cmd, env=env, cwd=harness.ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -43,3 +49,15 @@ def test_ray_rollouts_train_like_local_ones(tmp_path):
     synced = {r["step"] for r in ray_records if r.get("time/weight_sync", 0) > 0}
     assert synced == {1, 2, 3}
     assert not any("time/weight_sync" in r for r in local_records)
+
+
+def test_ray_rollouts_give_score_the_same_episodes(tmp_path):
+    """SCoRe's two policy turns (and their rewards) on the actors; the guidance model stays in the ranks."""
+    pytest.importorskip("ray")
+    local = {r["step"]: r for r in run(tmp_path / "local", recipe=SCORE, quick=SCORE_QUICK) if "train/loss" in r}
+    ray = {r["step"]: r for r in run(tmp_path / "ray", "--rollout.backend=ray", "--rollout.num_cpus=2",
+                                     recipe=SCORE, quick=SCORE_QUICK) if "train/loss" in r}
+    assert sorted(local) == sorted(ray) == [1, 2, 3]
+    for step in local:
+        for key in ("train/accuracy@t1", "train/accuracy@t2", "train/loss"):
+            assert ray[step][key] == pytest.approx(local[step][key], rel=1e-6, abs=1e-7), (step, key)
