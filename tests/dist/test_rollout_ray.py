@@ -61,3 +61,18 @@ def test_ray_rollouts_give_score_the_same_episodes(tmp_path):
     for step in local:
         for key in ("train/accuracy@t1", "train/accuracy@t2", "train/loss"):
             assert ray[step][key] == pytest.approx(local[step][key], rel=1e-6, abs=1e-7), (step, key)
+
+
+@pytest.mark.slow
+def test_ray_rollouts_under_zero3_push_gathered_weights(tmp_path):
+    """ZeRO-3: the push gathers the partitioned policy once; decay moves the weights every step."""
+    pytest.importorskip("ray")
+    extra = ("--deepspeed.profile=zero3", "--train.weight_decay=0.5", "--train.lr=0.01")
+    local = {r["step"]: r for r in run(tmp_path / "local", *extra) if "train/loss" in r}
+    records = run(tmp_path / "ray", *extra, "--rollout.backend=ray", "--rollout.num_cpus=2")
+    ray = {r["step"]: r for r in records if "train/loss" in r}
+    for step in local:
+        for key in ("train/completion_length", "train/loss"):
+            assert ray[step][key] == pytest.approx(local[step][key], rel=1e-6, abs=1e-7), (step, key)
+    pushed = [r["train/weight_sync_mb"] for r in records if "train/weight_sync_mb" in r]
+    assert len(pushed) == 3 and all(mb > 0.1 for mb in pushed)  # whole tensors, not empty shards
