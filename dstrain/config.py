@@ -95,7 +95,8 @@ class TrainConfig:
     nonfinite: str = "stop"
     """What a NaN/Inf loss on any rank does (every rank agrees through one all-reduce per step): stop (leave
     the step's update undone, save the last good state as a checkpoint and exit non-zero naming the step
-    and rank) | skip (drop that step's update on every rank, count it as ``train/skipped_steps``)."""
+    and rank) | skip (drop that step's update on every rank, count it as ``train/skipped_steps``).
+    Both act in the lm trainer (without pipeline stages); the other trainers do not check yet."""
     max_consecutive_skips: int = 5
     """Under nonfinite=skip, this many skipped steps in a row end the run with an error."""
     collective_timeout_s: float = 1800.0
@@ -380,6 +381,15 @@ def validate(cfg: RunConfig, source: str) -> None:
            f"must be at least 1, got {t.max_consecutive_skips}")
     _check(t.collective_timeout_s > 0, source, "train.collective_timeout_s",
            f"must be positive, got {t.collective_timeout_s}")
+    # The non-finite policy and background saves live in the supervised LM loop (not its pipeline path)
+    # so far: elsewhere a request for them is refused rather than silently ignored.
+    plain_lm = cfg.trainer == "lm" and cfg.parallel.pp in (1, "1")
+    _check(t.nonfinite == "stop" or plain_lm, source, "train.nonfinite",
+           f"skip is implemented for the lm trainer without pipeline stages, not for {cfg.trainer!r}"
+           + (f" with parallel.pp={cfg.parallel.pp}" if cfg.trainer == "lm" else ""))
+    _check(not cfg.checkpoint.async_write or plain_lm, source, "checkpoint.async_write",
+           f"background saves are implemented for the lm trainer without pipeline stages, not for {cfg.trainer!r}"
+           + (f" with parallel.pp={cfg.parallel.pp}" if cfg.trainer == "lm" else ""))
     _check(ds.precision in ("auto", "fp32", "bf16", "fp16"), source, "deepspeed.precision",
            f"must be auto, fp32, bf16 or fp16, got {ds.precision!r}")
     _check(ds.activation_checkpointing in ("auto", True, False), source,

@@ -103,3 +103,12 @@ def test_check_config_on_run_config_and_ds_json(tmp_path, capsys):
     assert main(["check-config", str(bad)]) == 2
     err = capsys.readouterr().err
     assert "zero_optimisation" in err and "offload_param" in err
+
+
+def test_fault_features_not_built_for_a_trainer_are_refused_not_ignored():
+    from dstrain.config import ConfigError, load_run_config
+    with pytest.raises(ConfigError, match="train.nonfinite: skip is implemented for the lm trainer"):
+        load_run_config("models/hrm/recipes/sudoku_debug.json", ["--train.nonfinite=skip"])
+    with pytest.raises(ConfigError, match="checkpoint.async_write: .*parallel.pp=2"):
+        load_run_config("models/gpt/recipes/tiny.json", ["--parallel.pp=2", "--checkpoint.async_write=true"])
+    assert load_run_config("models/gpt/recipes/tiny.json", ["--train.nonfinite=skip"]).train.nonfinite == "skip"
