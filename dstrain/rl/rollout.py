@@ -143,9 +143,9 @@ class RayRollout:
         cfg = tr.cfg
         actor = ray.remote(num_cpus=rollout_cfg.cpus_per_worker)(RolloutWorker)
         task_class = f"{type(tr.task).__module__}.{type(tr.task).__qualname__}"
-        self.worker = actor.remote(cfg.model.name, cfg.model.size, dict(cfg.model.args), task_class, asdict(tr.task),
-                                   dtype,
-                                   rollout_cfg.threads_per_worker or torch.get_num_threads())
+        threads = rollout_cfg.threads_per_worker or torch.get_num_threads()
+        self.worker = actor.remote(cfg.model.name, cfg.model.size, dict(cfg.model.args), task_class,
+                                   asdict(tr.task), dtype, threads)
         start = time.perf_counter()
         ray.get(self.worker.pid.remote())  # the actor is built (imports, policy, sandbox pool) before step 1
         self.startup_s = time.perf_counter() - start
