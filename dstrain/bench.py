@@ -296,6 +296,27 @@ def _launch(opts: BenchOptions, overrides: list[str], mode: str, profile: str, r
     return json.loads(result.read_text())
 
 
+def job_overrides(opts: BenchOptions, cfg) -> tuple[bool, list[str], str]:
+    """(CUDA in use, the overrides every job gets, a note on precision): on a CPU an ``auto``
+    precision becomes fp32, so that the comparison does not hinge on the CPU's bf16 speed."""
+    from dstrain import launcher
+    cuda = os.environ.get("DS_ACCELERATOR", "") != "cpu" and launcher.detect_accelerator() == "cuda"
+    if not cuda and cfg.deepspeed.precision == "auto":
+        return cuda, [*opts.overrides, "--deepspeed.precision=fp32"], \
+            "fp32 forced by the benchmark on CPU (deepspeed.precision was auto)"
+    return cuda, list(opts.overrides), "as configured"
+
+
+def write_result(result: dict, out: Path, with_plot: bool, plot_fn, table_fn) -> None:
+    """The result JSON (and its PNG), then the table and where they went."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    if with_plot:
+        plot_fn(result, out.with_suffix(".png"))
+    print(table_fn(result))
+    print(f"wrote {_portable(str(out.resolve()))}" + (" (+ .png)" if with_plot else ""))
+
+
 def default_profiles(cfg, nproc: int) -> list[str]:
     if cfg.deepspeed.profile != "auto":
         return [cfg.deepspeed.profile]
@@ -348,16 +369,11 @@ def assemble(opts: BenchOptions, argv: list[str], cfg, jobs: list[dict], device:
 
 
 def run_benchmark(opts: BenchOptions, argv: list[str]) -> int:
-    from dstrain import launcher
     from dstrain.config import load_run_config
     from dstrain.engine.ds_config import resolve_profile_path
 
     cfg = load_run_config(opts.recipe, opts.overrides)  # config errors now, once
-    cuda = os.environ.get("DS_ACCELERATOR", "") != "cpu" and launcher.detect_accelerator() == "cuda"
-    overrides, note = list(opts.overrides), "as configured"
-    if not cuda and cfg.deepspeed.precision == "auto":
-        overrides.append("--deepspeed.precision=fp32")
-        note = "fp32 forced by the benchmark on CPU (deepspeed.precision was auto)"
+    cuda, overrides, note = job_overrides(opts, cfg)
     profiles = opts.profiles or default_profiles(cfg, opts.nproc)
     for p in profiles:
         resolve_profile_path(p)
@@ -400,12 +416,7 @@ def run_benchmark(opts: BenchOptions, argv: list[str]) -> int:
         return 1
     result = assemble(opts, argv, cfg, jobs, device, load_before, os.getloadavg(), note)
     result["failed_profiles"] = sorted(failed)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    if opts.plot:
-        plot(result, out.with_suffix(".png"))
-    print(format_table(result))
-    print(f"wrote {_portable(str(out.resolve()))}" + (" (+ .png)" if opts.plot else ""))
+    write_result(result, out, opts.plot, plot, format_table)
     if failed:
         print(f"dstrain bench: failed profiles: {', '.join(sorted(failed))}", file=sys.stderr)
     return 1 if failed else 0

@@ -17,7 +17,6 @@ communication on that machine, not a cluster.
 """
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import subprocess
@@ -114,17 +113,14 @@ def plot(result: dict, path: Path) -> None:
 
 
 def run_scaling(opts, argv: list[str]) -> int:
-    from dstrain import bench, launcher
+    from dstrain import bench
     from dstrain.config import load_run_config
     from dstrain.engine.ds_config import resolve_profile_path
 
     cfg = load_run_config(opts.recipe, opts.overrides)
     jobs = scaling_jobs(opts.scaling, cfg.train.grad_accum)
-    cuda = os.environ.get("DS_ACCELERATOR", "") != "cpu" and launcher.detect_accelerator() == "cuda"
-    overrides, note = list(opts.overrides) + ["--output.comms=true"], "as configured"
-    if not cuda and cfg.deepspeed.precision == "auto":
-        overrides.append("--deepspeed.precision=fp32")
-        note = "fp32 forced by the benchmark on CPU (deepspeed.precision was auto)"
+    cuda, overrides, note = bench.job_overrides(opts, cfg)
+    overrides.append("--output.comms=true")
     profile = (opts.profiles or bench.default_profiles(cfg, max(opts.scaling)))[0]
     resolve_profile_path(profile)
     out = Path(opts.out or f"benchmarks/results/scaling_{Path(opts.recipe).stem}.json")
@@ -163,10 +159,5 @@ def run_scaling(opts, argv: list[str]) -> int:
                                     "median per step; share = comm time / step time"},
         "points": [point(kind, job, base_step, cfg.data.seq_len, cfg.train.micro_batch) for kind, job in done],
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    if opts.plot:
-        plot(result, out.with_suffix(".png"))
-    print(format_table(result))
-    print(f"wrote {bench._portable(str(out.resolve()))}" + (" (+ .png)" if opts.plot else ""))
+    bench.write_result(result, out, opts.plot, plot, format_table)
     return 0
