@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dstrain.engine.factory import Engine
+
 PARTITION_METHODS = ("parameters", "uniform", "cost")
 _LAYER_FILE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$|^layer_(\d+)-model_states\.pt$")
 
@@ -333,24 +335,20 @@ def build_engine_module(build_model, pipeline_parts, setup: PipelineSetup, activ
     return module
 
 
-class PipelineEngine:
+class PipelineEngine(Engine):
     """The trainer-facing side of DeepSpeed's ``PipelineEngine``: whole batches, not micro-batches.
 
     ``train_batch(iterator)`` runs one optimizer step over ``grad_accum`` micro-batches
     with the 1F1B schedule (the first stage reads inputs from the iterator, the last
     stage labels) and returns the mean loss over the data-parallel group;
-    ``eval_batch(iterator)`` the same without gradients. Save/load go through
-    DeepSpeed's pipeline checkpoints (one ``layer_XX-model_states.pt`` per layer).
+    ``eval_batch(iterator)`` the same without gradients. Save/load (the engine's) go
+    through DeepSpeed's pipeline checkpoints (one ``layer_XX-model_states.pt`` per layer).
     """
 
     is_pipeline = True
 
     def __init__(self, ds_engine, plan, param_group_names=None):
-        self.ds = ds_engine
-        self.plan = plan
-        self.parallel = None
-        self.param_group_names = param_group_names
-        self._norm = None
+        super().__init__(ds_engine, plan, param_group_names)
         # fp32 without ZeRO clips through clip_fp32_gradients, which computes the norm and drops it:
         # the same call, keeping the norm (summed over the stages: every parameter is tagged model_parallel).
         def clip_and_keep():
@@ -358,14 +356,6 @@ class PipelineEngine:
             self._norm = clip_grad_norm_(parameters=ds_engine.module.parameters(),
                                          max_norm=ds_engine.gradient_clipping(), mpu=ds_engine.mpu)
         ds_engine.clip_fp32_gradients = clip_and_keep
-
-    @property
-    def module(self):
-        return self.ds.module
-
-    @property
-    def device(self):
-        return self.ds.device
 
     @property
     def stage(self) -> int:
@@ -377,28 +367,10 @@ class PipelineEngine:
     def eval_batch(self, data_iter) -> float:
         return float(self.ds.eval_batch(data_iter, num_micro_batches=1))
 
-    def train(self) -> None:
-        self.ds.train()
-
-    def eval(self) -> None:
-        self.ds.eval()
-
-    @property
-    def lr(self) -> float:
-        return float(self.ds.get_lr()[0])
-
     @property
     def grad_norm(self) -> float | None:
+        """The norm kept by the clipping above, else DeepSpeed's (ZeRO-1, 16-bit)."""
         norm = self._norm if self._norm is not None else self.ds.get_global_grad_norm()
         if norm is None:
             return None
         return float(norm.item() if torch.is_tensor(norm) else norm)
-
-    def save(self, save_dir: str, tag: str, client_state: dict | None = None) -> None:
-        self.ds.save_checkpoint(save_dir, tag=tag, client_state=client_state or {}, save_latest=False)
-
-    def load(self, load_dir: str, tag: str) -> dict:
-        path, client_state = self.ds.load_checkpoint(load_dir, tag=tag)
-        if path is None:
-            raise FileNotFoundError(f"DeepSpeed could not load checkpoint {tag} from {load_dir}")
-        return client_state or {}
