@@ -401,8 +401,9 @@ def validate(cfg: RunConfig, source: str) -> None:
            f"must be auto, torch_fused, torch_foreach or deepspeed, got {t.optimizer!r}")
     _check(ds.mixed_precision in ("auto", "deepspeed", "autocast"), source, "deepspeed.mixed_precision",
            f"must be auto, deepspeed or autocast, got {ds.mixed_precision!r}")
-    _check(ds.comm_dtype in ("auto", "fp32", "bf16", "fp16"), source, "deepspeed.comm_dtype",
-           f"must be auto, fp32, bf16 or fp16, got {ds.comm_dtype!r}")
+    from dstrain.comms import COMM_DTYPES
+    _check(ds.comm_dtype in COMM_DTYPES, source, "deepspeed.comm_dtype",
+           f"must be {', '.join(COMM_DTYPES[:-1])} or {COMM_DTYPES[-1]}, got {ds.comm_dtype!r}")
     _check(ds.zero_init in ("auto", True, False), source, "deepspeed.zero_init",
            f"must be auto, true or false, got {json.dumps(ds.zero_init)}")
     _check(0.0 < ds.margin <= 1.0, source, "deepspeed.margin", f"must be in (0, 1], got {ds.margin}")
