@@ -94,7 +94,25 @@ def _mbpp_task(row: Mapping[str, Any]) -> Task:
                 tests=tests, setup=setup.replace("\r\n", "\n"), reference=code + "\n```", stop=("```",))
 
 
-def load_mbpp(source: str, split: str, few_shot: int = 0) -> list[Task]:
+_DEF_LINE = re.compile(r"def [A-Za-z_][A-Za-z0-9_]*\s*\(.*\)\s*(->[^:]*)?:\s*")
+
+
+def with_signature(task: Task) -> Task | None:
+    """``task`` with its reference's ``def`` line moved into the prompt (and ``code_prefix``), so
+    the policy writes only the body; None unless the reference is one function whose first line is
+    its ``def`` line (nothing before it, no second top-level statement after it)."""
+    code = task.reference[: -len("```")].rstrip("\n") if task.reference.endswith("```") else task.reference
+    first, _, body = code.partition("\n")
+    if not _DEF_LINE.fullmatch(first) or not body.strip():
+        return None
+    if any(line and not line[0].isspace() for line in body.split("\n")):
+        return None  # a second top-level statement (helper, constant): not a lone function
+    header = first.rstrip() + "\n"
+    return dataclasses.replace(task, prompt=task.prompt + header, code_prefix=header, reference=body + "\n```")
+
+
+def load_mbpp(source: str, split: str, few_shot: int = 0, max_reference_chars: int = 0,
+              signature: bool = False) -> list[Task]:
     """MBPP tasks of one standard split, by task id: ``"prompt"`` 1-10 (few-shot
     examples), ``"test"`` 11-510, ``"validation"`` 511-600, ``"train"`` 601-974.
 
@@ -105,6 +123,10 @@ def load_mbpp(source: str, split: str, few_shot: int = 0) -> list[Task]:
     an opening ```` ```python ```` fence; the reference is the dataset's code and the
     closing fence, which is also the stop string. ``few_shot`` > 0 prefixes that many
     solved examples from the ``"prompt"`` split (2, 3, 4, ...).
+
+    ``max_reference_chars`` > 0 keeps only the tasks whose reference code is that short
+    (a tiny policy can learn those); ``signature`` ends each prompt with the reference's
+    ``def`` line (see :func:`with_signature`) and keeps only tasks of that form.
     """
     if split not in MBPP_SPLITS:
         raise ValueError(f"unknown MBPP split {split!r}; valid splits: {', '.join(MBPP_SPLITS)}")
@@ -119,6 +141,10 @@ def load_mbpp(source: str, split: str, few_shot: int = 0) -> list[Task]:
         shots = [by_id[i] for i in MBPP_FEW_SHOT_IDS if i in by_id][:few_shot]
         prefix = "".join(s.prompt + s.reference + "\n\n" for s in shots)
         tasks = [dataclasses.replace(t, prompt=prefix + t.prompt) for t in tasks]
+    if max_reference_chars > 0:
+        tasks = [t for t in tasks if len(t.reference) - len("```") <= max_reference_chars]
+    if signature:
+        tasks = [s for s in map(with_signature, tasks) if s is not None]
     return tasks
 
 
@@ -293,7 +319,8 @@ def split_tasks(tasks: Sequence[Task], eval_fraction: float = 0.1, seed: int = 0
     return ([t for i, t in enumerate(tasks) if i not in held], [t for i, t in enumerate(tasks) if i in held])
 
 
-_SPEC_KEYS = ("source", "path", "eval_path", "split", "eval_split", "n_train", "n_eval", "seed", "few_shot")
+_SPEC_KEYS = ("source", "path", "eval_path", "split", "eval_split", "n_train", "n_eval", "seed", "few_shot",
+              "max_reference_chars", "signature")
 
 
 def load_tasks(spec: Mapping[str, Any] | Any) -> tuple[list[Task], list[Task]]:
@@ -306,7 +333,8 @@ def load_tasks(spec: Mapping[str, Any] | Any) -> tuple[list[Task], list[Task]]:
     ``"train"``). Eval tasks: generated sources hold out the last ``n_eval`` of one
     generated set; mbpp uses ``eval_split`` (default ``"validation"``); gsm8k reads
     ``eval_path`` (with ``eval_split``, default ``"test"``) when given, otherwise holds out
-    ``n_eval`` tasks of the train file. ``few_shot`` (mbpp) prefixes solved examples.
+    ``n_eval`` tasks of the train file. ``few_shot`` (mbpp) prefixes solved examples;
+    ``max_reference_chars`` and ``signature`` (mbpp) select and shape tasks (see :func:`load_mbpp`).
     """
     if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
         spec = dataclasses.asdict(spec)
@@ -327,9 +355,10 @@ def load_tasks(spec: Mapping[str, Any] | Any) -> tuple[list[Task], list[Task]]:
     split = spec.get("split", "train")
     if source == "mbpp":
         path = spec.get("path", "mbpp")
-        train = load_mbpp(path, split, int(spec.get("few_shot", 0)))
-        evals = load_mbpp(spec.get("eval_path", path), spec.get("eval_split", "validation"),
-                          int(spec.get("few_shot", 0)))[:n_eval]
+        shape = dict(few_shot=int(spec.get("few_shot", 0)), signature=bool(spec.get("signature", False)),
+                     max_reference_chars=int(spec.get("max_reference_chars", 0)))
+        train = load_mbpp(path, split, **shape)
+        evals = load_mbpp(spec.get("eval_path", path), spec.get("eval_split", "validation"), **shape)[:n_eval]
     else:
         path = spec.get("path", "openai/gsm8k")
         train = load_gsm8k(path, split)

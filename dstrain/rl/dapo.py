@@ -9,6 +9,11 @@
   pure function of (seed, step, round, rank), so a resumed run draws the same ones.
 * :class:`GroupFiller` - one rank's bookkeeping while dynamic sampling fills its share
   of the batch with informative groups, round after round.
+* :func:`groups_for_target` - how many groups to sample so that, with each group
+  informative with probability ``p``, at least ``needed`` are informative with
+  probability ``target`` (the binomial tail, exact); what sizes a round so that one
+  batched generation call usually fills the share.
+* :class:`KeepRate` - the running estimate of ``p`` across steps (kept in checkpoints).
 """
 from __future__ import annotations
 
@@ -113,3 +118,45 @@ class GroupFiller:
     def stats(self) -> dict[str, float]:
         return {"dropped_fraction": self.dropped / max(self.generated, 1), "rounds": float(self.rounds),
                 "filled_fraction": self.kept / max(self.needed, 1), "generated_groups": float(self.generated)}
+
+
+def binomial_at_least(n: int, p: float, k: int) -> float:
+    """P(Binomial(n, p) >= k), summed exactly."""
+    if k <= 0:
+        return 1.0
+    if k > n:
+        return 0.0
+    return sum(math.comb(n, i) * p ** i * (1.0 - p) ** (n - i) for i in range(k, n + 1))
+
+
+def groups_for_target(needed: int, p: float, target: float, cap: int) -> int:
+    """The fewest groups ``n`` (``needed <= n <= cap``) with ``P(Binomial(n, p) >= needed) >= target``;
+    ``cap`` when even that many fall short (a later round makes up the rest). ``needed <= 0``: 0."""
+    if needed <= 0:
+        return 0
+    cap = max(cap, needed)
+    p = min(max(p, 0.0), 1.0)
+    for n in range(needed, cap + 1):
+        if binomial_at_least(n, p, needed) >= target:
+            return n
+    return cap
+
+
+@dataclass
+class KeepRate:
+    """Running estimate of the fraction of groups that are informative (not zero-variance).
+
+    ``rate`` starts at ``initial`` and after each step moves ``weight`` of the way to that
+    step's observed fraction (an exponential moving average over steps, so it follows the
+    policy as its pass rates drift). Never below ``floor``: a step that kept nothing must
+    not make the next one sample without bound (the round cap bounds it too)."""
+
+    rate: float = 1.0
+    weight: float = 0.3
+    floor: float = 0.05
+
+    def update(self, informative: float, generated: float) -> float:
+        if generated > 0:
+            observed = informative / generated
+            self.rate = max(self.floor, (1.0 - self.weight) * self.rate + self.weight * observed)
+        return self.rate

@@ -23,6 +23,11 @@ class PolicyTaskConfig:
     """MBPP/GSM8K file (``mbpp.jsonl``, ``sanitized-mbpp.json``, ``gsm8k_train.jsonl``) or hub name."""
     eval_path: str = ""
     """GSM8K's held-out file (``gsm8k_test.jsonl``); empty: the tail of ``path``. MBPP uses its split ids."""
+    mbpp_max_reference_chars: int = 0
+    """MBPP: keep only tasks whose reference code has at most this many characters (0: all)."""
+    mbpp_signature: bool = False
+    """MBPP: end each prompt with the reference's ``def`` line, so the policy writes the body (tasks
+    whose reference is not one lone function are left out)."""
     train_split: str = "train"
     eval_split: str = "test"
     n_train: int = 0
@@ -61,9 +66,17 @@ class PolicyTaskConfig:
     dynamic_sampling_max_rounds: int = 4
     """Generation rounds per step at most (the first included)."""
     dynamic_sampling_oversample: float = 0.0
-    """Extra groups sampled in the first round, as a fraction of the share (e.g. 0.5: half as many
-    again, on fresh prompts), so that one round usually fills the batch; set it near the expected
-    fraction of groups dropped."""
+    """First guess of the extra groups needed, as a fraction of the share (e.g. 0.5: half as many
+    again, on fresh prompts). With ``dynamic_sampling_target`` 0 the first round always samples this
+    many extra; otherwise it only sets the initial estimate of the informative fraction,
+    ``1 / (1 + oversample)``, which then follows the measured fraction (a moving average over steps)."""
+    dynamic_sampling_target: float = 0.9
+    """Probability that one round fills the share: each round (the first included) samples the fewest
+    groups that, with the estimated informative fraction ``p``, give enough informative ones with this
+    probability (binomial tail), so one batched generation call usually does it (0: the fixed
+    ``oversample`` in the first round and ``deficit / observed rate`` groups per refill)."""
+    dynamic_sampling_max_oversample: float = 2.0
+    """A round samples at most ``(1 + this) x`` the share's groups (bounds generation memory)."""
     overlong_filter: bool = False
     """Mask out of the loss the completions that ``max_new_tokens`` cut (no stop string, no EOS)."""
     overlong_buffer: int = 0
@@ -105,12 +118,16 @@ class PolicyTaskConfig:
                      "sandbox_memory_mb", "n_eval", "warm_start_batch", "dynamic_sampling_max_rounds"):
             if getattr(self, name) < 1:
                 raise ValueError(f"task.{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("n_train", "beta", "epsilon_high", "eval_k", "warm_start_steps", "warm_start_lr",
-                     "time_limit_s", "overlong_buffer", "overlong_penalty", "dynamic_sampling_oversample"):
+        for name in ("n_train", "mbpp_max_reference_chars", "beta", "epsilon_high", "eval_k", "warm_start_steps",
+                     "warm_start_lr", "time_limit_s", "overlong_buffer", "overlong_penalty", "dynamic_sampling_oversample",
+                     "dynamic_sampling_max_oversample"):
             if getattr(self, name) < 0:
                 raise ValueError(f"task.{name} must not be negative, got {getattr(self, name)}")
         if not 0 < self.epsilon < 1:
             raise ValueError(f"task.epsilon must be within (0, 1), got {self.epsilon}")
+        if not 0 <= self.dynamic_sampling_target < 1:
+            raise ValueError(f"task.dynamic_sampling_target must be within [0, 1), "
+                             f"got {self.dynamic_sampling_target}")
         if self.temperature <= 0:
             raise ValueError(f"task.temperature must be positive (greedy decoding is used for pass@1), "
                              f"got {self.temperature}")

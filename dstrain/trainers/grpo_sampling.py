@@ -12,9 +12,14 @@ never span ranks, so no completion or token tensor has to move between ranks and
 advantages need no gather; and generation is a collective under ZeRO-3 (parameters are
 gathered around each call), so a rank that is already full still calls ``generate``,
 with no prompts, while the others refill. Round 0 samples the step's regular prompts;
-refill round ``k`` samples ``dapo.refill_prompts(seed, step, k, rank)`` (pure, resume-exact);
-``task.dynamic_sampling_oversample`` adds that fraction of fresh groups to round 0 (drawn as
-"round 0" refills), which saves rounds when the drop rate is known roughly.
+refill round ``k`` samples ``dapo.refill_prompts(seed, step, k, rank)`` (pure, resume-exact).
+Rounds are sized so that one batched generation call usually fills the share
+(:func:`round_size`): from a running estimate of the informative fraction (all ranks' counts,
+a moving average over steps, kept in checkpoints), round 0 adds fresh groups (drawn as
+"round 0" refills) and every refill samples enough groups for the whole deficit at once, so
+that the share fills with probability ``task.dynamic_sampling_target``. Every round costs a
+generation call (its decoding steps are sequential whatever the batch), a sandbox pass and a
+cross-rank synchronisation; fewer, larger rounds are what keeps the overhead down.
 When the cap of rounds is reached with a share still short, that rank trains on the
 groups it kept, padded to its ``n`` rows with dropped samples of weight 0 (their loss
 mask is zero), and the loss is normalised over the kept samples of the whole batch
@@ -124,14 +129,55 @@ def plain_batch(tr, step: int) -> StepBatch:
                      {"generation": gen_s, "reward": score_s}, sum(len(c.completion_ids) for c in completions))
 
 
+def keep_rate(tr) -> dapo.KeepRate:
+    """The trainer's running estimate of the informative fraction (created on first use from
+    ``task.dynamic_sampling_oversample``; a resumed trainer sets it from its checkpoint)."""
+    if getattr(tr, "keep_rate", None) is None:
+        tr.keep_rate = dapo.KeepRate(rate=1.0 / (1.0 + tr.task.dynamic_sampling_oversample))
+    return tr.keep_rate
+
+
+PRIOR_GROUPS = 4
+"""Weight, in groups, of the running estimate against the groups already seen in this step when a
+refill round is sized."""
+
+
+def round_size(task, filler: dapo.GroupFiller, estimate: float) -> int:
+    """Groups the next round samples (round 0 included: the regular ones plus fresh ones).
+
+    ``dynamic_sampling_target`` > 0: the fewest groups that hold ``filler.deficit`` informative
+    ones with that probability, the informative fraction being the running ``estimate`` shrunk
+    toward what this step has seen so far; at most ``(1 + max_oversample) x`` the share.
+    0: round 0 samples ``ceil(oversample x share)`` extra, refills ``filler.next_count()``."""
+    needed = filler.needed
+    if not task.dynamic_sampling_target:
+        if filler.rounds == 0:
+            return needed + math.ceil(task.dynamic_sampling_oversample * needed)
+        return filler.next_count()
+    informative = filler.generated - filler.dropped
+    p = (PRIOR_GROUPS * estimate + informative) / (PRIOR_GROUPS + filler.generated)
+    cap = max(filler.deficit, math.floor((1.0 + task.dynamic_sampling_max_oversample) * needed))
+    return dapo.groups_for_target(filler.deficit, p, task.dynamic_sampling_target, cap)
+
+
+def _sum_all(values: list[float]) -> list[float]:
+    import torch.distributed as dist
+    t = torch.tensor(values, dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
 def dynamic_batch(tr, step: int) -> StepBatch:
     task, G, n, r = tr.task, tr.task.num_generations, tr.local_samples, tr.world.rank
     filler = dapo.GroupFiller(needed=n // G, group_size=G)
+    estimate = keep_rate(tr)
     prompts = prl.step_prompts(len(tr.train_tasks), step, tr.prompts_per_step, tr.cfg.data.seed)
     groups = [prompts[s // G] for s in range(r * n, (r + 1) * n, G)]
-    extra = math.ceil(task.dynamic_sampling_oversample * len(groups))
-    if extra:  # round 0 also samples fresh prompts, so that one round usually fills the share
-        groups += dapo.refill_prompts(len(tr.train_tasks), step, 0, r, extra, tr.cfg.data.seed)
+    round0 = round_size(task, filler, estimate.rate)
+    log_estimate = estimate.rate
+    if round0 > len(groups):  # round 0 also samples fresh prompts, so that one round usually fills the share
+        groups += dapo.refill_prompts(len(tr.train_tasks), step, 0, r, round0 - len(groups), tr.cfg.data.seed)
     base = (tr.cfg.train.seed * 1_000_003 + step) * 4099 + r
     times, tokens, log = {"generation": 0.0, "reward": 0.0}, 0, {}
     while True:
@@ -145,8 +191,10 @@ def dynamic_batch(tr, step: int) -> StepBatch:
         filler.add(shaped, completions)
         if _max_all(float(filler.deficit > 0)) == 0 or filler.rounds >= task.dynamic_sampling_max_rounds:
             break
-        groups = dapo.refill_prompts(len(tr.train_tasks), step, filler.rounds, r, filler.next_count(),
-                                     tr.cfg.data.seed)
+        groups = dapo.refill_prompts(len(tr.train_tasks), step, filler.rounds, r,
+                                     round_size(task, filler, estimate.rate), tr.cfg.data.seed)
+    informative, generated = _sum_all([filler.generated - filler.dropped, filler.generated])
+    estimate.update(informative, generated)  # the same on every rank: global counts
     kept = filler.kept_items
     rows = kept + filler.filler_items[:n - len(kept)]
     weights = torch.cat([row_weights(kept, task), torch.zeros(len(rows) - len(kept))])
@@ -158,6 +206,7 @@ def dynamic_batch(tr, step: int) -> StepBatch:
     else:
         log["trained_zero_variance_groups"] = 0.0
     log.update({f"dynamic/{k}": v for k, v in filler.stats().items()})
+    log.update({"dynamic/round0_groups": float(round0), "dynamic/keep_rate_estimate": log_estimate})
     if task.overlong_filter:
         log["overlong_filtered"] = 1.0 - weights[:len(kept)].mean().item() if kept else 0.0
     return StepBatch(tr.rl.pack(rows, tr.tokenizer.pad_token_id), adv * weights, weights, log, times, tokens)

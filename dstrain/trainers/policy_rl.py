@@ -42,6 +42,9 @@ def load_task_sets(task: PolicyTaskConfig, seed: int) -> tuple[list, list]:
         spec = {"source": task.source, "split": task.train_split, "eval_split": task.eval_split,
                 "n_train": task.n_train or None, "n_eval": task.n_eval, "seed": seed}
         spec.update({k: v for k, v in (("path", task.path), ("eval_path", task.eval_path)) if v})
+        if task.source == "mbpp":
+            spec.update(max_reference_chars=getattr(task, "mbpp_max_reference_chars", 0),
+                        signature=getattr(task, "mbpp_signature", False))
         return T.load_tasks(spec)
     except FileNotFoundError as err:
         raise ConfigError("run config", "task.path", str(err)) from None
