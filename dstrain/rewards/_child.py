@@ -483,10 +483,10 @@ def _execute(job: dict, result_fd: int, isolation: str, max_processes: int) -> N
     except (ValueError, OSError):
         pass
     done.acquire()
-    for _ in range(100):  # let the worker thread end; any other thread is a violation
+    for _ in range(1000):  # let the worker thread end (0.5 s at most); any other thread is a violation
         if count() == 0:
             break
-        sleep(0.005)
+        sleep(0.0005)
     else:
         violations.append("threads left running")
     passed, phase, detail = box

@@ -10,7 +10,8 @@ working directory, no inherited descriptors but its control pipes.
 :func:`_serve` imports the modules generated programs commonly use (so that no child
 pays for them), then loops: read one job from the control pipe, fork a child, pump the
 child's stdout, stderr and result pipes (output cap and wall-clock deadline), kill the
-child's process group, reap it, remove its directory and reply. The child
+child's process group, reap it, reply, then remove its directory (after the reply, off the
+trainer's critical path; the next job waits for it). The child
 (:func:`_child_main`): a new session, stdin on ``/dev/null``, stdout/stderr/result on
 fresh pipes (every other descriptor closed, the control pipes included), a private
 temporary directory as working directory, ``HOME`` and ``TMPDIR``, fresh random seeds,
@@ -181,7 +182,6 @@ def _one(job: dict, workdir: str, isolation: str, ctl_out: int) -> bytes:
             pass
     _, status, usage = os.wait4(pid, 0)
     seconds = time.monotonic() - start
-    _remove(workdir)
     header = {"ending": ending, "returncode": os.waitstatus_to_exitcode(status),
               "cpu": usage.ru_utime + usage.ru_stime, "seconds": seconds}
     return _frame(header, (bytes(out["stdout"]), bytes(out["stderr"]), bytes(out["result"])))
@@ -192,11 +192,17 @@ def _serve(isolation: str) -> None:
     import json
     import os
 
+    import gc
+
     for name in _PRELOAD:
         try:
             __import__(name)
         except ImportError:
             pass
+    # Everything the server holds now goes to the collector's permanent generation: a child's
+    # collections then never walk (and so never copy-on-write) the server's pages.
+    gc.collect()
+    gc.freeze()
     ctl_in, ctl_out = os.dup(0), os.dup(1)
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
@@ -213,4 +219,6 @@ def _serve(isolation: str) -> None:
         if data is None:
             os._exit(0)
         n += 1
-        _write_all(ctl_out, _one(json.loads(data), os.path.join(root, f"job{n}"), isolation, ctl_out))
+        workdir = os.path.join(root, f"job{n}")
+        _write_all(ctl_out, _one(json.loads(data), workdir, isolation, ctl_out))
+        _remove(workdir)  # after the reply: the program's group is dead already; the trainer need not wait
