@@ -32,13 +32,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+LOADS: dict[str, list] = {}
+
+
 def run(recipe: str, out: Path, lr: float | None, steps: int, nproc: int, extra: list[str]) -> float:
     cmd = [sys.executable, "-m", "dstrain.cli", "launch", "--nproc", str(nproc), recipe,
            f"--output.dir={out}", f"--train.steps={steps}", "--output.progress=false", "--checkpoint.every=0",
            *([f"--train.lr={lr}"] if lr is not None else []), *extra]
     print("$", " ".join(cmd[1:]), flush=True)
     start = time.perf_counter()
+    before = [round(x, 2) for x in os.getloadavg()]
     subprocess.run(cmd, cwd=ROOT, check=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    LOADS[out.name] = {"before": before, "after": [round(x, 2) for x in os.getloadavg()]}
     return time.perf_counter() - start
 
 
@@ -63,6 +68,8 @@ def means(out: Path, keys: tuple[str, ...]) -> dict[str, float]:
 
 STEP_KEYS = ("time/step", "time/generation", "time/reward", "time/reference", "time/training",
              "dynamic/rounds", "dynamic/dropped_fraction", "dynamic/filled_fraction", "dynamic/generated_groups",
+             "dynamic/round0_groups", "dynamic/generated_per_trained", "dynamic/refill_seconds",
+             "dynamic/keep_rate_estimate",
              "train/zero_variance_groups", "train/trained_zero_variance_groups")
 
 
@@ -97,6 +104,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dynamic", action="store_true", help="a third run with task.dynamic_sampling on")
     ap.add_argument("--max-rounds", type=int, default=4, help="task.dynamic_sampling_max_rounds of that run")
     ap.add_argument("--oversample", type=float, default=0.0, help="task.dynamic_sampling_oversample of that run")
+    ap.add_argument("--target", type=float, default=None,
+                    help="task.dynamic_sampling_target of that run (0: fixed oversampling; default: the config's)")
+    ap.add_argument("--no-lr0", action="store_true", help="skip the lr-0 control (overhead measurements)")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     from dstrain.config import load_run_config
@@ -109,14 +119,17 @@ def main(argv=None) -> int:
     warm = out / "grpo" / "warm_start"
     if warm.is_dir():
         shutil.copytree(warm, out / "lr0" / "warm_start")
-    seconds["lr0"] = run(args.recipe, out / "lr0", 0.0, steps, args.nproc, args.extra)
-    names = ["grpo", "lr0"]
+    names = ["grpo"]
+    if not args.no_lr0:
+        seconds["lr0"] = run(args.recipe, out / "lr0", 0.0, steps, args.nproc, args.extra)
+        names.append("lr0")
     if args.dynamic:
         if warm.is_dir():
             shutil.copytree(warm, out / "dynamic" / "warm_start")
         seconds["dynamic"] = run(args.recipe, out / "dynamic", None, steps, args.nproc, args.extra + [
             "--task.dynamic_sampling=true", f"--task.dynamic_sampling_max_rounds={args.max_rounds}",
-            f"--task.dynamic_sampling_oversample={args.oversample}"])
+            f"--task.dynamic_sampling_oversample={args.oversample}",
+            *([f"--task.dynamic_sampling_target={args.target}"] if args.target is not None else [])])
         names.append("dynamic")
 
     import torch
@@ -132,20 +145,33 @@ def main(argv=None) -> int:
                                 "reward_mean": {str(k): v for k, v in sorted(curve.items())},
                                 "reward_mean_last_half": sum(half) / max(len(half), 1),
                                 "eval_before": summary.get("eval_before"), "eval_after": summary.get("eval_after"),
-                                "step_means": means(out / name, STEP_KEYS), "time_split": summary.get("time_split")}
+                                "step_means": means(out / name, STEP_KEYS), "time_split": summary.get("time_split"),
+                                "load_before_after": LOADS.get(name)}
     if args.dynamic:
-        plain, dyn = (result["runs"][n]["step_means"].get("time/step") for n in ("grpo", "dynamic"))
+        p_means, d_means = (result["runs"][n]["step_means"] for n in ("grpo", "dynamic"))
+        plain, dyn = p_means.get("time/step"), d_means.get("time/step")
         if plain and dyn:
-            result["dynamic_overhead"] = {"step_time_ratio": dyn / plain,
-                                          "rounds_per_step": result["runs"]["dynamic"]["step_means"].get(
-                                              "dynamic/rounds")}
+            def sampling(m):
+                return m.get("time/generation", 0.0) + m.get("time/reward", 0.0)
+            result["dynamic_overhead"] = {
+                "definition": "per-step means over the run, same recipe and trained batch: step_time_ratio = "
+                              "dynamic / plain; extra_sampling_share = (dynamic - plain) generation + verifier "
+                              "seconds, as a share of the dynamic step; refill_share = seconds of the rounds "
+                              "after the first, as a share of the dynamic step",
+                "step_time_ratio": dyn / plain,
+                "extra_sampling_share": (sampling(d_means) - sampling(p_means)) / dyn,
+                "refill_share": d_means.get("dynamic/refill_seconds", 0.0) / dyn,
+                "rounds_per_step": d_means.get("dynamic/rounds"),
+                "generated_per_trained": d_means.get("dynamic/generated_per_trained")}
             print(f"dynamic sampling: {dyn:.2f} s/step vs {plain:.2f} s/step plain "
                   f"(x{dyn / plain:.2f}), {result['dynamic_overhead']['rounds_per_step']:.2f} rounds per step")
     tag = "cpu" if device == "cpu" else "gpu"
     (out / f"grpo_learning_{tag}.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, out / f"grpo_learning_{tag}.png")
-    g, z = (result["runs"][n]["reward_mean_last_half"] for n in ("grpo", "lr0"))
-    print(f"mean reward over the last half: GRPO {g:.3f}, lr 0 {z:.3f} (wrote {out}/grpo_learning_{tag}.json)")
+    if "lr0" in result["runs"]:
+        g, z = (result["runs"][n]["reward_mean_last_half"] for n in ("grpo", "lr0"))
+        print(f"mean reward over the last half: GRPO {g:.3f}, lr 0 {z:.3f}")
+    print(f"wrote {out}/grpo_learning_{tag}.json")
     return 0
 
 

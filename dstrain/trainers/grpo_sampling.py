@@ -179,12 +179,14 @@ def dynamic_batch(tr, step: int) -> StepBatch:
     if round0 > len(groups):  # round 0 also samples fresh prompts, so that one round usually fills the share
         groups += dapo.refill_prompts(len(tr.train_tasks), step, 0, r, round0 - len(groups), tr.cfg.data.seed)
     base = (tr.cfg.train.seed * 1_000_003 + step) * 4099 + r
-    times, tokens, log = {"generation": 0.0, "reward": 0.0}, 0, {}
+    times, tokens, log, refill_s = {"generation": 0.0, "reward": 0.0}, 0, {}, 0.0
     while True:
         tasks = [tr.train_tasks[i] for i in groups for _ in range(G)]
         completions, raw, shaped, statuses, gen_s, score_s = generate_and_score(tr, tasks, base + 7919 * filler.rounds)
         times["generation"] += gen_s
         times["reward"] += score_s
+        if filler.rounds > 0:
+            refill_s += gen_s + score_s
         tokens += sum(len(c.completion_ids) for c in completions)
         if filler.rounds == 0:  # the step's regular prompts: comparable with plain GRPO's log
             log, _ = _round0_log(raw[:n], shaped[:n], completions[:n], statuses[:n], G)
@@ -206,7 +208,9 @@ def dynamic_batch(tr, step: int) -> StepBatch:
     else:
         log["trained_zero_variance_groups"] = 0.0
     log.update({f"dynamic/{k}": v for k, v in filler.stats().items()})
-    log.update({"dynamic/round0_groups": float(round0), "dynamic/keep_rate_estimate": log_estimate})
+    log.update({"dynamic/round0_groups": float(round0), "dynamic/keep_rate_estimate": log_estimate,
+                "dynamic/generated_per_trained": filler.generated / filler.needed,
+                "dynamic/refill_seconds": refill_s})  # generation + verifiers of the rounds after the first
     if task.overlong_filter:
         log["overlong_filtered"] = 1.0 - weights[:len(kept)].mean().item() if kept else 0.0
     return StepBatch(tr.rl.pack(rows, tr.tokenizer.pad_token_id), adv * weights, weights, log, times, tokens)
