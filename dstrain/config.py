@@ -93,10 +93,11 @@ class TrainConfig:
     """Optimizer implementation: auto | torch_fused | torch_foreach | deepspeed. auto: PyTorch's fused AdamW
     on CUDA, its foreach AdamW on CPU, DeepSpeed's CPU Adam under optimizer offload (see dstrain.engine.optim)."""
     nonfinite: str = "stop"
-    """What a NaN/Inf loss on any rank does (every rank agrees through one all-reduce per step): stop (leave
-    the step's update undone, save the last good state as a checkpoint and exit non-zero naming the step
-    and rank) | skip (drop that step's update on every rank, count it as ``train/skipped_steps``).
-    Both act in the lm trainer (without pipeline stages); the other trainers do not check yet."""
+    """What a NaN/Inf loss or gradient on any rank does (every rank agrees through one small all-reduce per
+    optimizer step, of every trained model): stop (leave the step's update undone, save the last good state
+    as a checkpoint and exit non-zero naming the step, rank and model) | skip (drop that update on every
+    rank, count it as ``train/skipped_steps``) | off (no check: saves that all-reduce and host sync).
+    Gradients are not checked under fp16, whose loss scaler skips overflowing steps itself."""
     max_consecutive_skips: int = 5
     """Under nonfinite=skip, this many skipped steps in a row end the run with an error."""
     collective_timeout_s: float = 1800.0
@@ -376,20 +377,12 @@ def validate(cfg: RunConfig, source: str) -> None:
     _check(len(t.betas) == 2 and all(0.0 <= b < 1.0 for b in t.betas), source, "train.betas",
            f"must be two numbers in [0, 1), got {list(t.betas)}")
     _check(t.eps > 0, source, "train.eps", f"must be positive, got {t.eps}")
-    _check(t.nonfinite in ("stop", "skip"), source, "train.nonfinite", f"must be stop or skip, got {t.nonfinite!r}")
+    _check(t.nonfinite in ("stop", "skip", "off"), source, "train.nonfinite",
+           f"must be stop, skip or off, got {t.nonfinite!r}")
     _check(t.max_consecutive_skips >= 1, source, "train.max_consecutive_skips",
            f"must be at least 1, got {t.max_consecutive_skips}")
     _check(t.collective_timeout_s > 0, source, "train.collective_timeout_s",
            f"must be positive, got {t.collective_timeout_s}")
-    # The non-finite policy and background saves live in the supervised LM loop (not its pipeline path)
-    # so far: elsewhere a request for them is refused rather than silently ignored.
-    plain_lm = cfg.trainer == "lm" and cfg.parallel.pp in (1, "1")
-    _check(t.nonfinite == "stop" or plain_lm, source, "train.nonfinite",
-           f"skip is implemented for the lm trainer without pipeline stages, not for {cfg.trainer!r}"
-           + (f" with parallel.pp={cfg.parallel.pp}" if cfg.trainer == "lm" else ""))
-    _check(not cfg.checkpoint.async_write or plain_lm, source, "checkpoint.async_write",
-           f"background saves are implemented for the lm trainer without pipeline stages, not for {cfg.trainer!r}"
-           + (f" with parallel.pp={cfg.parallel.pp}" if cfg.trainer == "lm" else ""))
     _check(ds.precision in ("auto", "fp32", "bf16", "fp16"), source, "deepspeed.precision",
            f"must be auto, fp32, bf16 or fp16, got {ds.precision!r}")
     _check(ds.activation_checkpointing in ("auto", True, False), source,

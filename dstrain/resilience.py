@@ -1,8 +1,10 @@
-"""Bad numbers and hangs: the non-finite loss policy and the step watchdog.
+"""Bad numbers and hangs: the non-finite policy and the step watchdog.
 
 :class:`NonFiniteGuard` takes one all-reduce per optimizer step: every rank says
-whether any of its micro-batch losses was NaN/Inf, and all ranks learn the lowest
-rank that saw one, so they all take the same decision before the optimizer step:
+whether any of its micro-batch losses, or any gradient it computed (:class:`GradWatch`:
+one ``isfinite`` reduction per parameter gradient, on the device), was NaN/Inf, and all
+ranks learn the lowest rank that saw one, so they all take the same decision before
+the optimizer step:
 
 * ``skip``: the step's update is dropped on every rank (the base optimizer's ``step``
   does nothing for that one call: weights and Adam moments stay as they were; the
@@ -11,6 +13,11 @@ rank that saw one, so they all take the same decision before the optimizer step:
   raise :class:`NonFiniteError`.
 * ``stop``: the update is not taken; the trainer saves the last good state (the
   previous step) and exits with :data:`EXIT_NONFINITE`, one line naming step and rank.
+
+:class:`~dstrain.engine.factory.Engine` runs the check in its ``step`` once a guard is
+attached (``Engine.watch``), so every trainer and every trained model of a trainer
+(SCoRe's critics, value function and guidance model too) gets the same policy.
+Gradients are not watched under fp16, where DeepSpeed's loss scaler owns overflows.
 
 :class:`Watchdog` is a daemon thread that watches the phase the rank is in
 (forward, backward, allreduce, step, save, eval ...). A phase that lasts longer than
@@ -50,18 +57,45 @@ class NonFiniteError(RuntimeError):
         self.rank = rank
 
 
-def _first_bad_rank(local_bad: bool, rank: int, world_size: int) -> int | None:
-    """Lowest rank whose flag is set (every rank gets the same answer), or None."""
+def _first_bad_ranks(flags: list[bool], rank: int, world_size: int) -> list[int | None]:
+    """For each flag: the lowest rank where it is set (every rank gets the same answer), or None."""
     import torch
     import torch.distributed as dist
-    value = torch.tensor([rank if local_bad else world_size], dtype=torch.int64)
+    value = torch.tensor([rank if bad else world_size for bad in flags], dtype=torch.int64)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        backend = dist.get_backend()
-        if backend == "nccl":
+        if dist.get_backend() == "nccl":
             value = value.cuda()
         dist.all_reduce(value, op=dist.ReduceOp.MIN)
-    first = int(value.item())
-    return first if first < world_size else None
+    return [v if v < world_size else None for v in value.tolist()]
+
+
+class GradWatch:
+    """Notes, without waiting for the device, whether any gradient of ``module`` was NaN/Inf.
+
+    A tensor hook on every trainable parameter ORs ``~isfinite(grad).all()`` into one flag
+    as each gradient is produced (before DeepSpeed reduces or partitions it: a non-finite
+    local gradient makes the reduced one non-finite too). ``take()`` reads and clears it.
+    """
+
+    def __init__(self, module):
+        import torch
+        params = [p for p in module.parameters() if p.requires_grad]
+        device = params[0].device if params else torch.device("cpu")
+        self._bad = torch.zeros((), dtype=torch.bool, device=device)
+        self._handles = [p.register_hook(self._note) for p in params]
+
+    def _note(self, grad):
+        import torch
+        self._bad.logical_or_(~torch.isfinite(grad).all().to(self._bad.device))
+
+    def take(self) -> bool:
+        bad = bool(self._bad)
+        self._bad.zero_()
+        return bad
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
 
 
 class NonFiniteGuard:
@@ -74,33 +108,38 @@ class NonFiniteGuard:
         self.max_consecutive = max_consecutive
         self.rank, self.world_size = rank, world_size
         self.skipped = 0
+        """Updates skipped so far (all models of the run)."""
         self.consecutive = 0
+        """Skips in a row of the model checked last (each model counts its own)."""
+        self._in_a_row: dict[str, int] = {}
 
-    def check(self, losses: list, step: int) -> bool:
+    def check(self, losses: list, step: int, grads_bad: bool = False, name: str = "") -> bool:
         """Call on every rank before the step's last ``engine.step()``; True: skip this update.
 
+        ``losses``: this rank's micro-batch losses of the step; ``grads_bad``: whether one of
+        its gradients was non-finite; ``name``: the model, named in messages when given.
         Raises :class:`NonFiniteError` under ``stop`` (nothing has been updated yet)
         and when too many steps in a row were skipped.
         """
         import torch
-        local_bad = any(not bool(torch.isfinite(loss.detach()).all()) for loss in losses)
-        bad_rank = _first_bad_rank(local_bad, self.rank, self.world_size)
-        if bad_rank is None:
-            self.consecutive = 0
+        loss_bad = bool(losses) and not bool(torch.stack([torch.isfinite(loss.detach()).all().cpu()
+                                                          for loss in losses]).all())
+        bad_loss, bad_grad = _first_bad_ranks([loss_bad, grads_bad], self.rank, self.world_size)
+        if bad_loss is None and bad_grad is None:
+            self.consecutive = self._in_a_row[name] = 0
             return False
+        what, bad_rank = ("loss", bad_loss) if bad_loss is not None else ("gradient", bad_grad)
+        where = f"non-finite {what} at step {step} on rank {bad_rank}" + (f" ({name})" if name else "")
         if self.policy == "stop":
-            raise NonFiniteError(f"non-finite loss at step {step} on rank {bad_rank}: stopped "
-                                 f"(train.nonfinite=stop); the checkpoint holds the last good state",
-                                 step, bad_rank)
+            raise NonFiniteError(f"{where}: stopped (train.nonfinite=stop); the checkpoint holds the last "
+                                 f"good state", step, bad_rank)
         self.skipped += 1
-        self.consecutive += 1
+        self.consecutive = self._in_a_row[name] = self._in_a_row.get(name, 0) + 1
         if self.consecutive >= self.max_consecutive:
-            raise NonFiniteError(f"non-finite loss at step {step} on rank {bad_rank}: {self.consecutive} "
-                                 f"steps skipped in a row (train.max_consecutive_skips="
+            raise NonFiniteError(f"{where}: {self.consecutive} steps skipped in a row (train.max_consecutive_skips="
                                  f"{self.max_consecutive}); stopping", step, bad_rank)
         if self.rank == 0:
-            print(f"dstrain: non-finite loss at step {step} on rank {bad_rank}: update skipped "
-                  f"({self.skipped} so far)", flush=True)
+            print(f"dstrain: {where}: update skipped ({self.skipped} so far)", flush=True)
         return True
 
 

@@ -343,8 +343,29 @@ class Engine:
         # DeepSpeed computes the norm but does not keep it for plain fp32 without ZeRO.
         self._own_norm = plan.zero["stage"] == 0 and plan.precision == "fp32"
         self._norm: float | None = None
+        self.guard = self.watchdog = self._grads = None
+        self.name = ""
+        self._losses: list[torch.Tensor] = []
+        self.updates = 0
+        """Optimizer updates taken (skipped ones not counted)."""
+        self.last_step_taken = True
+        """Whether the last optimizer step's update was taken (False: skipped under train.nonfinite=skip)."""
+
+    def watch(self, guard=None, watchdog=None, name: str = "") -> None:
+        """Attach the run's non-finite policy (``resilience.NonFiniteGuard``: checked in every ``step`` at a
+        gradient-accumulation boundary, over the losses given to ``backward`` and the gradients) and its
+        hang ``Watchdog`` (told the phase: forward, backward, allreduce, step). ``name``: in messages."""
+        from dstrain.resilience import GradWatch
+        self.guard, self.watchdog, self.name = guard, watchdog, name
+        if guard is not None and self._grads is None and self.plan.precision != "fp16":
+            self._grads = GradWatch(self.ds.module)  # fp16: DeepSpeed's loss scaler owns overflows
+
+    def _phase(self, phase: str) -> None:
+        if self.watchdog is not None:
+            self.watchdog.phase(phase + (f" ({self.name})" if self.name else ""))
 
     def __call__(self, *args, **kwargs):
+        self._phase("forward")
         return self.ds(*args, **kwargs)
 
     @property
@@ -356,12 +377,36 @@ class Engine:
         return self.ds.device
 
     def backward(self, loss: torch.Tensor) -> None:
+        from dstrain.faults import fault_nan
+        loss = fault_nan(loss, self.ds.global_steps + 1, self.name)
+        if self.guard is not None:
+            self._losses.append(loss.detach())
+        self._phase("backward")
         self.ds.backward(loss)
 
-    def step(self) -> None:
-        if self._own_norm and self.ds.is_gradient_accumulation_boundary():
+    def step(self) -> bool:
+        """The optimizer step at an accumulation boundary (else DeepSpeed only counts the micro-step).
+        Returns whether an update was taken: False off the boundary and when the guard skipped it."""
+        boundary = self.ds.is_gradient_accumulation_boundary()
+        if self._own_norm and boundary:
             self._norm = self._grad_norm()
-        self.ds.step()
+        skip = False
+        if boundary and self.guard is not None:
+            self._phase("allreduce")
+            losses, self._losses = self._losses, []
+            grads_bad = self._grads.take() if self._grads is not None else False
+            skip = self.guard.check(losses, self.ds.global_steps + 1, grads_bad, self.name)
+        self._phase("step")
+        if skip:
+            from dstrain.resilience import update_skipped
+            with update_skipped(self.ds):
+                self.ds.step()
+        else:
+            self.ds.step()
+        if boundary:
+            self.last_step_taken = not skip
+            self.updates += not skip
+        return boundary and not skip
 
     def _grad_norm(self) -> float | None:
         """Global 2-norm of the (already averaged) gradients; tensor-parallel shards summed over tp."""

@@ -357,6 +357,34 @@ class PipelineEngine(Engine):
                                          max_norm=ds_engine.gradient_clipping(), mpu=ds_engine.mpu)
         ds_engine.clip_fp32_gradients = clip_and_keep
 
+    def watch(self, guard=None, watchdog=None, name: str = "") -> None:
+        """As ``Engine.watch``; the check runs inside ``train_batch``, just before DeepSpeed's optimizer step
+        (every stage gets there): the last stage gives the step's summed loss, every stage its gradients."""
+        super().watch(guard, watchdog, name)
+        ds = self.ds
+        if guard is None or "_take_model_step" in vars(ds):
+            return
+        take = ds._take_model_step
+
+        def checked_step(*args, **kwargs):
+            from dstrain.faults import fault_nan
+            from dstrain.resilience import update_skipped
+            n = ds.global_steps + 1
+            losses = [ds.total_loss] if ds.is_last_stage() and torch.is_tensor(ds.total_loss) else []
+            losses = [fault_nan(loss, n, self.name) for loss in losses]
+            self._phase("allreduce")
+            skip = self.guard.check(losses, n, self._grads.take() if self._grads is not None else False,
+                                    self.name)
+            self._phase("step")
+            self.last_step_taken = not skip
+            self.updates += not skip
+            if not skip:
+                return take(*args, **kwargs)
+            with update_skipped(ds):
+                return take(*args, **kwargs)
+
+        ds._take_model_step = checked_step
+
     @property
     def stage(self) -> int:
         return self.ds.stage_id

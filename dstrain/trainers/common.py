@@ -1,14 +1,14 @@
-"""Start-up decisions every trainer shares: resume or not, and keeping the checkpoint's plan."""
+"""What every trainer shares: the resume decision, the plan (kept on resume), checkpoints, fault guards."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 from pathlib import Path
 from typing import Callable
 
 from dstrain import checkpoint as ckpt
 from dstrain import runtime
+from dstrain.faults import fault, fault_hang, fault_nan  # noqa: F401  (the trainers' test hooks)
 from dstrain.config import RunConfig, RunFolderError
 
 
@@ -68,45 +68,6 @@ def plan_and_record(cfg: RunConfig, world: runtime.World, out: Path, extra_text:
         (out / "plan.txt").write_text(text + "\n")
         print(text, flush=True)
     return plan
-
-
-def _fires(name: str, step: int) -> bool:
-    """Whether test hook ``$name`` fires at ``step`` on this rank (see :func:`fault`)."""
-    if os.environ.get(name) != str(step) or int(os.environ.get("RANK", 0)) != int(
-            os.environ.get("DSTRAIN_FAULT_RANK", 0)):
-        return False
-    once = os.environ.get("DSTRAIN_FAULT_ONCE")
-    if once:
-        try:
-            os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        except FileExistsError:
-            return False
-    return True
-
-
-def fault(name: str, step: int) -> None:
-    """Test hook: a rank dies (``os._exit(17)``, as abruptly as kill -9) when ``$name`` equals ``step``.
-
-    ``DSTRAIN_FAULT_RANK`` picks the rank (default 0). With ``DSTRAIN_FAULT_ONCE=PATH`` the
-    fault fires only while PATH does not exist, and creates it: a restarted job then runs through.
-    """
-    if _fires(name, step):
-        os._exit(17)
-
-
-def fault_nan(loss, step: int):
-    """Test hook: ``DSTRAIN_FAULT_NAN_STEP=n`` turns the loss of step n into NaN on the fault rank."""
-    if _fires("DSTRAIN_FAULT_NAN_STEP", step):
-        return loss * float("nan")
-    return loss
-
-
-def fault_hang(step: int) -> None:
-    """Test hook: ``DSTRAIN_FAULT_HANG_STEP=n`` makes the fault rank sleep in step n's forward
-    (``DSTRAIN_FAULT_HANG_S`` seconds, default an hour): its peers wait in a collective."""
-    if _fires("DSTRAIN_FAULT_HANG_STEP", step):
-        import time
-        time.sleep(float(os.environ.get("DSTRAIN_FAULT_HANG_S", 3600)))
 
 
 def save_checkpoint(engine, ckpt_root: Path, step: int, world: runtime.World, cfg: RunConfig, plan,
@@ -240,3 +201,48 @@ class StopFlag:
 
     def _handle(self, *_):
         self.set = True
+
+
+class RunGuards:
+    """A run's non-finite policy and hang watchdog (``train.nonfinite``, ``train.collective_timeout_s``),
+    attached to each of its trained engines (``Engine.watch``: they check at every optimizer step).
+
+    ``begin(step)`` at the start of a trainer step; when the step raises ``NonFiniteError``,
+    ``last_good(step)`` says which step to checkpoint as the last good state: ``step - 1`` when no
+    engine took an update during the failed step, None when one did (a trainer stepping several
+    models, or several times per step: the latest checkpoint on disk is then the last good state).
+    """
+
+    def __init__(self, cfg: RunConfig, world: runtime.World, engines: dict):
+        from dstrain.resilience import NonFiniteGuard, Watchdog
+        t = cfg.train
+        self.guard = (None if t.nonfinite == "off" else
+                      NonFiniteGuard(t.nonfinite, t.max_consecutive_skips, world.rank, world.world_size))
+        self.watchdog = Watchdog(world.rank, t.collective_timeout_s)
+        self.engines = dict(engines)
+        for name, engine in self.engines.items():
+            engine.watch(self.guard, self.watchdog, name)
+        self._updates_at_begin = 0
+
+    @property
+    def skipped(self) -> int:
+        return self.guard.skipped if self.guard is not None else 0
+
+    @skipped.setter
+    def skipped(self, value: int) -> None:
+        if self.guard is not None:
+            self.guard.skipped = value
+
+    def phase(self, name: str, step: int | None = None) -> None:
+        self.watchdog.phase(name, step)
+
+    def begin(self, step: int, phase: str = "data") -> None:
+        self._updates_at_begin = sum(e.updates for e in self.engines.values())
+        self.watchdog.phase(phase, step)
+
+    def last_good(self, step: int) -> int | None:
+        untouched = sum(e.updates for e in self.engines.values()) == self._updates_at_begin
+        return step - 1 if untouched else None
+
+    def close(self) -> None:
+        self.watchdog.close()

@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 from dstrain import runtime
-from dstrain.trainers.common import (CheckpointSaver, StopFlag, decide_resume, fault, fault_hang, fault_nan,
+from dstrain.trainers.common import (CheckpointSaver, RunGuards, StopFlag, decide_resume, fault, fault_hang,
                                      load_checkpoint, pin_plan, plan_and_record)
-from dstrain.resilience import NonFiniteError, NonFiniteGuard, Watchdog, torch_timeout_s, update_skipped
+from dstrain.resilience import NonFiniteError, torch_timeout_s
 from dstrain.config import RunConfig
 from dstrain.data.corpus import ByteTokenizer, build_token_streams, load_documents
 from dstrain.data.sampler import WindowSampler, get_batch
@@ -79,9 +79,7 @@ class LMTrainer:
         runtime.seed_everything(cfg.train.seed + 7919 * (self.world.rank // cfg.parallel.tp + 1))
         self.start_step = 0
         self.saver = CheckpointSaver(self.engine, self.ckpt_root, self.world, cfg, self.plan)
-        self.guard = NonFiniteGuard(cfg.train.nonfinite, cfg.train.max_consecutive_skips, self.world.rank,
-                                    self.world.world_size)
-        self.watchdog = Watchdog(self.world.rank, cfg.train.collective_timeout_s)
+        self.guards = RunGuards(cfg, self.world, {"": self.engine})
         if resume_tag is not None:
             self._resume(resume_tag)
         with torch.device("meta"):
@@ -93,11 +91,11 @@ class LMTrainer:
     def _resume(self, tag: str) -> None:
         state = load_checkpoint(self.engine, self.ckpt_root, tag, self.world)
         self.start_step = int(state["step"])
-        self.guard.skipped = int(state.get("skipped_steps", 0))
+        self.guards.skipped = int(state.get("skipped_steps", 0))
 
     def save(self, step: int) -> None:
-        self.watchdog.phase("save", step)
-        self.saver.save(step, state={"skipped_steps": self.guard.skipped})
+        self.guards.phase("save", step)
+        self.saver.save(step, state={"skipped_steps": self.guards.skipped})
 
     # ---------------------------------------------------------------- steps
     def _local(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,35 +109,28 @@ class LMTrainer:
 
     def train_step(self, step: int) -> float | None:
         """One optimizer step (grad_accum micro-batches); returns this rank's mean loss, None if the
-        update was skipped for a non-finite loss (``train.nonfinite``; the watchdog sees each phase)."""
-        t, n, watch = self.cfg.train, step + 1, self.watchdog
+        update was skipped for a non-finite loss or gradient (``train.nonfinite``, checked by the engine's
+        step; the watchdog sees each phase)."""
+        t, n = self.cfg.train, step + 1
+        self.guards.begin(n)
         indices = self.sampler.local_batch_indices(step, t.micro_batch, t.grad_accum,
                                                    self.dp_rank, self.dp_world)
         if self.pipelined:  # DeepSpeed's 1F1B over the grad_accum micro-batches; the loss is the dp mean
-            watch.phase("pipeline step", n)
-            return self.engine.train_batch(
+            self.guards.phase("pipeline step", n)
+            loss = self.engine.train_batch(
                 get_batch(self.train_tokens, micro, self.cfg.data.seq_len) for micro in indices)
-        losses = []
+            return loss if self.engine.last_step_taken else None
+        losses, taken = [], False
         for k, micro in enumerate(indices):
             x, y = self._local(*get_batch(self.train_tokens, micro, self.cfg.data.seq_len))
-            watch.phase("forward", n)
             if k == 0:
+                self.guards.phase("forward", n)
                 fault_hang(n)
-            loss = fault_nan(self.engine(x.to(self.engine.device), y.to(self.engine.device)), n)
+            loss = self.engine(x.to(self.engine.device), y.to(self.engine.device))
             losses.append(loss.detach())
-            watch.phase("backward", n)
             self.engine.backward(loss)
-            skip = False
-            if k == len(indices) - 1:
-                watch.phase("allreduce", n)
-                skip = self.guard.check(losses, n)  # the same answer on every rank; may raise NonFiniteError
-            watch.phase("step", n)
-            if skip:
-                with update_skipped(self.engine.ds):
-                    self.engine.step()
-                return None
-            self.engine.step()
-        return sum(loss.item() for loss in losses) / len(losses)
+            taken = self.engine.step()  # the last micro-batch's may raise NonFiniteError (train.nonfinite)
+        return sum(loss.item() for loss in losses) / len(losses) if taken else None
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -171,15 +162,15 @@ class LMTrainer:
             for step in range(self.start_step + 1, t.steps + 1):
                 try:
                     loss = self.train_step(step - 1)
-                except NonFiniteError as err:
-                    self._save_last_good(err.step - 1, last_saved)
+                except NonFiniteError:
+                    self._save_last_good(self.guards.last_good(step), last_saved)
                     raise
                 if loss is not None:
                     losses.append(loss)
                 meter.add(tokens_per_step)
                 log.advance()
                 if step % t.log_every == 0 or step == t.steps:
-                    self.watchdog.phase("log", step)
+                    self.guards.phase("log", step)
                     rates = meter.read()
                     mean = {"loss": sum(losses) / len(losses)} if losses else {}  # none: every update skipped
                     stats = reduce_mean({**mean, "stop": float(self.stop.set),
@@ -189,7 +180,7 @@ class LMTrainer:
                     stats["flops_per_s"] *= self.dp_world
                     stats.pop("mfu", None)
                     stop = stats.pop("stop") > 0
-                    stats.update(lr=self.engine.lr, skipped_steps=self.guard.skipped)
+                    stats.update(lr=self.engine.lr, skipped_steps=self.guards.skipped)
                     norm = self.engine.grad_norm
                     if norm is not None:
                         stats["grad_norm"] = norm
@@ -200,7 +191,7 @@ class LMTrainer:
                         last_saved, stopped = step, True
                         break
                 if t.eval_every and step % t.eval_every == 0:
-                    self.watchdog.phase("eval", step)
+                    self.guards.phase("eval", step)
                     log.log(step, {"loss": self.evaluate()}, prefix="val")
                 if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
                     self.save(step)
@@ -208,28 +199,29 @@ class LMTrainer:
                 fault("DSTRAIN_FAULT_AFTER_STEP", step)
             if not stopped and last_saved != step and step > self.start_step:
                 self.save(step)
-            self.watchdog.phase("eval", step)
+            self.guards.phase("eval", step)
             val_loss = self.evaluate() if not stopped else None
             if val_loss is not None:
                 log.log(step, {"loss": val_loss}, prefix="val")
-            self.watchdog.phase("save", step)
+            self.guards.phase("save", step)
             self.saver.wait()
         finally:
-            self.watchdog.close()
+            self.guards.close()
             log.close()
         summary = {"step": step, "val_loss": val_loss, "stopped": stopped,
                    "seconds": time.perf_counter() - start, "profile": self.plan.profile,
                    "precision": self.plan.precision, "world_size": self.world.world_size,
-                   "skipped_steps": self.guard.skipped, "checkpoint_stalls_s": self.saver.stalls,
+                   "skipped_steps": self.guards.skipped, "checkpoint_stalls_s": self.saver.stalls,
                    "checkpoint_async_s": self.saver.breakdown}
         if self.world.is_main:
             (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
 
 
-    def _save_last_good(self, good: int, last_saved: int | None) -> None:
-        """Under train.nonfinite, before leaving: checkpoint ``good`` (the last step whose update was taken)."""
-        if good > self.start_step and good != last_saved:
+    def _save_last_good(self, good: int | None, last_saved: int | None) -> None:
+        """Under train.nonfinite, before leaving: checkpoint ``good`` (the last step whose update was taken;
+        None: the failed step's update is already in the weights, so the checkpoint on disk stays the latest)."""
+        if good is not None and good > self.start_step and good != last_saved:
             self.save(good)
         self.saver.wait()
 

@@ -1,4 +1,5 @@
-"""``train.nonfinite`` on 2 ranks, with a NaN loss injected on rank 1 at step 3 (DSTRAIN_FAULT_NAN_STEP).
+"""``train.nonfinite`` on 2 ranks, with a NaN loss injected on rank 1 at step 3 (DSTRAIN_FAULT_NAN_STEP)
+in the LM trainer, plain and with two pipeline stages.
 
 skip: every rank drops step 3's update (checkpoint 3 holds exactly checkpoint 2's weights, step 4
 moves on) and ``train/skipped_steps`` counts it. stop: the job exits 3 with one line naming step 3
@@ -43,3 +44,18 @@ def test_nan_on_one_rank_skip_then_stop(tmp_path):
     assert "job failed" not in proc.stderr  # no restart for a numerical stop
     assert ckpt.find_latest(stop / "checkpoints") == ckpt.tag_for(2)
     assert _same(_weights(stop / "checkpoints" / ckpt.tag_for(2)), w2)
+
+
+def test_pipeline_stages_skip_together(tmp_path):
+    """pp=2: the last stage (rank 1) holds the loss, both stages their gradients; the check runs inside
+    DeepSpeed's train_batch, before its optimizer step. Checkpoints written in the background."""
+    out = tmp_path / "pp"
+    extra = ("--parallel.pp=2", "--checkpoint.every=1", "--checkpoint.keep=10", "--checkpoint.async_write=true",
+             "--train.nonfinite=skip")
+    proc = harness.launch(harness.overrides(out, 4, *extra), env=NAN_AT)
+    assert "non-finite loss at step 3 on rank 1: update skipped" in proc.stdout + proc.stderr
+    assert harness.metrics(out, "train/skipped_steps") == {1: 0, 2: 0, 3: 1, 4: 1}
+    root = out / "checkpoints"
+    w2, w3, w4 = (_weights(root / ckpt.tag_for(s)) for s in (2, 3, 4))
+    assert _same(w2, w3) and not _same(w3, w4)
+    assert all(torch.isfinite(v).all() for v in w4.values())

@@ -105,10 +105,14 @@ def test_check_config_on_run_config_and_ds_json(tmp_path, capsys):
     assert "zero_optimisation" in err and "offload_param" in err
 
 
-def test_fault_features_not_built_for_a_trainer_are_refused_not_ignored():
+def test_fault_policies_and_background_saves_reach_every_trainer():
     from dstrain.config import ConfigError, load_run_config
-    with pytest.raises(ConfigError, match="train.nonfinite: skip is implemented for the lm trainer"):
-        load_run_config("models/hrm/recipes/sudoku_debug.json", ["--train.nonfinite=skip"])
-    with pytest.raises(ConfigError, match="checkpoint.async_write: .*parallel.pp=2"):
-        load_run_config("models/gpt/recipes/tiny.json", ["--parallel.pp=2", "--checkpoint.async_write=true"])
-    assert load_run_config("models/gpt/recipes/tiny.json", ["--train.nonfinite=skip"]).train.nonfinite == "skip"
+    for recipe in ("models/gpt/recipes/tiny.json", "models/hrm/recipes/sudoku_debug.json",
+                   "models/policy/recipes/grpo_debug.json", "models/policy/recipes/score_debug.json"):
+        cfg = load_run_config(recipe, ["--train.nonfinite=skip", "--checkpoint.async_write=true"])
+        assert cfg.train.nonfinite == "skip" and cfg.checkpoint.async_write
+    assert load_run_config("models/gpt/recipes/tiny.json", ["--train.nonfinite=off"]).train.nonfinite == "off"
+    with pytest.raises(ConfigError, match="train.nonfinite: must be stop, skip or off, got 'ignore'"):
+        load_run_config("models/gpt/recipes/tiny.json", ["--train.nonfinite=ignore"])
+    assert load_run_config("models/gpt/recipes/tiny.json",
+                           ["--parallel.pp=2", "--checkpoint.async_write=true"]).checkpoint.async_write

@@ -91,3 +91,56 @@ def test_watchdog_quiet_while_progressing_or_paused():
     time.sleep(0.6)
     dog.close()
     assert codes == [] and dog.fired is None
+
+
+def test_grad_watch_sees_a_nan_gradient_behind_a_finite_loss():
+    from dstrain.faults import _nan_gradient
+    from dstrain.resilience import GradWatch
+    model = torch.nn.Linear(3, 2)
+    watch = GradWatch(model)
+    x = torch.randn(4, 3)
+    model(x).sum().backward()
+    assert watch.take() is False
+    loss = _nan_gradient(model(x).sum())
+    assert torch.isfinite(loss)
+    loss.backward()
+    assert watch.take() is True and watch.take() is False  # read once, then cleared
+    watch.remove()
+    _nan_gradient(model(x).sum()).backward()
+    assert watch.take() is False
+
+
+def test_guard_names_the_gradient_and_the_model_and_counts_skips_per_model():
+    guard = NonFiniteGuard("skip", max_consecutive=2, rank=0, world_size=1)
+    assert guard.check([ONE], 4, grads_bad=True, name="critic") is True
+    assert guard.check([ONE], 4, name="policy") is False  # another model's good step resets nothing of the critic
+    with pytest.raises(NonFiniteError, match=r"^non-finite gradient at step 5 on rank 0 \(critic\): 2 steps"):
+        guard.check([ONE], 5, grads_bad=True, name="critic")
+    stop = NonFiniteGuard("stop", max_consecutive=5, rank=0, world_size=1)
+    with pytest.raises(NonFiniteError, match=r"^non-finite loss at step 1 on rank 0: stopped"):
+        stop.check([NAN], 1, grads_bad=True)  # a NaN loss is named before its gradients
+
+
+def test_run_guards_last_good_step_depends_on_whether_an_update_was_taken():
+    from dstrain.config import load_run_config
+    from dstrain.runtime import World
+    from dstrain.trainers.common import RunGuards
+    cfg = load_run_config("models/gpt/recipes/tiny.json", ["--train.nonfinite=skip"])
+    attached = {}
+    engines = {name: SimpleNamespace(updates=0, watch=lambda g, w, n: attached.setdefault(n, (g, w)))
+               for name in ("policy", "critic")}
+    world = World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
+    guards = RunGuards(cfg, world, engines)
+    try:
+        assert set(attached) == {"policy", "critic"} and attached["critic"][0] is guards.guard
+        guards.begin(7)
+        assert guards.last_good(7) == 6  # nothing updated yet in step 7: step 6's state is the last good one
+        engines["policy"].updates += 1
+        assert guards.last_good(7) is None  # the policy moved on before the critic failed
+        guards.skipped = 3
+        assert guards.guard.skipped == 3
+    finally:
+        guards.close()
+    off = RunGuards(load_run_config("models/gpt/recipes/tiny.json", ["--train.nonfinite=off"]), world, {})
+    assert off.guard is None and off.skipped == 0
+    off.close()

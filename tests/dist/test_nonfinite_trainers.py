@@ -1,0 +1,59 @@
+"""``train.nonfinite`` beyond the LM trainer, 2 CPU ranks, faults injected on rank 1 (``dstrain.faults``).
+
+HRM, skip: step 3's gradients are NaN behind a finite loss; every rank drops that update, of the
+network and of the sparse puzzle-embedding table alike (checkpoint 3 equals checkpoint 2), and
+step 4 trains on. SCoRe, stop: the critic's loss of its second step is NaN; the job exits 3 with
+one line naming the critic, and since the policy had already taken step 2's update, no new
+checkpoint is written: step 1's stays the latest.
+"""
+import os
+import subprocess
+import sys
+
+import torch
+
+from dstrain import checkpoint as ckpt
+from tests.dist import harness
+from tests.dist.test_hrm_train import QUICK as HRM_QUICK
+from tests.dist.test_score_train import QUICK as SCORE_QUICK
+
+RECIPES = harness.ROOT / "models"
+
+
+def _launch(recipe, out, steps, quick, fault_env, *extra):
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "DSTRAIN_FAULT_RANK": "1", **fault_env}
+    cmd = [sys.executable, "-m", "dstrain.cli", "launch", "--nproc", "2", str(recipe), *quick,
+           f"--train.steps={steps}", f"--output.dir={out}", "--checkpoint.every=1", "--checkpoint.keep=10", *extra]
+    return subprocess.run(cmd, env=env, cwd=harness.ROOT, capture_output=True, text=True, timeout=400)
+
+
+def _same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_hrm_skips_a_nan_gradient_step_on_every_rank(tmp_path):
+    out = tmp_path / "hrm"
+    proc = _launch(RECIPES / "hrm" / "recipes" / "sudoku_debug.json", out, 4, HRM_QUICK,
+                   {"DSTRAIN_FAULT_NAN_GRAD_STEP": "3"}, "--train.nonfinite=skip", "--train.log_every=1")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "non-finite gradient at step 3 on rank 1: update skipped" in proc.stdout + proc.stderr
+    assert harness.metrics(out, "train/skipped_steps") == {1: 0, 2: 0, 3: 1, 4: 1}
+    root = out / "checkpoints"
+    weights = {s: ckpt.consolidated_state_dict(root / ckpt.tag_for(s))[0] for s in (2, 3, 4)}
+    table = {s: torch.load(root / ckpt.tag_for(s) / "hrm" / "puzzle_emb.pt", weights_only=True)["weight"]
+             for s in (2, 3, 4)}
+    assert _same(weights[2], weights[3]) and torch.equal(table[2], table[3]), "the skipped step changed the state"
+    assert not _same(weights[3], weights[4]) and not torch.equal(table[3], table[4])
+    assert all(torch.isfinite(v).all() for v in weights[4].values())
+
+
+def test_score_stops_on_a_nan_critic_loss_and_keeps_the_last_complete_checkpoint(tmp_path):
+    out = tmp_path / "score"
+    proc = _launch(RECIPES / "policy" / "recipes" / "score_debug.json", out, 3, SCORE_QUICK,
+                   {"DSTRAIN_FAULT_NAN_STEP": "2", "DSTRAIN_FAULT_MODEL": "critic"}, "--train.nonfinite=stop")
+    assert proc.returncode == 3, (proc.returncode, proc.stderr[-3000:])
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("dstrain: error:")]
+    assert len(lines) == 1 and "non-finite loss at step 2 on rank 1 (critic): stopped" in lines[0], lines
+    assert ckpt.find_latest(out / "checkpoints") == ckpt.tag_for(1)
+    assert ckpt.complete_tags(out / "checkpoints") == [ckpt.tag_for(1)]
