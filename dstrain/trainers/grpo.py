@@ -36,8 +36,9 @@ from dstrain.rl import grpo_math as gm
 from dstrain.rl.rollout import make_rollout
 from dstrain.trainers import policy_rl as prl
 from dstrain.trainers import task_config
-from dstrain.trainers.common import (StopFlag, decide_resume, load_checkpoint, pin_plan, plan_and_record,
-                                     save_checkpoint)
+from dstrain.resilience import torch_timeout_s
+from dstrain.trainers.common import (CheckpointSaver, RunGuards, StopFlag, decide_resume, load_checkpoint, pin_plan,
+                                     plan_and_record)
 from dstrain.trainers.grpo_config import PolicyTaskConfig
 from dstrain.trainers.grpo_sampling import StepBatch, step_batch
 from dstrain.trainers.rl_loop import RLLoop, batch_layout, sandbox_pool
@@ -55,7 +56,7 @@ class GRPOTrainer(RLLoop):
     RATE_KEYS = ("gen_tokens_per_s", "train_tokens_per_s")  # every rank generates and trains its share
 
     def __init__(self, cfg: RunConfig):
-        self.world = runtime.init_distributed()
+        self.world = runtime.init_distributed(timeout_s=torch_timeout_s(cfg.train.collective_timeout_s))
         self.task: PolicyTaskConfig = task_config(cfg)
         t, ws = cfg.train, self.world.world_size
         self.samples_per_step, self.prompts_per_step = batch_layout(t, self.task.num_generations, ws)
@@ -90,6 +91,8 @@ class GRPOTrainer(RLLoop):
         steps = dataclasses.replace(cfg.train, steps=cfg.train.steps * self.task.num_iterations)
         self.engine = create_engine(lambda: self.rl.build(self.model_cfg, ds_config=ds_for_load),
                                     self.spec.parallelize, self.plan, steps)
+        self.guards = RunGuards(cfg, self.world, {"": self.engine})
+        self.saver = CheckpointSaver(self.engine, self.ckpt_root, self.world, cfg, self.plan)
         self.tokenizer = self.rl.load_tokenizer(self.model_cfg)
         self.reference = None
         if self.task.beta > 0:
@@ -102,7 +105,8 @@ class GRPOTrainer(RLLoop):
                                           max_completion_length=self.task.max_new_tokens)
         self.start_step = 0
         if resume_tag is not None:
-            self.start_step = int(load_checkpoint(self.engine, self.ckpt_root, resume_tag, self.world)["step"])
+            state = load_checkpoint(self.engine, self.ckpt_root, resume_tag, self.world)
+            self.start_step, self.guards.skipped = int(state["step"]), int(state.get("skipped_steps", 0))
         self.stop = StopFlag()
         self.rollouts = make_rollout(self, cfg.rollout)
 
@@ -194,8 +198,7 @@ class GRPOTrainer(RLLoop):
 
     # ---------------------------------------------------------------- loop
     def save(self, step: int) -> None:
-        save_checkpoint(self.engine, self.ckpt_root, step, self.world, self.cfg, self.plan,
-                        {"samples_per_step": self.samples_per_step})
+        self.saver.save(step, {"samples_per_step": self.samples_per_step, "skipped_steps": self.guards.skipped})
 
     def evaluate(self, step: int) -> dict[str, float]:
         stats = prl.evaluate_pass_at_k(self.policy, self.tokenizer, self.rl, self.eval_tasks, self.task,

@@ -22,8 +22,9 @@ import numpy as np
 import torch
 
 from dstrain import runtime
-from dstrain.trainers.common import (StopFlag, decide_resume, fault, load_checkpoint, pin_plan,
-                                      plan_and_record, save_checkpoint)
+from dstrain.resilience import NonFiniteError, torch_timeout_s
+from dstrain.trainers.common import (CheckpointSaver, RunGuards, StopFlag, decide_resume, fault, load_checkpoint,
+                                     pin_plan, plan_and_record)
 from dstrain.config import ConfigError, RunConfig
 from dstrain.data import sudoku
 from dstrain.engine.factory import create_engine
@@ -71,7 +72,7 @@ class HRMTrainer:
     """Owns the engine, the puzzle table, the data and the carries of one HRM run."""
 
     def __init__(self, cfg: RunConfig):
-        self.world = runtime.init_distributed()
+        self.world = runtime.init_distributed(timeout_s=torch_timeout_s(cfg.train.collective_timeout_s))
         self.task: HRMTaskConfig = task_config(cfg)
         ws = self.world.world_size
         if cfg.train.grad_accum != 1:
@@ -108,6 +109,8 @@ class HRMTrainer:
         self.engine = create_engine(lambda: self.spec.build(self.model_cfg), self.spec.parallelize,
                                     self.plan, cfg.train)
         self.device = self.engine.device
+        self.guards = RunGuards(cfg, self.world, {"": self.engine})
+        self.saver = CheckpointSaver(self.engine, self.ckpt_root, self.world, cfg, self.plan)
         emb_len = getattr(self.model_cfg, "puzzle_emb_len", 0)
         self.puzzle_emb = self.sparse_opt = None
         if emb_len:
@@ -131,8 +134,8 @@ class HRMTrainer:
             torch.save(self.carry, state_dir / f"carry_rank_{self.world.rank}.pt")
             if self.world.is_main and self.puzzle_emb is not None:
                 torch.save(self.puzzle_emb.state_dict(), state_dir / "puzzle_emb.pt")
-        save_checkpoint(self.engine, self.ckpt_root, step, self.world, self.cfg, self.plan,
-                        {"global_batch": self.global_batch}, write_state)
+        self.guards.phase("save", step)
+        self.saver.save(step, {"global_batch": self.global_batch, "skipped_steps": self.guards.skipped}, write_state)
 
     def _resume(self, tag: str) -> None:
         state = load_checkpoint(self.engine, self.ckpt_root, tag, self.world)
@@ -142,7 +145,7 @@ class HRMTrainer:
                                                        map_location=self.device))
         self.carry = torch.load(state_dir / f"carry_rank_{self.world.rank}.pt", weights_only=True,
                                 map_location=self.device)
-        self.start_step = int(state["step"])
+        self.start_step, self.guards.skipped = int(state["step"]), int(state.get("skipped_steps", 0))
 
     # ---------------------------------------------------------------- steps
     def _ids(self, groups: torch.Tensor) -> torch.Tensor:
@@ -185,8 +188,8 @@ class HRMTrainer:
                                 carry.get("z_H"), carry.get("z_L"), carry.get("steps"), rows["reset"])
         self.engine.backward(loss)
         lr_factor = self.engine.lr / self.cfg.train.lr if self.cfg.train.lr > 0 else 1.0
-        self.engine.step()
-        if self.sparse_opt is not None:
+        taken = self.engine.step()  # False: skipped under train.nonfinite=skip (the table is left too)
+        if self.sparse_opt is not None and taken:
             self.sparse_opt.step(self.task.puzzle_emb_lr * lr_factor)
         self.carry = {"z_H": out["z_H"], "z_L": out["z_L"], "steps": out["steps"],
                       "halted": out["halted"], "inputs": rows["inputs"], "labels": rows["labels"],
@@ -212,7 +215,15 @@ class HRMTrainer:
         start = window = time.perf_counter()
         try:
             for step in range(self.start_step + 1, t.steps + 1):
-                loss, metrics = self.train_step(step - 1)
+                self.guards.begin(step)
+                try:
+                    loss, metrics = self.train_step(step - 1)
+                except NonFiniteError:  # train.nonfinite=stop, or too many skips in a row
+                    good = self.guards.last_good(step)
+                    if good is not None and good > self.start_step and good != last_saved:
+                        self.save(good)
+                    self.saver.wait()
+                    raise
                 losses.append(loss)
                 for k, v in metrics.items():
                     sums[k] = sums[k] + v if k in sums else v.clone()
@@ -227,7 +238,7 @@ class HRMTrainer:
                                            "stop": float(self.stop.set), "out_of_time": float(out_of_time)})
                     out_of_time = reduced.pop("out_of_time") > 0
                     stats = summarise({k: v for k, v in reduced.items() if k not in ("step_loss", "stop")})
-                    stats.update(loss=reduced["step_loss"], lr=self.engine.lr,
+                    stats.update(loss=reduced["step_loss"], lr=self.engine.lr, skipped_steps=self.guards.skipped,
                                  segments_per_s=len(losses) * self.global_batch / max(now - window, 1e-9))
                     if self.sparse_opt is not None:
                         stats["puzzle_emb_lr"] = self.task.puzzle_emb_lr * self.engine.lr / max(t.lr, 1e-30)
@@ -245,6 +256,7 @@ class HRMTrainer:
                         log.message(f"time limit of {limit:.0f} s reached at step {step}")
                         break
                 if t.eval_every and step % t.eval_every == 0:
+                    self.guards.phase("eval", step)
                     val, val_step = self.evaluate(), step
                     log.log(step, val, prefix="val")
                     self.engine.train()
@@ -257,16 +269,20 @@ class HRMTrainer:
             if stopped:
                 val = None
             elif val_step != step:
+                self.guards.phase("eval", step)
                 val = self.evaluate()
                 log.log(step, val, prefix="val")
+            self.guards.phase("save", step)
+            self.saver.wait()
         finally:
+            self.guards.close()
             log.close()
         summary = {"step": step, "val_loss": val["loss"] if val else None,
                    "val_exact_accuracy": val.get("exact_accuracy") if val else None,
                    "val_accuracy": val.get("accuracy") if val else None, "stopped": stopped,
                    "seconds": time.perf_counter() - start, "profile": self.plan.profile,
                    "precision": self.plan.precision, "world_size": self.world.world_size,
-                   "global_batch": self.global_batch}
+                   "global_batch": self.global_batch, "skipped_steps": self.guards.skipped}
         if self.world.is_main:
             (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary

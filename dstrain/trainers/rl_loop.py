@@ -4,7 +4,9 @@ A trainer subclasses :class:`RLLoop` and provides ``one_step(step) -> dict`` (th
 metrics of step ``step``, 0-based), ``evaluate(step) -> dict``, ``save(step)``,
 ``log_extras() -> dict`` (learning rate, gradient norm) and ``summary_extras() -> dict``,
 plus the attributes set in its ``__init__``: ``cfg``, ``task``, ``world``, ``out``,
-``start_step``, ``stop`` (a StopFlag), ``pool`` (the sandbox), ``samples_per_step``, ``plan``.
+``start_step``, ``stop`` (a StopFlag), ``pool`` (the sandbox), ``samples_per_step``, ``plan``,
+``guards`` (``common.RunGuards`` over its trained engines: ``train.nonfinite`` and the hang
+watchdog) and ``saver`` (``common.CheckpointSaver``, which its ``save`` uses).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import time
 
 from dstrain.config import ConfigError
 from dstrain.metrics import RunLogger, peak_memory_bytes, reduce_mean
+from dstrain.resilience import NonFiniteError
 from dstrain.trainers.common import fault
 
 
@@ -85,7 +88,15 @@ class RLLoop:
                 before = self.evaluate(0)
                 log.log(0, before, prefix="val")
             for step in range(self.start_step + 1, t.steps + 1):
-                window.append(self.one_step(step - 1))
+                self.guards.begin(step, "rollout")
+                try:
+                    window.append(self.one_step(step - 1))
+                except NonFiniteError:  # train.nonfinite=stop, or too many skips in a row
+                    good = self.guards.last_good(step)
+                    if good is not None and good > self.start_step and good != last_saved:
+                        self.save(good)
+                    self.saver.wait()
+                    raise
                 log.advance()
                 if step % t.log_every == 0 or step == t.steps:
                     len_window = len(window)
@@ -97,7 +108,7 @@ class RLLoop:
                         if k in stats:
                             stats[k] *= self.world.world_size
                     stop, out_of_time = stats.pop("stop") > 0, stats.pop("out_of_time") > 0
-                    stats.update(self.log_extras())
+                    stats.update(self.log_extras(), skipped_steps=self.guards.skipped)
                     for prefix, values in split_prefixed(stats).items():
                         log.log(step, values, prefix=prefix)
                     for k, v in stats.items():
@@ -111,17 +122,23 @@ class RLLoop:
                         last_saved, stopped = step, stop
                         break
                 if t.eval_every and step % t.eval_every == 0 and step != t.steps:
+                    self.guards.phase("eval", step)
                     log.log(step, self.evaluate(step), prefix="val")
                 if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
+                    self.guards.phase("save", step)
                     self.save(step)
                     last_saved = step
                 fault("DSTRAIN_FAULT_AFTER_STEP", step)
             if not stopped and last_saved != step and step > self.start_step:
                 self.save(step)
             if not stopped:
+                self.guards.phase("eval", step)
                 after = self.evaluate(step)
                 log.log(step, after, prefix="val")
+            self.guards.phase("save", step)
+            self.saver.wait()
         finally:
+            self.guards.close()
             log.close()
             self.pool.close()
             rollouts = getattr(self, "rollouts", None)
@@ -134,7 +151,8 @@ class RLLoop:
                    **({"time_split": split} if split else {}),
                    "eval_before": before, "eval_after": after, "profile": self.plan.profile,
                    "precision": self.plan.precision, "world_size": self.world.world_size,
-                   "samples_per_step": self.samples_per_step, **self.summary_extras()}
+                   "samples_per_step": self.samples_per_step, "skipped_steps": self.guards.skipped,
+                   **self.summary_extras()}
         if self.world.is_main:
             (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary

@@ -11,8 +11,10 @@ placement asks for them. The step itself is ``score_step.ScoreStep``.
 Layout as GRPO: a step has ``micro_batch x grad_accum x ranks`` episodes,
 ``num_generations`` per prompt, prompts a pure function of the step (resume-exact).
 
-Checkpoints: the policy engine under the step's tag (``common.save_checkpoint``), every
-other trained engine under ``<tag>/<role>/``, the target critic as ``<tag>/critic_target.pt``.
+Checkpoints: the policy engine under the step's tag (``common.CheckpointSaver``; with
+``checkpoint.async_write`` its files are written in the background, the others' during the
+save), every other trained engine under ``<tag>/<role>/``, the target critic as
+``<tag>/critic_target.pt``. ``train.nonfinite`` watches every trained engine (``RunGuards``).
 """
 from __future__ import annotations
 
@@ -32,7 +34,8 @@ from dstrain.engine.profiles import PlanError
 from dstrain.trainers import policy_rl as prl
 from dstrain.trainers import score_models as sc
 from dstrain.trainers import score_warm, task_config
-from dstrain.trainers.common import StopFlag, decide_resume, load_checkpoint, pin_plan, save_checkpoint
+from dstrain.resilience import torch_timeout_s
+from dstrain.trainers.common import CheckpointSaver, RunGuards, StopFlag, decide_resume, load_checkpoint, pin_plan
 from dstrain.trainers.rl_loop import RLLoop, batch_layout, sandbox_pool
 from dstrain.trainers.score_config import ScoreTaskConfig
 from dstrain.trainers.score_step import ScoreModels, ScoreStep
@@ -42,7 +45,7 @@ plan_report = sc.plan_report  # ``dstrain plan``'s hook: the placement table, an
 
 class ScoreTrainer(RLLoop):
     def __init__(self, cfg: RunConfig):
-        self.world = w = runtime.init_distributed()
+        self.world = w = runtime.init_distributed(timeout_s=torch_timeout_s(cfg.train.collective_timeout_s))
         self.task: ScoreTaskConfig = task_config(cfg)
         t = cfg.train
         self.samples_per_step, self.prompts_per_step = batch_layout(t, self.task.num_generations, w.world_size,
@@ -84,6 +87,8 @@ class ScoreTrainer(RLLoop):
 
         runtime.seed_everything(cfg.train.seed)
         self.models, self.devices, self.profiles = self._build_models()
+        self.guards = RunGuards(cfg, w, {"policy": self.models.policy, **self._extra_engines()})
+        self.saver = CheckpointSaver(self.models.policy, self.ckpt_root, w, cfg, self.plan)
         self.tokenizer = self.rl.load_tokenizer(self.model_cfg)
         self.pool = sandbox_pool(self.task)
         # the policy's turns (and their rewards) run where rollout.backend says; the guidance model stays here
@@ -94,7 +99,8 @@ class ScoreTrainer(RLLoop):
                                 t.micro_batch, t.grad_accum, cfg.train.seed, rollouts=self.rollouts)
         self.start_step = 0
         if resume_tag is not None:
-            self.start_step = int(load_checkpoint(self.models.policy, self.ckpt_root, resume_tag, w)["step"])
+            state = load_checkpoint(self.models.policy, self.ckpt_root, resume_tag, w)
+            self.start_step, self.guards.skipped = int(state["step"]), int(state.get("skipped_steps", 0))
             sc.load_extra(self.ckpt_root / resume_tag, self._extra_engines(), self.models.critic_target)
         self.stop = StopFlag()
 
@@ -188,8 +194,8 @@ class ScoreTrainer(RLLoop):
 
     def save(self, step: int) -> None:
         engines = self._extra_engines()
-        save_checkpoint(self.models.policy, self.ckpt_root, step, self.world, self.cfg, self.plan,
-                        {"samples_per_step": self.samples_per_step, "engines": sorted(engines)},
+        self.saver.save(step, {"samples_per_step": self.samples_per_step, "engines": sorted(engines),
+                               "skipped_steps": self.guards.skipped},
                         write_extra=lambda d: sc.save_extra(d, engines, self.models.critic_target,
                                                             self.world.is_main))
 
