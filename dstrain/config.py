@@ -199,6 +199,12 @@ class RolloutConfig:
     """ray: CPUs reserved per actor."""
     threads_per_worker: int = 0
     """ray: torch threads in each actor (0: the training rank's)."""
+    generator: str = "hf"
+    """What samples completions: hf (the policy's own ``generate``, KV cache, batched) | vllm (a vLLM
+    engine colocated in each training rank on its GPU, weights copied from the engine after every
+    optimizer step; GRPO with ``backend=local`` only; needs the vllm package and CUDA)."""
+    vllm_gpu_memory_utilization: float = 0.3
+    """vllm: share of the GPU's memory vLLM may take (weights and KV cache); training keeps the rest."""
 
 
 @dataclass
@@ -442,6 +448,18 @@ def _validate_parallel(cfg: RunConfig, source: str) -> None:
            f"must be 0 (the rank's) or more, got {ro.threads_per_worker}")
     _check(ro.backend == "local" or cfg.trainer in ("grpo", "score"), source, "rollout.backend",
            f"ray rollouts are for the RL trainers (grpo, score); {cfg.trainer!r} has none (use rollout.backend=local)")
+    from dstrain.rl.vllm_generation import GENERATORS, vllm_missing
+    _check(ro.generator in GENERATORS, source, "rollout.generator",
+           f"must be one of {', '.join(GENERATORS)}, got {ro.generator!r}")
+    if ro.generator == "vllm":
+        _check(cfg.trainer == "grpo", source, "rollout.generator", f"vllm generation is built for the grpo trainer, "
+               f"not {cfg.trainer!r} (use rollout.generator=hf)")
+        _check(ro.backend == "local", source, "rollout.generator",
+               "vllm runs colocated in the training ranks: use it with rollout.backend=local")
+        _check(0 < ro.vllm_gpu_memory_utilization < 1, source, "rollout.vllm_gpu_memory_utilization",
+               f"must be within (0, 1), got {ro.vllm_gpu_memory_utilization}")
+        missing = vllm_missing()
+        _check(not missing, source, "rollout.generator", f"{missing}; use rollout.generator=hf")
     _check(par.sp_mode in ("auto", "exchange", "ulysses"), source, "parallel.sp_mode",
            f"must be auto, exchange or ulysses, got {par.sp_mode!r}")
     _check(cfg.data.seq_len % par.sp == 0, source, "data.seq_len",

@@ -35,7 +35,16 @@ class LocalRollout:
 
     def __init__(self, tr):
         self.tr = tr
-        self.last_sync = {}
+
+    @property
+    def last_sync(self) -> dict:
+        """The last weight copy into a colocated generator (``rollout.generator=vllm``), else {}."""
+        return getattr(self.tr.rl, "last_sync", None) or {}
+
+    @last_sync.setter
+    def last_sync(self, value: dict) -> None:
+        if isinstance(getattr(self.tr, "rl", None), _vllm_toolkit_class()):
+            self.tr.rl.last_sync = value
 
     def run(self, tasks: list, seed: int, prompts: list[str] | None = None):
         from dstrain.trainers import policy_rl as prl
@@ -44,6 +53,11 @@ class LocalRollout:
 
     def close(self, clean: bool = True) -> None:
         pass
+
+
+def _vllm_toolkit_class():
+    from dstrain.rl.vllm_generation import VLLMToolkit
+    return VLLMToolkit
 
 
 def _import_ray():
@@ -200,7 +214,12 @@ class RayRollout:
 
 
 def make_rollout(tr, rollout_cfg):
-    """The backend ``rollout.backend`` names."""
+    """The backend ``rollout.backend`` names. With ``rollout.generator=vllm`` the trainer's toolkit
+    ``tr.rl`` is first wrapped so that its ``generate`` runs on a colocated vLLM engine
+    (``dstrain.rl.vllm_generation``); its weight copies are logged like the Ray pushes."""
+    if getattr(rollout_cfg, "generator", "hf") != "hf":
+        from dstrain.rl.vllm_generation import make_toolkit
+        tr.rl = make_toolkit(tr.rl, tr, rollout_cfg)
     if rollout_cfg.backend == "ray":
         return RayRollout(tr, rollout_cfg)
     return LocalRollout(tr)
