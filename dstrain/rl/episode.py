@@ -11,6 +11,9 @@ a fixed order, so a model (and a test) can tell the pieces apart::
     Previous attempt:          (hint and turn-2 prompts)
     <turn-1 answer>
 
+    Answer key:                (hint prompt, only when the guidance model is shown the key)
+    <what the verifier checks against>
+
     Hint:                      (turn-2 prompt)
     <hint>
 
@@ -30,11 +33,11 @@ PREVIOUS = "Previous attempt:"
 HINT = "Hint:"
 TRY_AGAIN = "Try again:"
 ANSWER = "Answer:"
+KEY = "Answer key:"
 
-HINT_INSTRUCTION = ("Write a short hint that helps correct the previous attempt if it is wrong "
-                    "(or confirms it if it is right). Do not state the final answer.")
-RETRY_INSTRUCTION = ("use the hint to check the previous attempt, correct any mistake, "
-                     "and give your final answer.")
+HINT_INSTRUCTION = "Write a one-line hint on the previous attempt; do not state the answer."
+RETRY_INSTRUCTION = "correct any mistake."
+"""Both instructions are kept short: on the tiny CPU policies every prompt byte costs compute."""
 
 
 def _section(label: str, text: str) -> str:
@@ -46,9 +49,11 @@ def turn1_prompt(task_prompt: str) -> str:
     return f"{_section(PROBLEM, task_prompt)}\n\n{ANSWER}\n"
 
 
-def hint_prompt(task_prompt: str, turn1_text: str) -> str:
-    """What the guidance model sees: the task and the policy's first answer."""
-    return (f"{_section(PROBLEM, task_prompt)}\n\n{_section(PREVIOUS, turn1_text)}\n\n"
+def hint_prompt(task_prompt: str, turn1_text: str, key: str | None = None) -> str:
+    """What the guidance model sees: the task and the policy's first answer, and the answer key
+    when one is given (a teacher that knows the solution but must not state it)."""
+    key_section = "" if key is None else f"{_section(KEY, key)}\n\n"
+    return (f"{_section(PROBLEM, task_prompt)}\n\n{_section(PREVIOUS, turn1_text)}\n\n{key_section}"
             f"{HINT_INSTRUCTION}\n{HINT}\n")
 
 

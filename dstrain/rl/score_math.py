@@ -111,9 +111,13 @@ def shaped_rewards(r1, r2, stage: int, alpha: float = 10.0) -> tuple[Tensor, Ten
     return r1.clone(), r2 + alpha * (r2 - r1)
 
 
-def guidance_rewards(r1, r2) -> Tensor:
-    """The guidance model's reward: the improvement its hint caused, ``r2 - r1``."""
-    return _as_float(r2) - _as_float(r1)
+def guidance_rewards(r1, r2, leaks=None) -> Tensor:
+    """The guidance model's reward: the improvement its hint caused, ``r2 - r1``; -1 where
+    ``leaks`` is set (a hint that states the answer is the worst hint, whatever turn 2 did)."""
+    reward = _as_float(r2) - _as_float(r1)
+    if leaks is None:
+        return reward
+    return torch.where(_as_float(leaks) > 0, torch.full_like(reward, -1.0), reward)
 
 
 def critic_advantages(q: Tensor, v: Tensor) -> Tensor:
@@ -235,3 +239,43 @@ def critic_loss(q_pred: Tensor, target) -> Tensor:
 def value_loss(v_pred: Tensor, target) -> Tensor:
     """Mean squared error of V(s) against the target critic's Q(s, a_taken) (detached)."""
     return _mse(v_pred, target, "value_loss")
+
+
+# ---------------------------------------------------------------- held-out evaluation
+
+def wilson_interval(successes: float, n: float, z: float = 1.959964) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion ``successes / n`` (95% for the default ``z``)."""
+    if n <= 0:
+        raise ValueError(f"wilson_interval needs n > 0, got {n}")
+    if not 0 <= successes <= n:
+        raise ValueError(f"successes must be within [0, n={n}], got {successes}")
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z / (1 + z * z / n) * (p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def paired_difference_interval(both: float, only_first: float, only_second: float, neither: float,
+                               z: float = 1.959964) -> tuple[float, float, float]:
+    """``(difference, low, high)`` of ``p_second - p_first`` on paired binary outcomes, with
+    Newcombe's (1998) hybrid score interval for paired proportions (his method 10: the two
+    Wilson intervals combined through the correlation phi of the 2x2 table).
+
+    For self-correction: ``first`` = turn 1 correct, ``second`` = turn 2 correct; so
+    ``only_first`` counts correct -> incorrect tasks and ``only_second`` incorrect -> correct.
+    """
+    a, b, c, d = (float(x) for x in (both, only_first, only_second, neither))
+    if min(a, b, c, d) < 0:
+        raise ValueError(f"paired counts must not be negative, got {(a, b, c, d)}")
+    n = a + b + c + d
+    if n <= 0:
+        raise ValueError("paired_difference_interval needs at least one pair")
+    p1, p2 = (a + b) / n, (a + c) / n
+    l1, u1 = wilson_interval(a + b, n, z)
+    l2, u2 = wilson_interval(a + c, n, z)
+    denom = (a + b) * (c + d) * (a + c) * (b + d)
+    phi = (a * d - b * c) / denom ** 0.5 if denom > 0 else 0.0
+    diff = p2 - p1
+    lower = ((p2 - l2) ** 2 - 2 * phi * (p2 - l2) * (u1 - p1) + (u1 - p1) ** 2) ** 0.5
+    upper = ((u2 - p2) ** 2 - 2 * phi * (u2 - p2) * (p1 - l1) + (p1 - l1) ** 2) ** 0.5
+    return diff, max(-1.0, diff - lower), min(1.0, diff + upper)

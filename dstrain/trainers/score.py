@@ -123,10 +123,13 @@ class ScoreTrainer(RLLoop):
         if not self.task.warm_start_steps:
             return None, None
         seed = cfg.data.seed
-        policy = prl.warm_start(cfg, self.task, score_warm.policy_examples(self.train_tasks, seed), self.world,
-                                self.out, log=lambda m: self._print(f"policy {m}"))
-        guidance = prl.warm_start(cfg, self.task, score_warm.guidance_examples(self.train_tasks, seed), self.world,
-                                  self.out / "guidance", log=lambda m: self._print(f"guidance {m}"))
+        task = self.task
+        policy = prl.warm_start(cfg, task, score_warm.policy_examples(self.train_tasks, seed, task.guidance),
+                                self.world, self.out, log=lambda m: self._print(f"policy {m}"))
+        if task.guidance == "none":
+            return policy, None
+        guidance = prl.warm_start(cfg, task, score_warm.guidance_examples(self.train_tasks, seed, task.guidance_key),
+                                  self.world, self.out / "guidance", log=lambda m: self._print(f"guidance {m}"))
         return policy, guidance
 
     # ---------------------------------------------------------------- models
@@ -163,7 +166,7 @@ class ScoreTrainer(RLLoop):
             gtrain = dataclasses.replace(cfg.train, steps=max(1, math.ceil(cfg.train.steps / task.guidance_every)))
             m.guidance_engine = self._engine(build(self.guidance_cfg), self.spec.parallelize, gplan, gtrain)
             m.guidance = m.guidance_engine.module
-        else:
+        elif "guidance" in present:
             _, m.guidance = self._frozen(self.guidance_cfg, "guidance")
         if task.advantage == "critic":
             head = lambda ds: sc.build_value_model(self.spec, self.model_cfg, ds)  # noqa: E731

@@ -13,6 +13,7 @@ from typing import ClassVar
 from dstrain.trainers.grpo_config import PolicyTaskConfig
 
 ADVANTAGES = ("critic", "group")
+GUIDANCE = ("model", "none")
 
 
 @dataclass
@@ -64,6 +65,14 @@ class ScoreTaskConfig(PolicyTaskConfig):
     """Update the guidance model every k steps (its own schedule counts those updates)."""
     guidance_frozen: bool = False
     """Never train the guidance model (implies ``placement.guidance.frozen``; either freezes it)."""
+    guidance: str = "model"
+    """model: a guidance model writes each hint | none: no guidance model is built and every
+    turn-2 prompt carries the same fixed hint (``score_warm.NO_HINT``), as in the SCoRe paper's
+    plain "try again" instruction (the no-guidance ablation)."""
+    guidance_key: bool = False
+    """Show the guidance model the answer key (maths: the final answer; code: the tests) in its
+    prompt: a teacher that knows the solution and must not state it. A hint that states a maths
+    answer anyway counts as a leak: its guidance reward is -1 and ``hint_leak`` logs the rate."""
     hint_max_new_tokens: int = 32
 
     def __post_init__(self) -> None:
@@ -77,6 +86,10 @@ class ScoreTaskConfig(PolicyTaskConfig):
         if self.reference != "cpu":
             raise ValueError("task.reference is not used by SCoRe: place the reference with "
                              "placement.reference (device, engine)")
+        if self.guidance not in GUIDANCE:
+            raise ValueError(f"task.guidance must be one of {', '.join(GUIDANCE)}, got {self.guidance!r}")
+        if self.guidance == "none" and self.guidance_key:
+            raise ValueError("task.guidance_key shows the key to the guidance model, but task.guidance is none")
         if self.advantage not in ADVANTAGES:
             raise ValueError(f"task.advantage must be one of {', '.join(ADVANTAGES)}, got {self.advantage!r}")
         for name in ("stage_one_steps", "alpha", "beta1", "beta2"):

@@ -31,7 +31,7 @@ LR_FIELD = {"guidance": "guidance_lr", "critic": "critic_lr", "value": "value_lr
 
 def present_roles(task) -> set[str]:
     """Roles this task builds (the others count 0 parameters in the memory plan)."""
-    roles = {"policy", "guidance"}
+    roles = {"policy"} | ({"guidance"} if getattr(task, "guidance", "model") == "model" else set())
     if task.beta1 > 0 or task.beta2 > 0:
         roles.add("reference")
     if task.advantage == "critic":

@@ -38,7 +38,15 @@ from dstrain.rl import score_math as sm
 from dstrain.rl.polyak import polyak_update_
 from dstrain.runtime import all_gather_1d
 from dstrain.trainers import policy_rl as prl
-from dstrain.trainers.score_warm import HINT_STOP
+from dstrain.trainers.score_warm import HINT_STOP, NO_HINT, answer_key, leaks_answer
+
+
+@dataclass
+class FixedHint:
+    """The hint of a run without a guidance model (``task.guidance: none``): no tokens generated."""
+
+    text: str = NO_HINT
+    completion_ids: tuple = ()
 
 
 @dataclass
@@ -70,6 +78,8 @@ class Episodes:
     """Turn-1 rewards of every episode of the step (all ranks, in order)."""
     r2: torch.Tensor
     seconds: dict = field(default_factory=dict)
+    leaks: torch.Tensor | None = None
+    """1 where the hint states the maths answer (every rank's episodes, in order)."""
 
 
 class ScoreStep:
@@ -84,7 +94,10 @@ class ScoreStep:
 
     # ---------------------------------------------------------------- episode
     def hints(self, tasks: list, turn1_texts: list[str], seed: int | None, greedy: bool = False) -> list:
-        prompts = [ep.hint_prompt(t.prompt, a) for t, a in zip(tasks, turn1_texts)]
+        if self.task.guidance == "none":
+            return [FixedHint() for _ in tasks]
+        key = self.task.guidance_key
+        prompts = [ep.hint_prompt(t.prompt, a, answer_key(t) if key else None) for t, a in zip(tasks, turn1_texts)]
         kw = {"greedy": True} if greedy else dict(temperature=self.task.temperature, top_p=self.task.top_p,
                                                   seed=seed)
         return self.rl.generate(self.m.guidance, self.tok, prompts, max_new_tokens=self.task.hint_max_new_tokens,
@@ -103,7 +116,9 @@ class ScoreStep:
         prompts2 = [ep.turn2_prompt(t.prompt, a, h.text) for t, a, h in zip(tasks, t1_texts, hints)]
         turn2 = self._rollout(tasks, base + 2, prompts2)
         seconds["generate_policy"] = time.perf_counter() - start - seconds["generate_guidance"]
-        return Episodes(tasks, turn1, hints, turn2, all_gather_1d(turn1.rewards), all_gather_1d(turn2.rewards), seconds)
+        leaks = all_gather_1d(torch.tensor([float(leaks_answer(t, h.text)) for t, h in zip(tasks, hints)]))
+        return Episodes(tasks, turn1, hints, turn2, all_gather_1d(turn1.rewards), all_gather_1d(turn2.rewards), seconds,
+                        leaks)
 
     # ---------------------------------------------------------------- helpers
     def _rollout(self, tasks: list, seed: int, prompts: list[str]):
@@ -222,7 +237,7 @@ class ScoreStep:
     def _train_guidance(self, eps: Episodes, out: dict, seconds: dict) -> None:
         engine, task = self.m.guidance_engine, self.task
         start = time.perf_counter()
-        reward = sm.guidance_rewards(eps.r1, eps.r2)
+        reward = sm.guidance_rewards(eps.r1, eps.r2, eps.leaks)
         adv = self._mine(sm.group_advantages(reward, task.num_generations, task.scale_rewards))
         b = self._to(self.rl.pack(eps.hints, self.tok.pad_token_id), engine.device)
         ids, attn, mask = b["input_ids"], b["attention_mask"], b["completion_mask"][:, 1:].float()
@@ -244,6 +259,7 @@ class ScoreStep:
         return {**stats, "stage": float(stage), "reward_t1": eps.r1.mean().item(), "reward_t2": eps.r2.mean().item(),
                 "guidance_reward": sm.guidance_rewards(eps.r1, eps.r2).mean().item(),
                 "hint_length": sum(len(h.completion_ids) for h in eps.hints) / n,
+                "hint_leak": eps.leaks.mean().item() if eps.leaks is not None else 0.0,
                 "completion_length_t1": eps.turn1.gen_tokens / n, "completion_length_t2": eps.turn2.gen_tokens / n}
 
     # ---------------------------------------------------------------- evaluation
@@ -259,18 +275,30 @@ class ScoreStep:
         hints = self.hints(mine, [c.text for c in t1], None, greedy=True)
         t2 = self.rl.generate(pol, self.tok, [ep.turn2_prompt(t.prompt, a.text, h.text)
                                               for t, a, h in zip(mine, t1, hints)], **kw)
-        sums = torch.zeros(5, dtype=torch.float64)  # tasks, t1 correct, t2 correct, i->c, c->i
+        sums = torch.zeros(6, dtype=torch.float64)  # tasks, t1 correct, t2 correct, i->c, c->i, hint leaks
         if mine:
             r1, _ = prl.score(mine, [c.text for c in t1], self.pool, False)
             r2, _ = prl.score(mine, [c.text for c in t2], self.pool, False)
             c1, c2 = [x == 1.0 for x in r1], [x == 1.0 for x in r2]
             sums += torch.tensor([len(mine), sum(c1), sum(c2), sum(not a and b for a, b in zip(c1, c2)),
-                                  sum(a and not b for a, b in zip(c1, c2))], dtype=torch.float64)
+                                  sum(a and not b for a, b in zip(c1, c2)),
+                                  sum(leaks_answer(t, h.text) for t, h in zip(mine, hints))], dtype=torch.float64)
         if world.world_size > 1:
             import torch.distributed as dist
             dist.all_reduce(sums)
-        n = max(sums[0].item(), 1.0)
-        acc1, acc2 = sums[1].item() / n, sums[2].item() / n
-        return {"pass@1": acc2, "accuracy@t1": acc1, "accuracy@t2": acc2, "delta(t1,t2)": acc2 - acc1,
-                "incorrect_to_correct": sums[3].item() / n, "correct_to_incorrect": sums[4].item() / n,
-                "tasks": sums[0].item()}
+        return eval_stats(*sums.tolist())
+
+
+def eval_stats(tasks: float, t1_correct: float, t2_correct: float, i2c: float, c2i: float,
+               leaks: float = 0.0) -> dict[str, float]:
+    """Held-out statistics from the summed counts: accuracies, transitions, and the 95% interval of
+    ``delta(t1,t2)`` (Newcombe's paired score interval over the ``tasks`` pairs)."""
+    n = max(tasks, 1.0)
+    acc1, acc2 = t1_correct / n, t2_correct / n
+    out = {"pass@1": acc2, "accuracy@t1": acc1, "accuracy@t2": acc2, "delta(t1,t2)": acc2 - acc1,
+           "incorrect_to_correct": i2c / n, "correct_to_incorrect": c2i / n, "hint_leak": leaks / n, "tasks": tasks}
+    if tasks > 0:
+        both = t1_correct - c2i
+        _, low, high = sm.paired_difference_interval(both, c2i, i2c, tasks - both - c2i - i2c)
+        out.update({"delta_ci95_low": low, "delta_ci95_high": high})
+    return out

@@ -23,6 +23,25 @@ CORRECT = "The previous attempt is correct."
 WRONG = "The previous attempt is wrong."
 TOO_HIGH = "The previous answer is too high."
 TOO_LOW = "The previous answer is too low."
+NO_HINT = "Check the previous attempt."
+"""The hint of every turn-2 prompt when no guidance model is used (``task.guidance: none``)."""
+MATHS_SHIFTS = (-20, -10, -2, -1, 1, 2, 10, 20)
+"""How a maths warm-start answer is made wrong: off by one or two in a digit, as carries go wrong."""
+
+
+def answer_key(task) -> str:
+    """What the verifier checks against, as the guidance model is shown it with ``task.guidance_key``."""
+    return task.answer if task.kind == "maths" else "\n".join(task.tests)
+
+
+def leaks_answer(task, hint: str) -> bool:
+    """True when ``hint`` states a maths task's final answer (some number in it equals the answer)."""
+    if task.kind != "maths":
+        return False
+    import re
+    from dstrain.rewards.maths import normalize_number
+    want = normalize_number(task.answer)
+    return any(normalize_number(x) == want for x in re.findall(r"-?\d+(?:\.\d+)?", hint))
 
 
 def corrupt(text: str, rng: random.Random) -> str:
@@ -53,30 +72,46 @@ def verdict(task, previous: str) -> str:
     return WRONG
 
 
+def corrupt_maths(task, rng: random.Random) -> str:
+    """A wrong final answer to a maths task whose reference ends ``#### <integer>``: the answer
+    shifted by one of ``MATHS_SHIFTS`` (falls back to ``corrupt`` for other answers)."""
+    try:
+        value = int(task.answer)
+    except ValueError:
+        return corrupt(task.reference, rng)
+    head = task.reference.rsplit("####", 1)[0] if "####" in task.reference else ""
+    return f"{head}#### {value + rng.choice(MATHS_SHIFTS)}"
+
+
 def _previous(task, rng: random.Random) -> str:
-    return task.reference if rng.random() < 0.5 else corrupt(task.reference, rng)
+    if rng.random() < 0.5:
+        return task.reference
+    return corrupt_maths(task, rng) if task.kind == "maths" else corrupt(task.reference, rng)
 
 
-def policy_examples(tasks: list, seed: int) -> list:
-    """Re-prompted copies of ``tasks`` teaching the policy both turns (reference answers)."""
+def policy_examples(tasks: list, seed: int, guidance: str = "model") -> list:
+    """Re-prompted copies of ``tasks`` teaching the policy both turns (reference answers); the
+    turn-2 hint is the verdict, or ``NO_HINT`` when the run has no guidance model."""
     rng = random.Random(f"score-warm-policy-{seed}")
     out = []
     for t in tasks:
         out.append(dataclasses.replace(t, prompt=episode.turn1_prompt(t.prompt)))
         prev = _previous(t, rng)
-        out.append(dataclasses.replace(t, prompt=episode.turn2_prompt(t.prompt, prev, verdict(t, prev))))
+        hint = verdict(t, prev) if guidance == "model" else NO_HINT
+        out.append(dataclasses.replace(t, prompt=episode.turn2_prompt(t.prompt, prev, hint)))
     return out
 
 
-def guidance_examples(tasks: list, seed: int) -> list:
-    """Copies of ``tasks`` whose prompt is the hint prompt and whose reference is the verdict."""
+def guidance_examples(tasks: list, seed: int, key: bool = False) -> list:
+    """Copies of ``tasks`` whose prompt is the hint prompt (with the answer key when ``key``) and
+    whose reference is the verdict."""
     rng = random.Random(f"score-warm-guidance-{seed}")
     out = []
     for t in tasks:
         for _ in range(2):
             prev = _previous(t, rng)
-            out.append(dataclasses.replace(t, prompt=episode.hint_prompt(t.prompt, prev),
-                                           reference=verdict(t, prev), stop=HINT_STOP))
+            prompt = episode.hint_prompt(t.prompt, prev, answer_key(t) if key else None)
+            out.append(dataclasses.replace(t, prompt=prompt, reference=verdict(t, prev), stop=HINT_STOP))
     return out
 
 

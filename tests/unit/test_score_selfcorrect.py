@@ -1,0 +1,152 @@
+"""SCoRe self-correction pieces: the paired interval of delta(t1,t2) against independent
+computations, held-out statistics from counts, the no-guidance and answer-key modes, and the
+maths warm start's wrong answers."""
+import random
+
+import pytest
+import torch
+
+from dstrain.data.tasks import make_arithmetic_tasks
+from dstrain.rl import episode as ep
+from dstrain.rl import score_math as sm
+from dstrain.trainers import score_models as sc
+from dstrain.trainers import score_warm
+from dstrain.trainers.score_config import ScoreTaskConfig
+from dstrain.trainers.score_step import FixedHint, eval_stats
+
+@pytest.mark.parametrize("k, n", [(0, 10), (3, 10), (81, 263), (400, 400), (37, 400)])
+def test_wilson_bounds_solve_the_score_equation(k, n):
+    """Wilson's bounds are the p with |k/n - p| = z sqrt(p (1 - p) / n): checked on the equation itself."""
+    z = 1.959964
+    low, high = sm.wilson_interval(k, n)
+    for p in (low, high):
+        assert (k / n - p) ** 2 == pytest.approx(z * z * p * (1 - p) / n, abs=1e-12)
+    assert low <= k / n <= high and (low < high)
+    if k == 0:
+        assert low == 0.0
+    if k == n:
+        assert high == pytest.approx(1.0)
+
+
+def test_paired_interval_by_hand():
+    # 2x2 table: both correct a=30, only turn 1 b=5, only turn 2 c=25, neither d=40 (n = 100)
+    a, b, c, d = 30, 5, 25, 40
+    n = a + b + c + d
+    p1, p2 = (a + b) / n, (a + c) / n
+    z = 1.959964
+
+    def wilson(k):
+        p = k / n
+        mid = (2 * k + z * z) / (2 * (n + z * z))
+        half = z * (k * (n - k) / n + z * z / 4) ** 0.5 / (n + z * z)
+        assert mid == pytest.approx((p + z * z / (2 * n)) / (1 + z * z / n))
+        return mid - half, mid + half
+    (l1, u1), (l2, u2) = wilson(a + b), wilson(a + c)
+    phi = (a * d - b * c) / ((a + b) * (c + d) * (a + c) * (b + d)) ** 0.5
+    low = (p2 - p1) - ((p2 - l2) ** 2 - 2 * phi * (p2 - l2) * (u1 - p1) + (u1 - p1) ** 2) ** 0.5
+    high = (p2 - p1) + ((u2 - p2) ** 2 - 2 * phi * (u2 - p2) * (p1 - l1) + (p1 - l1) ** 2) ** 0.5
+    diff, lo, hi = sm.paired_difference_interval(a, b, c, d)
+    assert diff == pytest.approx(0.20) and lo == pytest.approx(low, abs=1e-9) and hi == pytest.approx(high, abs=1e-9)
+    assert 0.05 < lo < 0.20 < hi < 0.35
+
+
+def test_paired_interval_covers_the_true_difference_about_95_percent():
+    """Simulated paired outcomes with a known difference: the interval covers it in ~95% of runs."""
+    rng = random.Random(0)
+    probs = {"a": 0.3, "b": 0.05, "c": 0.2, "d": 0.45}  # true p2 - p1 = c - b = 0.15
+    covered, runs = 0, 2000
+    for _ in range(runs):
+        counts = dict.fromkeys(probs, 0)
+        for _ in range(150):
+            counts[rng.choices(list(probs), weights=list(probs.values()))[0]] += 1
+        _, lo, hi = sm.paired_difference_interval(counts["a"], counts["b"], counts["c"], counts["d"])
+        covered += lo <= 0.15 <= hi
+    assert 0.93 <= covered / runs <= 0.975
+
+
+def test_paired_interval_refuses_bad_counts():
+    with pytest.raises(ValueError, match="at least one pair"):
+        sm.paired_difference_interval(0, 0, 0, 0)
+    with pytest.raises(ValueError, match="must not be negative"):
+        sm.paired_difference_interval(1, -1, 0, 0)
+
+
+def test_eval_stats_from_counts():
+    # 20 tasks: 8 right at turn 1, 13 at turn 2; 6 fixed, 1 broken; 2 hints leaked
+    s = eval_stats(20, 8, 13, 6, 1, 2)
+    assert s["accuracy@t1"] == 0.4 and s["accuracy@t2"] == 0.65 and s["delta(t1,t2)"] == pytest.approx(0.25)
+    assert s["incorrect_to_correct"] == 0.3 and s["correct_to_incorrect"] == 0.05 and s["hint_leak"] == 0.1
+    diff, lo, hi = sm.paired_difference_interval(7, 1, 6, 6)  # both = 8 - 1, neither = 20 - 7 - 1 - 6
+    assert diff == pytest.approx(0.25) and (s["delta_ci95_low"], s["delta_ci95_high"]) == (lo, hi)
+
+
+# ---------------------------------------------------------------- guidance modes
+
+TASKS = make_arithmetic_tasks(30, seed=5)
+
+
+def test_guidance_modes_are_checked():
+    assert ScoreTaskConfig(source="arithmetic", guidance="none").guidance == "none"
+    with pytest.raises(ValueError, match="task.guidance must be one of model, none"):
+        ScoreTaskConfig(source="arithmetic", guidance="teacher")
+    with pytest.raises(ValueError, match="guidance is none"):
+        ScoreTaskConfig(source="arithmetic", guidance="none", guidance_key=True)
+    roles = sc.present_roles(ScoreTaskConfig(source="arithmetic", guidance="none", advantage="group"))
+    assert "guidance" not in roles and "policy" in roles
+
+
+def test_hint_prompt_shows_the_key_only_when_given():
+    t = TASKS[0]
+    plain = ep.hint_prompt(t.prompt, "#### 1")
+    keyed = ep.hint_prompt(t.prompt, "#### 1", score_warm.answer_key(t))
+    assert ep.KEY not in plain and f"{ep.KEY}\n{t.answer}\n" in keyed
+    assert keyed.index(ep.PREVIOUS) < keyed.index(ep.KEY) < keyed.index(ep.HINT)
+    code = make_program_key_task()
+    assert score_warm.answer_key(code) == "\n".join(code.tests)
+
+
+def make_program_key_task():
+    from dstrain.data.tasks import make_program_tasks
+    return make_program_tasks(1, seed=0)[0]
+
+
+def test_no_guidance_runs_use_the_fixed_hint():
+    from types import SimpleNamespace
+
+    from dstrain.trainers.score_step import ScoreStep
+    task = ScoreTaskConfig(source="arithmetic", guidance="none", advantage="group")
+    rl = SimpleNamespace(generate=lambda *a, **k: pytest.fail("no hint may be generated"))
+    runner = ScoreStep(SimpleNamespace(guidance=None), rl, None, task, None, 0, 2, 1, 0)
+    hints = runner.hints(TASKS[:2], ["#### 1", "#### 2"], seed=0)
+    assert [h.text for h in hints] == [score_warm.NO_HINT] * 2 and isinstance(hints[0], FixedHint)
+    pol = score_warm.policy_examples(TASKS, 0, guidance="none")
+    turn2 = [p.prompt for p in pol[1::2]]
+    assert all(f"{ep.HINT}\n{score_warm.NO_HINT}\n" in p for p in turn2)
+    assert not any(v in p for p in turn2 for v in (score_warm.TOO_HIGH, score_warm.TOO_LOW, score_warm.CORRECT))
+
+
+def test_maths_warm_start_answers_are_wrong_by_a_digit_step():
+    rng = random.Random(0)
+    for t in TASKS:
+        wrong = score_warm.corrupt_maths(t, rng)
+        value = int(wrong.split("####")[1])
+        assert value - int(t.answer) in score_warm.MATHS_SHIFTS
+        assert score_warm.verdict(t, wrong) in (score_warm.TOO_HIGH, score_warm.TOO_LOW)
+    guid = score_warm.guidance_examples(TASKS, 0, key=True)
+    assert all(f"{ep.KEY}\n" in g.prompt for g in guid)
+    assert {g.reference for g in guid} == {score_warm.CORRECT, score_warm.TOO_HIGH, score_warm.TOO_LOW}
+
+
+def test_leaks_answer():
+    t = next(t for t in TASKS if int(t.answer) > 9)
+    assert score_warm.leaks_answer(t, f"it should be {t.answer}.")
+    assert not score_warm.leaks_answer(t, score_warm.TOO_HIGH)
+    assert not score_warm.leaks_answer(t, f"it should be {t.answer}1")
+    assert not score_warm.leaks_answer(make_program_key_task(), "x + 1")
+
+
+def test_leaked_hints_get_the_lowest_guidance_reward():
+    """A hint that states the answer is trained as reward -1, whatever turn 2 did."""
+    r1, r2, leaks = torch.tensor([0., 0., 1., 0.]), torch.tensor([1., 1., 1., 0.]), torch.tensor([1., 0., 0., 0.])
+    assert sm.guidance_rewards(r1, r2, leaks).tolist() == [-1.0, 1.0, 0.0, 0.0]
+    assert sm.guidance_rewards(r1, r2).tolist() == [1.0, 1.0, 0.0, 0.0]
