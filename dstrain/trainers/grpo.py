@@ -104,9 +104,13 @@ class GRPOTrainer(RLLoop):
                                           beta=self.task.beta, loss_type=self.task.loss_type,
                                           max_completion_length=self.task.max_new_tokens)
         self.start_step = 0
+        self.keep_rate = None  # dynamic sampling's estimate of the informative fraction (grpo_sampling)
         if resume_tag is not None:
             state = load_checkpoint(self.engine, self.ckpt_root, resume_tag, self.world)
             self.start_step, self.guards.skipped = int(state["step"]), int(state.get("skipped_steps", 0))
+            if "dynamic_keep_rate" in state:  # dynamic sampling's running estimate: a resumed run sizes rounds alike
+                from dstrain.rl.dapo import KeepRate
+                self.keep_rate = KeepRate(rate=float(state["dynamic_keep_rate"]))
         self.stop = StopFlag()
         self.rollouts = make_rollout(self, cfg.rollout)
 
@@ -198,7 +202,10 @@ class GRPOTrainer(RLLoop):
 
     # ---------------------------------------------------------------- loop
     def save(self, step: int) -> None:
-        self.saver.save(step, {"samples_per_step": self.samples_per_step, "skipped_steps": self.guards.skipped})
+        state = {"samples_per_step": self.samples_per_step, "skipped_steps": self.guards.skipped}
+        if self.keep_rate is not None:
+            state["dynamic_keep_rate"] = self.keep_rate.rate
+        self.saver.save(step, state)
 
     def evaluate(self, step: int) -> dict[str, float]:
         stats = prl.evaluate_pass_at_k(self.policy, self.tokenizer, self.rl, self.eval_tasks, self.task,
