@@ -244,5 +244,13 @@ class RunGuards:
         untouched = sum(e.updates for e in self.engines.values()) == self._updates_at_begin
         return step - 1 if untouched else None
 
+    def keep_last_good(self, step: int, start_step: int, last_saved: int | None, save, saver) -> None:
+        """After ``NonFiniteError`` in ``step``: ``save`` the last good step unless it is already on disk
+        (or is the start), then wait until the saves in flight are complete."""
+        good = self.last_good(step)
+        if good is not None and good > start_step and good != last_saved:
+            save(good)
+        saver.wait()
+
     def close(self) -> None:
         self.watchdog.close()

@@ -163,7 +163,7 @@ class LMTrainer:
                 try:
                     loss = self.train_step(step - 1)
                 except NonFiniteError:
-                    self._save_last_good(self.guards.last_good(step), last_saved)
+                    self.guards.keep_last_good(step, self.start_step, last_saved, self.save, self.saver)
                     raise
                 if loss is not None:
                     losses.append(loss)
@@ -216,14 +216,6 @@ class LMTrainer:
         if self.world.is_main:
             (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
-
-
-    def _save_last_good(self, good: int | None, last_saved: int | None) -> None:
-        """Under train.nonfinite, before leaving: checkpoint ``good`` (the last step whose update was taken;
-        None: the failed step's update is already in the weights, so the checkpoint on disk stays the latest)."""
-        if good is not None and good > self.start_step and good != last_saved:
-            self.save(good)
-        self.saver.wait()
 
 
 def _parallel_layout(cfg: RunConfig, world: runtime.World, pp: int = 1):

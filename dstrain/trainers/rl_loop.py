@@ -92,10 +92,7 @@ class RLLoop:
                 try:
                     window.append(self.one_step(step - 1))
                 except NonFiniteError:  # train.nonfinite=stop, or too many skips in a row
-                    good = self.guards.last_good(step)
-                    if good is not None and good > self.start_step and good != last_saved:
-                        self.save(good)
-                    self.saver.wait()
+                    self.guards.keep_last_good(step, self.start_step, last_saved, self.save, self.saver)
                     raise
                 log.advance()
                 if step % t.log_every == 0 or step == t.steps:
