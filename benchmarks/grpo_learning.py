@@ -107,6 +107,8 @@ def main(argv=None) -> int:
     ap.add_argument("--target", type=float, default=None,
                     help="task.dynamic_sampling_target of that run (0: fixed oversampling; default: the config's)")
     ap.add_argument("--no-lr0", action="store_true", help="skip the lr-0 control (overhead measurements)")
+    ap.add_argument("--warm-start", help="a finished warm_start/ folder of the same recipe to reuse instead of "
+                                         "training one (the runs then start from it)")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     from dstrain.config import load_run_config
@@ -115,6 +117,8 @@ def main(argv=None) -> int:
     out = Path(args.out)
     if out.exists():
         shutil.rmtree(out)
+    if args.warm_start:
+        shutil.copytree(args.warm_start, out / "grpo" / "warm_start")
     seconds = {"grpo": run(args.recipe, out / "grpo", None, steps, args.nproc, args.extra)}
     warm = out / "grpo" / "warm_start"
     if warm.is_dir():

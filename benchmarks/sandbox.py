@@ -9,7 +9,8 @@ For each mode (``fork_server``, ``spawn``) and worker count it runs, through one
 * ``mbpp``: every MBPP reference solution (all 974 tasks of ``mbpp.jsonl``, or
   ``--limit``) with its tests and setup code; programs/s, p50/p99 latency and the
   fraction that pass;
-* ``trivial``: ``x = 1`` with one test, to show the sandbox's own per-program overhead;
+* ``trivial``: ``x = 1`` with one test (500 of them, ``--trivial``), to show the sandbox's own
+  per-program overhead;
 * ``adversarial``: the ten attacks of the issue (infinite loop, fork bomb, memory bomb,
   huge output, writes outside, sockets, killing the parent, reading the trainer's
   secrets, early ``exit(0)``, detached spawns) three times each; containment is 100% when
@@ -106,14 +107,14 @@ def timed(pool: SandboxPool, jobs: list) -> dict:
             "passed": sum(r.status == "passed" for r in results), "results": results}
 
 
-def bench(mode: str, workers: int, mbpp: list, repeats: int) -> dict:
+def bench(mode: str, workers: int, mbpp: list, repeats: int, trivial_count: int = 500) -> dict:
     limits = SandboxLimits(mode=mode, **LIMITS)
     out: dict = {"mode": mode, "workers": workers, "load_before": load()}
     start = time.perf_counter()
     with SandboxPool(workers=workers, limits=limits) as pool:
         pool.run_many([("x = 1\n", ["assert x == 1"], "")] * workers)  # start and warm the servers
         out["startup_s"] = time.perf_counter() - start
-        trivial = timed(pool, [("x = 1\n", ["assert x == 1"], "")] * 200)
+        trivial = timed(pool, [("x = 1\n", ["assert x == 1"], "")] * trivial_count)
         trivial.pop("results")
         out["trivial"] = trivial
         if mbpp:
@@ -192,6 +193,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--limit", type=int, default=0, help="MBPP programs to run (0: all)")
     p.add_argument("--repeats", type=int, default=3, help="times the adversarial set is run")
+    p.add_argument("--trivial", type=int, default=500, help="trivial programs timed (p99 is their 1%% tail)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--tag", default="", help="suffix of the result file names")
     args = p.parse_args(argv)
@@ -205,7 +207,7 @@ def main(argv: list[str] | None = None) -> dict:
               "limits": LIMITS, "mbpp_programs": len(mbpp), "runs": []}
     for mode in args.modes:
         for workers in args.workers:
-            run = bench(mode, workers, mbpp, args.repeats)
+            run = bench(mode, workers, mbpp, args.repeats, args.trivial)
             result["runs"].append(run)
             line = f"{mode:11s} workers={workers}: trivial {run['trivial']['programs_per_s']:.1f}/s " \
                    f"p50 {run['trivial']['p50_ms']:.1f} ms p99 {run['trivial']['p99_ms']:.1f} ms"
