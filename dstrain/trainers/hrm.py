@@ -29,6 +29,7 @@ from dstrain.config import ConfigError, RunConfig
 from dstrain.data import sudoku
 from dstrain.engine.factory import create_engine
 from dstrain.metrics import RunLogger, reduce_mean
+from dstrain.optim.ema import EMA
 from dstrain.optim.sparse_sign_sgd import SparseEmbedding, SparseSignSGD
 from dstrain.trainers import task_config
 from dstrain.trainers.hrm_config import HRMTaskConfig
@@ -118,6 +119,12 @@ class HRMTrainer:
             self.puzzle_emb = SparseEmbedding(rows, emb_len * self.model_cfg.hidden_size, device=self.device)
             self.sparse_opt = SparseSignSGD(self.puzzle_emb, self.task.puzzle_emb_lr,
                                             self.task.puzzle_emb_weight_decay, equal_counts=True)
+        self.ema = None
+        if self.task.ema:
+            if self.plan.zero["stage"] == 3:
+                raise ConfigError("run config", "task.ema", "needs full parameters on every rank: "
+                                  f"use a ZeRO stage below 3 (the plan chose {self.plan.profile})")
+            self.ema = EMA(self.engine.module, self.task.ema)
         runtime.seed_everything(cfg.train.seed + 7919 * (self.world.rank + 1))  # per-rank exploration
         self.carry: dict | None = None
         self._prefetched: dict[int, dict] = {}
@@ -134,6 +141,8 @@ class HRMTrainer:
             torch.save(self.carry, state_dir / f"carry_rank_{self.world.rank}.pt")
             if self.world.is_main and self.puzzle_emb is not None:
                 torch.save(self.puzzle_emb.state_dict(), state_dir / "puzzle_emb.pt")
+            if self.world.is_main and self.ema is not None:
+                torch.save(self.ema.state_dict(), state_dir / "ema.pt")
         self.guards.phase("save", step)
         self.saver.save(step, {"global_batch": self.global_batch, "skipped_steps": self.guards.skipped}, write_state)
 
@@ -145,6 +154,8 @@ class HRMTrainer:
                                                        map_location=self.device))
         self.carry = torch.load(state_dir / f"carry_rank_{self.world.rank}.pt", weights_only=True,
                                 map_location=self.device)
+        if self.ema is not None:
+            self.ema.load_state_dict(torch.load(state_dir / "ema.pt", weights_only=True, map_location=self.device))
         self.start_step, self.guards.skipped = int(state["step"]), int(state.get("skipped_steps", 0))
 
     # ---------------------------------------------------------------- steps
@@ -191,6 +202,8 @@ class HRMTrainer:
         taken = self.engine.step()  # False: skipped under train.nonfinite=skip (the table is left too)
         if self.sparse_opt is not None and taken:
             self.sparse_opt.step(self.task.puzzle_emb_lr * lr_factor)
+        if self.ema is not None and taken:
+            self.ema.update(self.engine.module)
         self.carry = {"z_H": out["z_H"], "z_L": out["z_L"], "steps": out["steps"],
                       "halted": out["halted"], "inputs": rows["inputs"], "labels": rows["labels"],
                       "groups": rows["groups"]}
@@ -202,8 +215,14 @@ class HRMTrainer:
         inputs = self.eval_inputs if inputs is None else inputs
         labels = self.eval_labels if labels is None else labels
         emb = None if self.puzzle_emb is None else self.puzzle_emb.weight[0]  # held-out puzzles: id 0
-        return evaluate_rows(self.engine, self.model_cfg.halt_max_steps, inputs, labels,
-                             self.local_batch, self.world.rank, self.world.world_size, self.device, emb)
+        args = (self.model_cfg.halt_max_steps, inputs, labels, self.local_batch, self.world.rank,
+                self.world.world_size, self.device, emb)
+        if self.ema is None:
+            return evaluate_rows(self.engine, *args)
+        with self.ema.applied(self.engine.module):
+            stats = evaluate_rows(self.engine, *args)
+        raw = evaluate_rows(self.engine, *args)  # the trained weights, logged as val_raw/
+        return {**stats, **{f"raw_{k}": v for k, v in raw.items() if k in ("exact_accuracy", "accuracy", "loss")}}
 
     def run(self) -> dict:
         cfg, t = self.cfg, self.cfg.train

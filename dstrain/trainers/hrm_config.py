@@ -40,6 +40,10 @@ class HRMTaskConfig:
     puzzle_emb_lr: float = 1e-2
     """Peak learning rate of the sparse sign-SGD on the puzzle-embedding table."""
     puzzle_emb_weight_decay: float = 0.1
+    ema: float = 0.0
+    """Decay of an exponential moving average of the dense weights (0: off; the TRM paper uses
+    0.999). When on, evaluation and checkpoint reports use the average
+    (:class:`dstrain.optim.ema.EMA`), and ``val_raw/`` metrics score the trained weights beside it."""
     time_limit_s: float = 0.0
     """Stop (checkpoint, evaluate, leave) at the first log step after this many seconds of
     training (0: no limit); with ``train.min_lr_ratio = 1`` the schedule does not depend on it."""
@@ -58,6 +62,8 @@ class HRMTaskConfig:
                      "time_limit_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"task.{name} must not be negative, got {getattr(self, name)}")
+        if not 0.0 <= self.ema < 1.0:
+            raise ValueError(f"task.ema must be within [0, 1) (0: off), got {self.ema}")
         clues = {4: 4, 6: 8, 9: 17}  # fewest clues of a uniquely solvable grid
         if isinstance(self.grid, bool) or self.grid not in clues:
             raise ValueError(f"task.grid must be 4, 6 or 9, got {self.grid!r}")

@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 CURVE_KEYS = ("train/loss", "train/accuracy", "train/exact_accuracy", "train/steps", "train/q_halt_accuracy",
-              "train/segments_per_s", "val/loss", "val/accuracy", "val/exact_accuracy", "val/q_halt_accuracy")
+              "train/segments_per_s", "val/loss", "val/accuracy", "val/exact_accuracy", "val/q_halt_accuracy",
+              "val/raw_exact_accuracy")
 
 
 def read_curve(run_dir: str | Path) -> dict[str, list[list[float]]]:
@@ -40,8 +41,14 @@ def read_curve(run_dir: str | Path) -> dict[str, list[list[float]]]:
     return {k: sorted([s, v] for s, v in points.items()) for k, points in curve.items() if points}
 
 
-def load_checkpoint_model(run_dir: str | Path):
-    """(model in eval mode, its config, the run config, puzzle embedding row 0 or None, tag)."""
+def load_checkpoint_model(run_dir: str | Path, weights: str = "ema"):
+    """(model in eval mode, its config, the run config, puzzle embedding row 0 or None, tag,
+    the weights loaded: ``ema`` or ``raw``).
+
+    ``weights``: ``ema`` loads the run's weight average (``task.ema``) where the checkpoint has
+    one, else the trained weights; ``raw`` always the trained weights."""
+    if weights not in ("ema", "raw"):
+        raise ValueError(f"weights must be ema or raw, got {weights!r}")
     from dstrain import checkpoint as ckpt
     from models import registry
 
@@ -51,28 +58,39 @@ def load_checkpoint_model(run_dir: str | Path):
     mcfg = registry.make_model_config(run_cfg["model"]["name"], run_cfg["model"]["size"], run_cfg["model"]["args"])
     model = spec.build(mcfg)
     model.load_state_dict(state)
+    ema_file = root / tag / "hrm" / "ema.pt"
+    loaded = "ema" if weights == "ema" and ema_file.is_file() else "raw"
+    if loaded == "ema":
+        from dstrain.optim.ema import EMA
+        ema = EMA(model, 0.5)
+        ema.load_state_dict(torch.load(ema_file, weights_only=True))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name in ema.shadow:
+                    p.copy_(ema.shadow[name])
     model.eval()
     emb_file = root / tag / "hrm" / "puzzle_emb.pt"
     emb = torch.load(emb_file, weights_only=True)["weight"][0] if emb_file.is_file() else None
-    return model, mcfg, run_cfg, emb, tag
+    return model, mcfg, run_cfg, emb, tag, loaded
 
 
-def evaluate_checkpoint(run_dir: str | Path, puzzle_file: str | Path, limit: int, batch: int = 100) -> dict:
+def evaluate_checkpoint(run_dir: str | Path, puzzle_file: str | Path, limit: int, batch: int = 100,
+                        weights: str = "ema") -> dict:
     """Exact/token accuracy of the latest complete checkpoint on the first ``limit`` puzzles of a file."""
     from dstrain.data import sudoku
     from dstrain.trainers.hrm import evaluate_rows
 
-    model, mcfg, run_cfg, emb, tag = load_checkpoint_model(run_dir)
+    model, mcfg, run_cfg, emb, tag, loaded = load_checkpoint_model(run_dir, weights)
     puzzles, solutions = sudoku.read_puzzle_file(puzzle_file, limit=limit)
     inputs, labels = sudoku.encode(puzzles, solutions, run_cfg["task"].get("mask_givens", False))
     start = time.perf_counter()
     stats = evaluate_rows(model, mcfg.halt_max_steps, inputs, labels, batch, puzzle_emb=emb)
-    return {"checkpoint": tag, "puzzles": len(puzzles), "file": Path(puzzle_file).name,
+    return {"checkpoint": tag, "weights": loaded, "puzzles": len(puzzles), "file": Path(puzzle_file).name,
             "mean_blanks": float((puzzles == 0).sum(1).mean()), "seconds": time.perf_counter() - start, **stats}
 
 
 def evaluate_difficulty(run_dir: str | Path, held_out: bool, blanks: list[int], per_blanks: int,
-                        seed: int = 424242) -> dict:
+                        seed: int = 424242, weights: str = "ema") -> dict:
     """Segment-by-segment evaluation (see :mod:`models.hrm.evaluate`) of generated puzzles."""
     import numpy as np
 
@@ -82,7 +100,7 @@ def evaluate_difficulty(run_dir: str | Path, held_out: bool, blanks: list[int], 
     from dstrain.trainers.hrm import load_sudoku
     from models.hrm import evaluate
 
-    model, mcfg, run_cfg, emb, tag = load_checkpoint_model(run_dir)
+    model, mcfg, run_cfg, emb, tag, loaded = load_checkpoint_model(run_dir, weights)
     task = task_config(run_config_from_dict(run_cfg, "run_config.json"))
     sets = {}
     if held_out:
@@ -90,7 +108,7 @@ def evaluate_difficulty(run_dir: str | Path, held_out: bool, blanks: list[int], 
         sets["held_out"] = (ep, es)
     for b in blanks:
         sets[f"blanks_{b}"] = sudoku.generate_many(per_blanks, b, seed + b, size=task.grid)
-    out = {"checkpoint": tag, "halt_max_steps": mcfg.halt_max_steps, "act": mcfg.act}
+    out = {"checkpoint": tag, "weights": loaded, "halt_max_steps": mcfg.halt_max_steps, "act": mcfg.act}
     for name, (puzzles, solutions) in sets.items():
         inputs, labels = sudoku.encode(puzzles, solutions, task.mask_givens)
         correct, halt = evaluate.run_segments(model, inputs, labels, mcfg.halt_max_steps, puzzle_emb=emb)
@@ -151,7 +169,8 @@ def plot(curves: dict[str, dict], title: str, path: Path) -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     panels = ((("train/loss", "-"), ("val/loss", "o-")),
-              (("train/exact_accuracy", "-"), ("val/exact_accuracy", "o-"), ("val/accuracy", "s--")),
+              (("train/exact_accuracy", "-"), ("val/exact_accuracy", "o-"), ("val/raw_exact_accuracy", "x:"),
+               ("val/accuracy", "s--")),
               (("train/steps", "-"),))
     for ax, keys, ylabel in zip(axes, panels, ("loss", "accuracy (val/accuracy: tokens)", "mean ACT steps (halted rows)")):
         for i, (label, curve) in enumerate(curves.items()):
@@ -189,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare", action="append", default=[], help="another run drawn beside (repeatable)")
     parser.add_argument("--compare-label", action="append", default=[])
     parser.add_argument("--title", default="HRM on Sudoku")
+    parser.add_argument("--weights", choices=("ema", "raw"), default="ema",
+                        help="checkpoint weights to evaluate: the run's average (task.ema) where it has one, or raw")
     args = parser.parse_args(argv)
     if len(args.compare_label) not in (0, len(args.compare)):
         parser.error("give one --compare-label per --compare run, or none")
@@ -202,16 +223,17 @@ def main(argv: list[str] | None = None) -> int:
         result["compare"][label] = _run_record(Path(other))
         curves[label] = result["compare"][label]["curve"]
     if args.puzzles:
-        result["checkpoint_eval"] = evaluate_checkpoint(run, args.puzzles, args.limit)
+        result["checkpoint_eval"] = evaluate_checkpoint(run, args.puzzles, args.limit, weights=args.weights)
         result["checkpoint_eval"]["file"] = Path(args.puzzles).name
     blanks = [int(b) for b in args.blanks.split(",") if b.strip()]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if args.held_out or blanks:
-        result["difficulty"] = evaluate_difficulty(run, args.held_out, blanks, args.per_blanks)
+        result["difficulty"] = evaluate_difficulty(run, args.held_out, blanks, args.per_blanks,
+                                                   weights=args.weights)
         for label, other in zip(labels, args.compare):
             result["compare"][label]["difficulty"] = evaluate_difficulty(other, args.held_out, blanks,
-                                                                         args.per_blanks)
+                                                                         args.per_blanks, weights=args.weights)
         if blanks:
             plot_difficulty(result["difficulty"], f"{args.title}: {args.label} by difficulty",
                             out.with_name(out.name + "_difficulty.png"))

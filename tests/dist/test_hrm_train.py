@@ -12,11 +12,12 @@ from tests.dist import harness
 
 RECIPE = harness.ROOT / "models" / "hrm" / "recipes" / "sudoku_debug.json"
 QUICK = ["--model.size=tiny", "--task.train_puzzles=64", "--task.eval_puzzles=32", "--task.global_batch=16",
-         "--task.puzzle_ids=group", "--task.time_limit_s=0", "--task.puzzle_emb_lr=0.01",
+         "--task.puzzle_ids=group", "--task.time_limit_s=0", "--task.puzzle_emb_lr=0.01", "--task.ema=0.9",
          "--train.lr=0.003", "--train.warmup_steps=5", "--train.log_every=5", "--train.eval_every=0",
          "--output.progress=false"]
 TAGS = {f"train/{k}" for k in ("loss", "lm_loss", "accuracy", "exact_accuracy", "steps", "q_halt_accuracy",
-                               "grad_norm", "puzzle_emb_lr")} | {"val/exact_accuracy", "val/accuracy", "val/loss"}
+                               "grad_norm", "puzzle_emb_lr")} | {"val/exact_accuracy", "val/accuracy", "val/loss",
+                                                    "val/raw_exact_accuracy"}
 
 
 def launch(out, steps, *extra):
@@ -38,7 +39,8 @@ def test_two_rank_hrm_run_learns_logs_and_resumes(tmp_path):
     assert TAGS <= set(events.Tags()["scalars"]), TAGS - set(events.Tags()["scalars"])
     assert ckpt.complete_tags(out / "checkpoints") == ["step_00000015", "step_00000030"]
     state = out / "checkpoints" / "step_00000030" / "hrm"
-    assert {p.name for p in state.iterdir()} == {"carry_rank_0.pt", "carry_rank_1.pt", "puzzle_emb.pt"}
+    assert {p.name for p in state.iterdir()} == {"carry_rank_0.pt", "carry_rank_1.pt", "puzzle_emb.pt", "ema.pt"}
+    assert torch.load(state / "ema.pt", weights_only=True)["updates"] == 30
     carry = torch.load(state / "carry_rank_1.pt", weights_only=True)
     assert carry["z_H"].shape[0] == 8 and carry["inputs"].shape == (8, 81)  # 16 puzzles over 2 ranks
     table = torch.load(state / "puzzle_emb.pt", weights_only=True)["weight"]
@@ -50,3 +52,5 @@ def test_two_rank_hrm_run_learns_logs_and_resumes(tmp_path):
     launch(out, 34, "--checkpoint.every=0", "--resume")
     assert max(harness.metrics(out, "train/loss")) == 34
     assert json.loads((out / "summary.json").read_text())["step"] == 34
+    ema = torch.load(out / "checkpoints" / "step_00000034" / "hrm" / "ema.pt", weights_only=True)
+    assert ema["updates"] == 34  # the average resumed from step 30's, not from the weights
