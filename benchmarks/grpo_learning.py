@@ -104,8 +104,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dynamic", action="store_true", help="a third run with task.dynamic_sampling on")
     ap.add_argument("--max-rounds", type=int, default=4, help="task.dynamic_sampling_max_rounds of that run")
     ap.add_argument("--oversample", type=float, default=0.0, help="task.dynamic_sampling_oversample of that run")
-    ap.add_argument("--target", type=float, default=None,
-                    help="task.dynamic_sampling_target of that run (0: fixed oversampling; default: the config's)")
+    ap.add_argument("--sizing", choices=("cost", "target", "fixed"), default=None,
+                    help="task.dynamic_sampling_sizing of that run (default: the config's)")
+    ap.add_argument("--target", type=float, default=None, help="task.dynamic_sampling_target of that run")
     ap.add_argument("--no-lr0", action="store_true", help="skip the lr-0 control (overhead measurements)")
     ap.add_argument("--warm-start", help="a finished warm_start/ folder of the same recipe to reuse instead of "
                                          "training one (the runs then start from it)")
@@ -133,6 +134,7 @@ def main(argv=None) -> int:
         seconds["dynamic"] = run(args.recipe, out / "dynamic", None, steps, args.nproc, args.extra + [
             "--task.dynamic_sampling=true", f"--task.dynamic_sampling_max_rounds={args.max_rounds}",
             f"--task.dynamic_sampling_oversample={args.oversample}",
+            *([f"--task.dynamic_sampling_sizing={args.sizing}"] if args.sizing else []),
             *([f"--task.dynamic_sampling_target={args.target}"] if args.target is not None else [])])
         names.append("dynamic")
 

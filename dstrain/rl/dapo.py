@@ -13,6 +13,8 @@
   informative with probability ``p``, at least ``needed`` are informative with
   probability ``target`` (the binomial tail, exact); what sizes a round so that one
   batched generation call usually fills the share.
+* :func:`groups_for_cost` - the round size that minimises the expected sampling time when a
+  further round has a fixed cost (sequential decoding, a sandbox pass, a synchronisation).
 * :class:`KeepRate` - the running estimate of ``p`` across steps (kept in checkpoints).
 """
 from __future__ import annotations
@@ -140,6 +142,21 @@ def groups_for_target(needed: int, p: float, target: float, cap: int) -> int:
         if binomial_at_least(n, p, needed) >= target:
             return n
     return cap
+
+
+def groups_for_cost(needed: int, p: float, round_cost: float, cap: int) -> int:
+    """The round size ``n`` (``needed <= n <= cap``) of least expected sampling cost, in units of one
+    group's generation and verification: ``n + P(fewer than needed informative) x (round_cost + m)``,
+    where a refill round costs ``round_cost`` (its fixed part: decoding steps run one after another
+    whatever the batch, a sandbox pass, a synchronisation) plus ``m = ceil(needed / p)`` groups (a
+    refill sized for the whole deficit: an upper estimate). ``needed <= 0``: 0; ties: the smaller."""
+    if needed <= 0:
+        return 0
+    cap = max(cap, needed)
+    p = min(max(p, 1e-6), 1.0)
+    refill = round_cost + math.ceil(needed / p)
+    costs = [(n + (1.0 - binomial_at_least(n, p, needed)) * refill, n) for n in range(needed, cap + 1)]
+    return min(costs)[1]
 
 
 @dataclass

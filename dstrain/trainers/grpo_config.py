@@ -67,14 +67,21 @@ class PolicyTaskConfig:
     """Generation rounds per step at most (the first included)."""
     dynamic_sampling_oversample: float = 0.0
     """First guess of the extra groups needed, as a fraction of the share (e.g. 0.5: half as many
-    again, on fresh prompts). With ``dynamic_sampling_target`` 0 the first round always samples this
-    many extra; otherwise it only sets the initial estimate of the informative fraction,
-    ``1 / (1 + oversample)``, which then follows the measured fraction (a moving average over steps)."""
+    again, on fresh prompts). ``fixed`` sizing: the first round always samples this many extra;
+    otherwise it only sets the initial estimate of the informative fraction, ``1 / (1 + oversample)``,
+    which then follows the measured fraction (a moving average over steps)."""
+    dynamic_sampling_sizing: str = "cost"
+    """How many groups each round samples, from the estimated informative fraction ``p`` (a moving
+    average over steps): cost (the size of least expected sampling time, a further round costing
+    ``dynamic_sampling_round_cost`` groups' worth on top of its groups) | target (the fewest groups that
+    fill the share with probability ``dynamic_sampling_target``) | fixed (round 0: the share plus
+    ``oversample`` of it; refills: ``deficit / observed rate``; the behaviour before sizing existed)."""
+    dynamic_sampling_round_cost: float = 2.0
+    """cost sizing: the fixed cost of one more generation round, in units of one group's generation and
+    verification (decoding steps run one after another whatever the batch; measure it as the time of a
+    round minus its groups' share, over the time of one group: about 2 for the tiny CPU policy)."""
     dynamic_sampling_target: float = 0.9
-    """Probability that one round fills the share: each round (the first included) samples the fewest
-    groups that, with the estimated informative fraction ``p``, give enough informative ones with this
-    probability (binomial tail), so one batched generation call usually does it (0: the fixed
-    ``oversample`` in the first round and ``deficit / observed rate`` groups per refill)."""
+    """target sizing: probability that one round fills the share (binomial tail)."""
     dynamic_sampling_max_oversample: float = 2.0
     """A round samples at most ``(1 + this) x`` the share's groups (bounds generation memory)."""
     overlong_filter: bool = False
@@ -120,14 +127,17 @@ class PolicyTaskConfig:
                 raise ValueError(f"task.{name} must be at least 1, got {getattr(self, name)}")
         for name in ("n_train", "mbpp_max_reference_chars", "beta", "epsilon_high", "eval_k", "warm_start_steps",
                      "warm_start_lr", "time_limit_s", "overlong_buffer", "overlong_penalty", "dynamic_sampling_oversample",
-                     "dynamic_sampling_max_oversample"):
+                     "dynamic_sampling_max_oversample", "dynamic_sampling_round_cost"):
             if getattr(self, name) < 0:
                 raise ValueError(f"task.{name} must not be negative, got {getattr(self, name)}")
         if not 0 < self.epsilon < 1:
             raise ValueError(f"task.epsilon must be within (0, 1), got {self.epsilon}")
-        if not 0 <= self.dynamic_sampling_target < 1:
-            raise ValueError(f"task.dynamic_sampling_target must be within [0, 1), "
+        if not 0 < self.dynamic_sampling_target < 1:
+            raise ValueError(f"task.dynamic_sampling_target must be within (0, 1), "
                              f"got {self.dynamic_sampling_target}")
+        if self.dynamic_sampling_sizing not in ("cost", "target", "fixed"):
+            raise ValueError(f"task.dynamic_sampling_sizing must be cost, target or fixed, "
+                             f"got {self.dynamic_sampling_sizing!r}")
         if self.temperature <= 0:
             raise ValueError(f"task.temperature must be positive (greedy decoding is used for pass@1), "
                              f"got {self.temperature}")

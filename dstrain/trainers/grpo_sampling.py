@@ -16,8 +16,8 @@ refill round ``k`` samples ``dapo.refill_prompts(seed, step, k, rank)`` (pure, r
 Rounds are sized so that one batched generation call usually fills the share
 (:func:`round_size`): from a running estimate of the informative fraction (all ranks' counts,
 a moving average over steps, kept in checkpoints), round 0 adds fresh groups (drawn as
-"round 0" refills) and every refill samples enough groups for the whole deficit at once, so
-that the share fills with probability ``task.dynamic_sampling_target``. Every round costs a
+"round 0" refills) and every refill samples groups for the whole deficit at once, as many as
+give the least expected sampling time (``task.dynamic_sampling_sizing``). Every round costs a
 generation call (its decoding steps are sequential whatever the batch), a sandbox pass and a
 cross-rank synchronisation; fewer, larger rounds are what keeps the overhead down.
 When the cap of rounds is reached with a share still short, that rank trains on the
@@ -145,19 +145,22 @@ refill round is sized."""
 def round_size(task, filler: dapo.GroupFiller, estimate: float) -> int:
     """Groups the next round samples (round 0 included: the regular ones plus fresh ones).
 
-    ``dynamic_sampling_target`` > 0: the fewest groups that hold ``filler.deficit`` informative
-    ones with that probability, the informative fraction being the running ``estimate`` shrunk
-    toward what this step has seen so far; at most ``(1 + max_oversample) x`` the share.
-    0: round 0 samples ``ceil(oversample x share)`` extra, refills ``filler.next_count()``."""
-    needed = filler.needed
-    if not task.dynamic_sampling_target:
+    The informative fraction is the running ``estimate`` shrunk toward what this step has seen so
+    far; a round samples at most ``(1 + max_oversample) x`` the share. ``cost`` sizing: the size of
+    least expected sampling time for ``filler.deficit`` (:func:`dapo.groups_for_cost`); ``target``:
+    the fewest groups that cover the deficit with that probability; ``fixed``: round 0 samples
+    ``ceil(oversample x share)`` extra, refills ``filler.next_count()``."""
+    needed, sizing = filler.needed, task.dynamic_sampling_sizing
+    if sizing == "fixed":
         if filler.rounds == 0:
             return needed + math.ceil(task.dynamic_sampling_oversample * needed)
         return filler.next_count()
     informative = filler.generated - filler.dropped
     p = (PRIOR_GROUPS * estimate + informative) / (PRIOR_GROUPS + filler.generated)
     cap = max(filler.deficit, math.floor((1.0 + task.dynamic_sampling_max_oversample) * needed))
-    return dapo.groups_for_target(filler.deficit, p, task.dynamic_sampling_target, cap)
+    if sizing == "target":
+        return dapo.groups_for_target(filler.deficit, p, task.dynamic_sampling_target, cap)
+    return dapo.groups_for_cost(filler.deficit, p, task.dynamic_sampling_round_cost, cap)
 
 
 def _sum_all(values: list[float]) -> list[float]:

@@ -31,6 +31,23 @@ def test_groups_for_target_is_the_fewest_that_reach_it():
         assert dapo.binomial_at_least(n, p, needed) >= target > dapo.binomial_at_least(n - 1, p, needed)
 
 
+def test_groups_for_cost_by_hand():
+    # deficit 2, p 0.6, a round costs 2 groups: a refill costs 2 + ceil(2 / 0.6) = 6
+    # n = 2: 2 + 0.64 x 6 = 5.84; n = 3: 3 + 0.352 x 6 = 5.112; n = 4: 4 + 0.1792 x 6 = 5.075; n = 5: 5.52
+    assert dapo.groups_for_cost(2, 0.6, round_cost=2.0, cap=10) == 4
+    # free rounds: never oversample; very dear rounds: sample until a miss is (nearly) impossible
+    assert dapo.groups_for_cost(2, 0.6, round_cost=0.0, cap=10) == 3  # 3 + 0.352 x 4 = 4.41 < 2 + 0.64 x 4
+    # a refill at 104: n = 7 costs 7 + 0.01884 x 104 = 8.96, n = 8: 8 + 0.00852 x 104 = 8.89, n = 9: 9.40
+    assert dapo.groups_for_cost(2, 0.6, round_cost=100.0, cap=10) == 8
+    assert dapo.groups_for_cost(3, 1.0, round_cost=5.0, cap=10) == 3
+    assert dapo.groups_for_cost(0, 0.5, round_cost=5.0, cap=10) == 0
+    for needed, p, c in [(1, 0.3, 2.0), (4, 0.5, 3.0), (8, 0.75, 1.0)]:
+        n = dapo.groups_for_cost(needed, p, c, cap=60)
+        refill = c + math.ceil(needed / p)
+        cost = lambda k: k + (1 - dapo.binomial_at_least(k, p, needed)) * refill  # noqa: E731
+        assert all(cost(n) <= cost(k) + 1e-12 for k in range(needed, 61))
+
+
 def test_keep_rate_is_a_moving_average_with_a_floor():
     k = dapo.KeepRate(rate=1.0, weight=0.3, floor=0.05)
     assert k.update(2, 4) == pytest.approx(0.7 * 1.0 + 0.3 * 0.5)
@@ -41,7 +58,8 @@ def test_keep_rate_is_a_moving_average_with_a_floor():
 
 
 def test_round_size_uses_the_estimate_then_what_the_step_has_seen():
-    task = PolicyTaskConfig(num_generations=4, dynamic_sampling=True, dynamic_sampling_max_oversample=2.0)
+    task = PolicyTaskConfig(num_generations=4, dynamic_sampling=True, dynamic_sampling_max_oversample=2.0,
+                            dynamic_sampling_sizing="target")
     f = dapo.GroupFiller(needed=4, group_size=4)
     assert gs.round_size(task, f, estimate=1.0) == 4
     assert gs.round_size(task, f, estimate=0.5) == dapo.groups_for_target(4, 0.5, 0.9, 12)
@@ -49,16 +67,19 @@ def test_round_size_uses_the_estimate_then_what_the_step_has_seen():
     p = (gs.PRIOR_GROUPS * 0.9 + 2) / (gs.PRIOR_GROUPS + 4)
     assert gs.round_size(task, f, estimate=0.9) == dapo.groups_for_target(2, p, 0.9, 12)
     fixed = PolicyTaskConfig(num_generations=4, dynamic_sampling=True, dynamic_sampling_oversample=0.5,
-                             dynamic_sampling_target=0.0)
+                             dynamic_sampling_sizing="fixed")
     assert gs.round_size(fixed, dapo.GroupFiller(needed=4, group_size=4), estimate=0.1) == 4 + 2
     assert gs.round_size(fixed, f, estimate=0.1) == f.next_count()
+    cost = PolicyTaskConfig(num_generations=4, dynamic_sampling=True, dynamic_sampling_round_cost=3.0)
+    assert cost.dynamic_sampling_sizing == "cost"
+    assert gs.round_size(cost, f, estimate=0.9) == dapo.groups_for_cost(2, p, 3.0, 12)
 
 
 def test_one_batched_round_usually_fills_the_share_once_the_rate_is_learnt(monkeypatch):
     """A third of the prompts give informative groups: the first step needs refills, later ones
     sample enough in round 0 (one generation call) and the estimate settles near 1/3."""
     task = PolicyTaskConfig(num_generations=4, dynamic_sampling=True, dynamic_sampling_max_rounds=4,
-                            dynamic_sampling_max_oversample=4.0)
+                            dynamic_sampling_max_oversample=4.0, dynamic_sampling_sizing="target")
     kinds = ["easy", "hard", "mixed"] * 40
     tr = fake_trainer(kinds, task, local_samples=16, monkeypatch=monkeypatch)
     rounds = []
@@ -73,3 +94,19 @@ def test_one_batched_round_usually_fills_the_share_once_the_rate_is_learnt(monke
     assert tr.keep_rate.rate == pytest.approx(1 / 3, abs=0.12)
     needed = 4
     assert sb.log["dynamic/round0_groups"] <= math.floor(5.0 * needed)
+
+
+def test_cost_sizing_needs_fewer_rounds_than_fixed_sizing(monkeypatch):
+    """Same prompts and fake policy: sizing rounds from the estimate takes fewer generation calls than
+    the fixed rule (share first, then deficit / rate), and no trained group is zero-variance."""
+    kinds = ["easy", "hard", "mixed"] * 40
+    rounds = {}
+    for sizing in ("fixed", "cost"):
+        task = PolicyTaskConfig(num_generations=4, dynamic_sampling=True, dynamic_sampling_max_rounds=6,
+                                dynamic_sampling_sizing=sizing)
+        tr = fake_trainer(kinds, task, local_samples=16, monkeypatch=monkeypatch)
+        for step in range(12):
+            sb = gs.dynamic_batch(tr, step)
+            assert sb.log["trained_zero_variance_groups"] == 0.0 and sb.log["dynamic/filled_fraction"] == 1.0
+        rounds[sizing] = len(tr.rl.calls)
+    assert rounds["cost"] < rounds["fixed"], rounds

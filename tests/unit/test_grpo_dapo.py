@@ -50,6 +50,8 @@ def test_shaped_rewards_and_filter_weights():
                                      ({"dynamic_sampling_max_rounds": 0}, "dynamic_sampling_max_rounds"),
                                      ({"dynamic_sampling_oversample": -0.5}, "dynamic_sampling_oversample"),
                                      ({"dynamic_sampling_target": 1.0}, "dynamic_sampling_target"),
+                                     ({"dynamic_sampling_sizing": "guess"}, "dynamic_sampling_sizing"),
+                                     ({"dynamic_sampling_round_cost": -1}, "dynamic_sampling_round_cost"),
                                      ({"dynamic_sampling_max_oversample": -1}, "dynamic_sampling_max_oversample"),
                                      ({"sandbox_mode": "vm"}, "sandbox_mode")])
 def test_bad_dapo_values_name_the_key(kw, key):
@@ -141,7 +143,7 @@ def test_dynamic_sampling_trains_no_zero_variance_group(monkeypatch):
 
 def test_oversampling_adds_fresh_groups_to_the_first_round(monkeypatch):
     task = PolicyTaskConfig(num_generations=4, dynamic_sampling=True, dynamic_sampling_oversample=1.0,
-                            dynamic_sampling_target=0.0)  # the fixed oversampling (no running estimate)
+                            dynamic_sampling_sizing="fixed")  # the fixed oversampling (no running estimate)
     kinds = ["mixed"] * 20
     tr = fake_trainer(kinds, task, local_samples=16, monkeypatch=monkeypatch)
     sb = gs.dynamic_batch(tr, step=0)
