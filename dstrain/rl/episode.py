@@ -35,7 +35,7 @@ TRY_AGAIN = "Try again:"
 ANSWER = "Answer:"
 KEY = "Answer key:"
 
-HINT_INSTRUCTION = "Write a one-line hint on the previous attempt; do not state the answer."
+HINT_INSTRUCTION = "Write a hint (not the answer)."
 RETRY_INSTRUCTION = "correct any mistake."
 """Both instructions are kept short: on the tiny CPU policies every prompt byte costs compute."""
 

@@ -6,7 +6,8 @@ formats first (``policy_rl.warm_start`` on re-prompted copies of the training ta
 
 * policy: the reference answer after the turn-1 prompt, and after turn-2 prompts whose
   previous attempt is the reference (hint: it is correct) or a corrupted copy (hint: it is
-  wrong; for maths, whether it is too high or too low);
+  wrong; for maths, whether it is too high or too low), and after turn-2 prompts with the
+  fixed hint of runs without a guidance model;
 * guidance: that verdict after the hint prompt.
 
 So at step 0 the guidance model is a (weak) verifier and turn 2 can keep a right first
@@ -19,10 +20,10 @@ import random
 
 from dstrain.rl import episode
 
-CORRECT = "The previous attempt is correct."
-WRONG = "The previous attempt is wrong."
-TOO_HIGH = "The previous answer is too high."
-TOO_LOW = "The previous answer is too low."
+CORRECT = "Correct."
+WRONG = "Wrong."
+TOO_HIGH = "Too high."
+TOO_LOW = "Too low."
 NO_HINT = "Check the previous attempt."
 """The hint of every turn-2 prompt when no guidance model is used (``task.guidance: none``)."""
 MATHS_SHIFTS = (-20, -10, -2, -1, 1, 2, 10, 20)
@@ -89,16 +90,18 @@ def _previous(task, rng: random.Random) -> str:
     return corrupt_maths(task, rng) if task.kind == "maths" else corrupt(task.reference, rng)
 
 
-def policy_examples(tasks: list, seed: int, guidance: str = "model") -> list:
-    """Re-prompted copies of ``tasks`` teaching the policy both turns (reference answers); the
-    turn-2 hint is the verdict, or ``NO_HINT`` when the run has no guidance model."""
+def policy_examples(tasks: list, seed: int) -> list:
+    """Re-prompted copies of ``tasks`` teaching the policy both turns (reference answers): turn 1,
+    turn 2 after the verdict hint, and turn 2 after ``NO_HINT`` (the hint of runs without a guidance
+    model). One warm start thus serves runs with and without guidance: they start from the same weights."""
     rng = random.Random(f"score-warm-policy-{seed}")
     out = []
     for t in tasks:
         out.append(dataclasses.replace(t, prompt=episode.turn1_prompt(t.prompt)))
         prev = _previous(t, rng)
-        hint = verdict(t, prev) if guidance == "model" else NO_HINT
-        out.append(dataclasses.replace(t, prompt=episode.turn2_prompt(t.prompt, prev, hint)))
+        out.append(dataclasses.replace(t, prompt=episode.turn2_prompt(t.prompt, prev, verdict(t, prev))))
+        prev = _previous(t, rng)
+        out.append(dataclasses.replace(t, prompt=episode.turn2_prompt(t.prompt, prev, NO_HINT)))
     return out
 
 

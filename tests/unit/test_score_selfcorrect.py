@@ -119,10 +119,11 @@ def test_no_guidance_runs_use_the_fixed_hint():
     runner = ScoreStep(SimpleNamespace(guidance=None), rl, None, task, None, 0, 2, 1, 0)
     hints = runner.hints(TASKS[:2], ["#### 1", "#### 2"], seed=0)
     assert [h.text for h in hints] == [score_warm.NO_HINT] * 2 and isinstance(hints[0], FixedHint)
-    pol = score_warm.policy_examples(TASKS, 0, guidance="none")
-    turn2 = [p.prompt for p in pol[1::2]]
-    assert all(f"{ep.HINT}\n{score_warm.NO_HINT}\n" in p for p in turn2)
-    assert not any(v in p for p in turn2 for v in (score_warm.TOO_HIGH, score_warm.TOO_LOW, score_warm.CORRECT))
+    pol = score_warm.policy_examples(TASKS, 0)  # per task: turn 1, turn 2 with a verdict, turn 2 with NO_HINT
+    assert len(pol) == 3 * len(TASKS) and all(p.reference == t.reference for p, t in zip(pol[::3], TASKS))
+    assert all(f"{ep.HINT}\n{score_warm.NO_HINT}\n" in p.prompt for p in pol[2::3])
+    verdicts = (score_warm.TOO_HIGH, score_warm.TOO_LOW, score_warm.CORRECT)
+    assert all(any(f"{ep.HINT}\n{v}\n" in p.prompt for v in verdicts) for p in pol[1::3])
 
 
 def test_maths_warm_start_answers_are_wrong_by_a_digit_step():
@@ -150,3 +151,25 @@ def test_leaked_hints_get_the_lowest_guidance_reward():
     r1, r2, leaks = torch.tensor([0., 0., 1., 0.]), torch.tensor([1., 1., 1., 0.]), torch.tensor([1., 0., 0., 0.])
     assert sm.guidance_rewards(r1, r2, leaks).tolist() == [-1.0, 1.0, 0.0, 0.0]
     assert sm.guidance_rewards(r1, r2).tolist() == [1.0, 1.0, 0.0, 0.0]
+
+
+def test_benchmark_reads_held_out_and_training_curves(tmp_path):
+    import importlib.util
+    import json
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "score_selfcorrect.py"
+    spec = importlib.util.spec_from_file_location("score_selfcorrect_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    run = tmp_path / "score"
+    run.mkdir()
+    records = [{"step": 0, **{f"val/{k}": v for k, v in eval_stats(10, 2, 3, 2, 1).items()}},
+               {"step": 5, "train/incorrect_to_correct": 0.25, "train/correct_to_incorrect": 0.0},
+               {"step": 5, "time/policy": 1.0},
+               {"step": 10, **{f"val/{k}": v for k, v in eval_stats(10, 3, 6, 3, 0).items()}}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    s = bench.summarise(run)
+    assert s["held_out_before"]["accuracy@t2"] == 0.3 and s["held_out_final"]["delta(t1,t2)"] == pytest.approx(0.3)
+    assert s["train"]["incorrect_to_correct"] == {5: 0.25}
+    assert s["val"]["incorrect_to_correct"] == {0: 0.2, 10: 0.3}
+    assert "--task.guidance=none" in bench.command("no_guidance", tmp_path, [])
