@@ -25,7 +25,7 @@ MBPP_SPLITS = {"prompt": (1, 10), "test": (11, 510), "validation": (511, 600), "
 MBPP_FEW_SHOT_IDS = (2, 3, 4, 5, 6, 7, 8, 9, 10, 1)
 """Order of the few-shot examples (the MBPP paper's 3-shot prompt uses tasks 2, 3, 4)."""
 GSM8K_HUB_NAMES = ("gsm8k", "openai/gsm8k")
-SOURCES = ("program", "arithmetic", "mbpp", "gsm8k")
+SOURCES = ("program", "arithmetic", "choice", "mbpp", "gsm8k")
 
 
 @dataclass(frozen=True)
@@ -347,9 +347,10 @@ def load_tasks(spec: Mapping[str, Any] | Any) -> tuple[list[Task], list[Task]]:
         raise ValueError(f"unknown task source {source!r}; valid sources: {', '.join(SOURCES)}")
     seed, n_eval = int(spec.get("seed", 0)), int(spec.get("n_eval", 64))
     n_train = spec.get("n_train")
-    if source in ("program", "arithmetic"):
+    if source in ("program", "arithmetic", "choice"):
         n_train = int(256 if n_train is None else n_train)
-        make = make_program_tasks if source == "program" else make_arithmetic_tasks
+        from dstrain.data.choice_tasks import make_choice_tasks  # (it imports this module)
+        make = {"program": make_program_tasks, "arithmetic": make_arithmetic_tasks, "choice": make_choice_tasks}[source]
         tasks = make(n_train + n_eval, seed)
         return tasks[:n_train], tasks[n_train:]
     split = spec.get("split", "train")

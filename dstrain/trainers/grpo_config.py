@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SOURCES = ("program", "arithmetic", "mbpp", "gsm8k")
+SOURCES = ("program", "arithmetic", "choice", "mbpp", "gsm8k")
 LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
 
 
@@ -18,6 +18,7 @@ class PolicyTaskConfig:
 
     source: str = "program"
     """program (generated Python tasks, embedded) | arithmetic (generated maths, embedded) |
+    choice (generated two-choice sums, embedded: ``dstrain.data.choice_tasks``) |
     mbpp | gsm8k (read from ``path``: a local file, or a hub name when no such file exists)."""
     path: str = ""
     """MBPP/GSM8K file (``mbpp.jsonl``, ``sanitized-mbpp.json``, ``gsm8k_train.jsonl``) or hub name."""

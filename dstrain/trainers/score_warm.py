@@ -74,13 +74,17 @@ def verdict(task, previous: str) -> str:
 
 
 def corrupt_maths(task, rng: random.Random) -> str:
-    """A wrong final answer to a maths task whose reference ends ``#### <integer>``: the answer
-    shifted by one of ``MATHS_SHIFTS`` (falls back to ``corrupt`` for other answers)."""
+    """A wrong final answer to a maths task whose reference ends ``#### <integer>``: the other choice
+    of a two-choice task, else the answer shifted by one of ``MATHS_SHIFTS`` (``corrupt`` for other answers)."""
+    from dstrain.data.choice_tasks import choices
+    head = task.reference.rsplit("####", 1)[0] if "####" in task.reference else ""
+    offered = choices(task.prompt)
+    if offered and task.answer in offered:  # a two-choice task: the other choice
+        return f"{head}#### {offered[1] if offered[0] == task.answer else offered[0]}"
     try:
         value = int(task.answer)
     except ValueError:
         return corrupt(task.reference, rng)
-    head = task.reference.rsplit("####", 1)[0] if "####" in task.reference else ""
     return f"{head}#### {value + rng.choice(MATHS_SHIFTS)}"
 
 

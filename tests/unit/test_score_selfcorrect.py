@@ -173,3 +173,28 @@ def test_benchmark_reads_held_out_and_training_curves(tmp_path):
     assert s["train"]["incorrect_to_correct"] == {5: 0.25}
     assert s["val"]["incorrect_to_correct"] == {0: 0.2, 10: 0.3}
     assert "--task.guidance=none" in bench.command("no_guidance", tmp_path, [])
+
+
+# ---------------------------------------------------------------- two-choice arithmetic
+
+def test_choice_tasks_offer_the_answer_and_a_slip():
+    from dstrain.data import choice_tasks as ct
+    from dstrain.data.tasks import load_tasks
+    from dstrain.rewards.maths import maths_reward
+    tasks = ct.make_choice_tasks(200, seed=1)
+    assert len({t.prompt for t in tasks}) == 200 and tasks == ct.make_choice_tasks(200, seed=1)
+    firsts = 0
+    for t in tasks:
+        a, op, b = t.prompt.split("What is ")[1].split(":")[0].split()
+        value = int(a) + int(b) if op == "+" else int(a) - int(b)  # recomputed from the prompt
+        assert t.answer == str(value) and t.reference == f"#### {value}"
+        offered = ct.choices(t.prompt)
+        assert str(value) in offered and int(offered[0]) - int(offered[1]) in {s for x in ct.SLIPS for s in (x, -x)}
+        firsts += offered[0] == t.answer
+        other = offered[1] if offered[0] == t.answer else offered[0]
+        assert maths_reward(t.reference, t.answer) == 1.0 and maths_reward(f"#### {other}", t.answer) == 0.0
+        assert score_warm.corrupt_maths(t, random.Random(0)) == f"#### {other}"
+    assert 70 < firsts < 130  # the right answer is not always in the same place
+    train, held = load_tasks({"source": "choice", "n_train": 50, "n_eval": 10, "seed": 1})
+    assert [t.prompt for t in train + held] == [t.prompt for t in tasks[:60]]
+    assert ct.choices("Question: What is 1 + 2?\nAnswer: ") is None

@@ -205,7 +205,7 @@ def test_load_tasks_files():
 
 
 def test_load_tasks_rejects_unknown_sources_and_keys():
-    with pytest.raises(ValueError, match="valid sources: program, arithmetic, mbpp, gsm8k"):
+    with pytest.raises(ValueError, match="valid sources: program, arithmetic, choice, mbpp, gsm8k"):
         load_tasks({"source": "humaneval"})
     with pytest.raises(ValueError, match=r"unknown task config keys \['n_trian'\]"):
         load_tasks({"source": "program", "n_trian": 3})
