@@ -110,3 +110,17 @@ def test_cost_sizing_needs_fewer_rounds_than_fixed_sizing(monkeypatch):
             assert sb.log["trained_zero_variance_groups"] == 0.0
         rounds[sizing] = len(tr.rl.calls)
     assert rounds["cost"] < rounds["fixed"], rounds
+
+
+def test_the_running_estimate_goes_into_the_checkpoint_state():
+    import types
+
+    from dstrain.trainers.grpo import GRPOTrainer
+    saved = {}
+    fake = types.SimpleNamespace(samples_per_step=32, guards=types.SimpleNamespace(skipped=0), keep_rate=None,
+                                 saver=types.SimpleNamespace(save=lambda step, state: saved.update(state, step=step)))
+    GRPOTrainer.save(fake, 5)
+    assert "dynamic_keep_rate" not in saved and saved["step"] == 5
+    fake.keep_rate = dapo.KeepRate(rate=0.42)
+    GRPOTrainer.save(fake, 6)
+    assert saved["dynamic_keep_rate"] == 0.42 and saved["step"] == 6
