@@ -3,7 +3,8 @@
 * :func:`extract_code` - the code of a completion (fenced or not).
 * :func:`evaluate_tasks` - one :class:`~dstrain.rewards.sandbox.ExecResult` per
   completion: code tasks run ``task.code_prefix + extract_code(completion)`` with the
-  task's setup and tests in the sandbox; maths tasks go through
+  task's setup and tests in the sandbox (each distinct program once per call: identical
+  completions of a task share one run and its result); maths tasks go through
   :func:`~dstrain.rewards.maths.maths_reward` (no process needed).
 * :func:`score_tasks` - the rewards (floats) of :func:`evaluate_tasks`.
 * :func:`summarize` - counts per status and the mean reward, for logging.
@@ -78,14 +79,20 @@ def evaluate_tasks(tasks: Sequence["Task"], completions: Sequence[str], pool: Sa
         else:
             raise ValueError(f"task {task.task_id}: unknown kind {task.kind!r}")
     if jobs:
+        # The same program with the same tests and setup runs once per call (a group's completions are
+        # often identical: all right or all wrong alike); its copies share the result.
+        unique: dict[tuple, int] = {}
+        slots = [unique.setdefault((program, tuple(tests), setup), len(unique)) for program, tests, setup in jobs]
+        todo = [(program, list(tests), setup) for program, tests, setup in unique]
         own = pool is None
-        pool = pool or SandboxPool(workers=max(1, min(4, os.cpu_count() or 1, len(jobs))), limits=limits)
+        pool = pool or SandboxPool(workers=max(1, min(4, os.cpu_count() or 1, len(todo))), limits=limits)
         try:
-            for i, result in zip(where, pool.run_many(jobs)):
-                results[i] = result
+            ran = pool.run_many(todo)
         finally:
             if own:
                 pool.close()
+        for i, slot in zip(where, slots):
+            results[i] = ran[slot]
     return results  # type: ignore[return-value]
 
 
