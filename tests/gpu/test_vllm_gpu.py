@@ -23,6 +23,8 @@ def test_vllm_greedy_equals_hf_greedy(tmp_path):
     torch.manual_seed(0)
     mcfg = PolicyConfig()
     policy = SPEC.rl.build(mcfg).cuda()
+    with torch.no_grad():  # peaked logits: greedy choices no kernel's rounding can flip
+        policy.hf.lm_head.weight.mul_(100.0)
     tok = SPEC.rl.load_tokenizer(mcfg)
     tr = types.SimpleNamespace(out=tmp_path, policy=policy, tokenizer=tok, rl=SPEC.rl, model_cfg=mcfg,
                                engine=types.SimpleNamespace(module=policy, global_steps=0),
