@@ -84,8 +84,10 @@ def launch(names: list[str], out: Path, extra: list[str], sequential: bool) -> d
         procs[name] = (subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), start, log)
         if sequential:
             _wait(name, procs.pop(name), info)
-    for name, proc in procs.items():
-        _wait(name, proc, info)
+    while procs:  # each run's end is taken when it ends, not when the one before it does
+        for name in [n for n, (p, _, _) in procs.items() if p.poll() is not None]:
+            _wait(name, procs.pop(name), info)
+        time.sleep(2)
     return info
 
 
