@@ -9,10 +9,9 @@ checked by the maths verifier like ``arithmetic`` tasks.
 """
 from __future__ import annotations
 
-import random
 import re
 
-from dstrain.data.tasks import _MAX_MISSES, Task
+from dstrain.data.tasks import Task, distinct_maths_tasks
 
 SLIPS = (-10, 10, -1, 1, -2, 2)
 """How the distractor differs from the answer."""
@@ -22,27 +21,15 @@ _CHOICES = re.compile(r": (-?\d+) or (-?\d+)\?")
 def make_choice_tasks(n: int, seed: int = 0) -> list[Task]:
     """``n`` distinct two-choice sum / difference questions of two-digit numbers, deterministic in ``seed``;
     the right answer is first or second at random."""
-    rng = random.Random(f"choice-tasks-{seed}")
-    tasks: list[Task] = []
-    seen: set[str] = set()
-    misses = 0
-    while len(tasks) < n:
+    def draw(rng):
         op = rng.choice("+-")
         a, b = rng.randint(10, 99), rng.randint(10, 99)
         value = a + b if op == "+" else a - b
         wrong = value + rng.choice(SLIPS)
         first, second = (value, wrong) if rng.random() < 0.5 else (wrong, value)
-        prompt = f"Question: What is {a} {op} {b}: {first} or {second}?\nAnswer: "
-        if prompt in seen:
-            misses += 1
-            if misses > _MAX_MISSES:
-                raise ValueError(f"could only generate {len(tasks)} distinct choice tasks, {n} requested")
-            continue
-        misses = 0
-        seen.add(prompt)
-        tasks.append(Task(task_id=f"choice/{seed}/{len(tasks)}", prompt=prompt, kind="maths",
-                          answer=str(value), reference=f"#### {value}", stop=("\n",)))
-    return tasks
+        return f"Question: What is {a} {op} {b}: {first} or {second}?\nAnswer: ", value
+
+    return distinct_maths_tasks(n, "choice", seed, draw)
 
 
 def choices(prompt: str) -> tuple[str, str] | None:

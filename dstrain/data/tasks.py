@@ -279,28 +279,37 @@ def make_program_tasks(n: int, seed: int = 0) -> list[Task]:
     return tasks
 
 
-def make_arithmetic_tasks(n: int, seed: int = 0) -> list[Task]:
-    """``n`` distinct arithmetic questions (``"Question: What is 23 + 45?\\nAnswer: "``)
-    with the answer as a maths task; the reference completion is ``"#### 68"``."""
-    rng = random.Random(f"arithmetic-tasks-{seed}")
+def distinct_maths_tasks(n: int, family: str, seed: int, draw) -> list[Task]:
+    """``n`` maths tasks with distinct prompts, ids ``family/seed/i``: ``draw(rng)`` gives one
+    ``(prompt, answer)`` from ``random.Random(f"{family}-tasks-{seed}")``; repeats are drawn again."""
+    rng = random.Random(f"{family}-tasks-{seed}")
     tasks: list[Task] = []
     seen: set[str] = set()
     misses = 0
     while len(tasks) < n:
-        op = rng.choice("+-*")
-        a, b = (rng.randint(2, 99), rng.randint(2, 99)) if op != "*" else (rng.randint(2, 19), rng.randint(2, 9))
-        value = a + b if op == "+" else a - b if op == "-" else a * b
-        prompt = f"Question: What is {a} {op} {b}?\nAnswer: "
+        prompt, value = draw(rng)
         if prompt in seen:
             misses += 1
             if misses > _MAX_MISSES:
-                raise ValueError(f"could only generate {len(tasks)} distinct arithmetic tasks, {n} requested")
+                raise ValueError(f"could only generate {len(tasks)} distinct {family} tasks, {n} requested")
             continue
         misses = 0
         seen.add(prompt)
-        tasks.append(Task(task_id=f"arithmetic/{seed}/{len(tasks)}", prompt=prompt, kind="maths",
+        tasks.append(Task(task_id=f"{family}/{seed}/{len(tasks)}", prompt=prompt, kind="maths",
                           answer=str(value), reference=f"#### {value}", stop=("\n",)))
     return tasks
+
+
+def make_arithmetic_tasks(n: int, seed: int = 0) -> list[Task]:
+    """``n`` distinct arithmetic questions (``"Question: What is 23 + 45?\\nAnswer: "``)
+    with the answer as a maths task; the reference completion is ``"#### 68"``."""
+    def draw(rng):
+        op = rng.choice("+-*")
+        a, b = (rng.randint(2, 99), rng.randint(2, 99)) if op != "*" else (rng.randint(2, 19), rng.randint(2, 9))
+        value = a + b if op == "+" else a - b if op == "-" else a * b
+        return f"Question: What is {a} {op} {b}?\nAnswer: ", value
+
+    return distinct_maths_tasks(n, "arithmetic", seed, draw)
 
 
 # ---------------------------------------------------------------- splits and the dispatcher
