@@ -122,8 +122,8 @@ class NonFiniteGuard:
         and when too many steps in a row were skipped.
         """
         import torch
-        loss_bad = bool(losses) and not bool(torch.stack([torch.isfinite(loss.detach()).all().cpu()
-                                                          for loss in losses]).all())
+        loss_bad = bool(losses) and not bool(torch.isfinite(torch.stack([loss.detach().float().reshape(-1).sum()
+                                                                          for loss in losses])).all())
         bad_loss, bad_grad = _first_bad_ranks([loss_bad, grads_bad], self.rank, self.world_size)
         if bad_loss is None and bad_grad is None:
             self.consecutive = self._in_a_row[name] = 0
