@@ -108,6 +108,12 @@ class RolloutWorker:
         self.pool.close()
 
 
+def policy_version(engine) -> int:
+    """The policy's optimizer-step count: a copy of its weights made at another count is stale."""
+    ds = getattr(engine, "ds", engine)
+    return int(getattr(ds, "global_steps", 0))
+
+
 def _full_state(engine) -> dict[str, torch.Tensor]:
     """The policy's whole state on the CPU (gathered once under ZeRO-3: every rank must call this)."""
     module = engine.module
@@ -167,13 +173,9 @@ class RayRollout:
         self.version = None
         self.last_sync = {}
 
-    def _engine_version(self) -> int:
-        ds = getattr(self.tr.engine, "ds", self.tr.engine)
-        return int(getattr(ds, "global_steps", 0))
-
     def sync(self) -> dict:
         """Push the weights if the policy stepped since the last push; returns what was pushed."""
-        version = self._engine_version()
+        version = policy_version(self.tr.engine)
         if version == self.version:
             return {}
         start = time.perf_counter()

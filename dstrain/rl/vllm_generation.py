@@ -104,22 +104,19 @@ class VLLMToolkit:
         self.llm = vllm.LLM(model=str(folder), dtype=dtype, seed=tr.cfg.train.seed + tr.world.rank,
                             gpu_memory_utilization=rollout_cfg.vllm_gpu_memory_utilization, enforce_eager=True,
                             tensor_parallel_size=1, **tokenizer_args, **launcher)
-        self.version = self._engine_version()
+        from dstrain.rl.rollout import policy_version
+        self.version = policy_version(self.tr.engine)
         self.last_sync: dict = {}
 
     def __getattr__(self, name):
         return getattr(self.base, name)
 
-    def _engine_version(self) -> int:
-        ds = getattr(self.tr.engine, "ds", self.tr.engine)
-        return int(getattr(ds, "global_steps", 0))
-
     def sync(self) -> None:
         """Copy the policy's weights into vLLM if it stepped since the last copy (every rank together)."""
-        version = self._engine_version()
+        from dstrain.rl.rollout import _full_state, policy_version
+        version = policy_version(self.tr.engine)
         if version == self.version:
             return
-        from dstrain.rl.rollout import _full_state
         start = time.perf_counter()
         state = hf_state(_full_state(self.tr.engine))
         _vllm_model(self.llm).load_weights(list(state.items()))
