@@ -6,7 +6,8 @@ Q-head decision are kept after each segment, so one pass gives:
 
 * exact accuracy after 1 segment (one pass, no iteration) and after ``halt_max_steps``;
 * adaptive halting as at training time without exploration: a puzzle stops at the first
-  segment where ``q_halt > q_continue`` (or at the last), and is scored there;
+  segment where the Q-head says halt (``q_halt > q_continue``, or ``q_halt > 0`` under
+  ``halt_rule = "solved"``; or at the last), and is scored there;
 * all of it by difficulty: number of blanks and :func:`dstrain.data.sudoku.propagation_rounds`.
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ BLANK = sudoku.BLANK
 def run_segments(model, inputs: np.ndarray, labels: np.ndarray, max_steps: int, batch: int = 256,
                  puzzle_emb: torch.Tensor | None = None, device="cpu") -> tuple[np.ndarray, np.ndarray]:
     """``(correct, halt)``, both ``bool[n, max_steps]``: all blanks right after segment ``t``, and
-    whether the Q-head says halt (``q_halt > q_continue``) after it."""
+    whether the Q-head says halt after it (``HRM.wants_halt``: the model's ``halt_rule``)."""
     model.eval()
     correct, halt = [], []
     for lo in range(0, len(inputs), batch):
@@ -36,7 +37,7 @@ def run_segments(model, inputs: np.ndarray, labels: np.ndarray, max_steps: int, 
             _, out = model(x, y, emb, z_H, z_L, steps, None)
             z_H, z_L, steps = out["z_H"], out["z_L"], out["steps"]
             rows_c.append(((out["preds"] == y) | (x != BLANK)).all(-1))
-            rows_h.append(out["q_halt"] > out["q_continue"])
+            rows_h.append(out["wants_halt"])
         correct.append(torch.stack(rows_c, 1).cpu())
         halt.append(torch.stack(rows_h, 1).cpu())
     return torch.cat(correct).numpy(), torch.cat(halt).numpy()

@@ -14,7 +14,8 @@ carries its own state from the previous call:
   row halts at ``halt_max_steps``, or once ``q_halt > q_continue`` and at least a
   random minimum of steps has run (drawn with probability ``halt_exploration_prob``);
   ``q_continue`` learns from a bootstrapped target taken from one more no-grad
-  segment. In evaluation every row runs ``halt_max_steps`` segments.
+  segment. With ``halt_rule = "solved"`` a row halts once ``q_halt > 0`` instead and
+  ``q_continue`` is unused. In evaluation every row runs ``halt_max_steps`` segments.
 * Loss: (stablemax or softmax) cross-entropy averaged over each row's labelled
   tokens, plus ``0.5 * (BCE(q_halt, row is correct) + BCE(q_continue, target))``,
   summed over rows and divided by the rows of this call.
@@ -65,6 +66,11 @@ class HRMConfig:
     act: bool = True
     """False: adaptive halting off (fixed segments): every puzzle runs ``halt_max_steps``
     segments in training as in evaluation, and the Q-head is not trained."""
+    halt_rule: str = "compare"
+    """compare (the reference): a row halts once ``q_halt > q_continue``, and ``q_continue``
+    learns a bootstrapped target from one more no-grad segment. solved (as TRM): a row halts
+    once ``q_halt > 0`` (the Q-head thinks it is solved); ``q_continue`` is not used or
+    trained, and no extra segment runs. Under both, exploration draws a minimum of steps."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -89,6 +95,8 @@ class HRMConfig:
             raise ValueError(f"act must be true or false, got {self.act!r}")
         if self.pos_encodings not in ("rope", "learned"):
             raise ValueError(f"pos_encodings must be rope or learned, got {self.pos_encodings!r}")
+        if self.halt_rule not in ("compare", "solved"):
+            raise ValueError(f"halt_rule must be compare or solved, got {self.halt_rule!r}")
         if self.loss not in ("stablemax", "softmax"):
             raise ValueError(f"loss must be stablemax or softmax, got {self.loss!r}")
 
@@ -187,7 +195,7 @@ class HRM(nn.Module):
         block = sum(p.numel() for p in self.H_level.layers[0].parameters()) if c.H_layers else 0
         fwd = 2 * block * (c.H_cycles * c.L_cycles * c.L_layers + c.H_cycles * c.H_layers)
         bwd = 4 * block * (c.L_layers + c.H_layers)
-        target = fwd if c.act and c.halt_max_steps > 1 else 0  # the Q target's extra segment
+        target = fwd if c.act and c.halt_max_steps > 1 and c.halt_rule == "compare" else 0  # Q target's segment
         return fwd + target + bwd
 
     # ---------------------------------------------------------------- segment
@@ -230,6 +238,13 @@ class HRM(nn.Module):
         logits = self.lm_head(z_H[:, self.config.puzzle_emb_len:])
         q = self.q_head(z_H[:, 0]).float()
         return logits, q
+
+    def wants_halt(self, q_halt: torch.Tensor, q_continue: torch.Tensor) -> torch.Tensor:
+        """The Q-head's halting decision ``bool[B]`` under ``halt_rule`` (before the minimum
+        of steps and the ``halt_max_steps`` cap)."""
+        if self.config.halt_rule == "solved":
+            return q_halt > 0
+        return q_halt > q_continue
 
     def initial_state(self, batch: int, device=None, dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (batch, self.config.total_len, self.config.hidden_size)
@@ -278,19 +293,21 @@ class HRM(nn.Module):
             is_last = steps >= c.halt_max_steps
             halted = is_last
             if self.training and c.act and c.halt_max_steps > 1:
-                halted = halted | (q_halt > q_continue)
+                halted = halted | self.wants_halt(q_halt, q_continue)
                 explore = torch.rand(b, device=device) < c.halt_exploration_prob
                 min_steps = explore * torch.randint(2, c.halt_max_steps + 1, (b,), device=device)
                 halted = halted & (steps >= min_steps)
-                nz_H, _ = self.segment(z_H.detach(), z_L.detach(), x.detach())
-                _, next_q = self.heads(nz_H)
-                target_q = torch.sigmoid(torch.where(is_last, next_q[:, 0],
-                                                     torch.maximum(next_q[:, 0], next_q[:, 1])))
+                if c.halt_rule == "compare":
+                    nz_H, _ = self.segment(z_H.detach(), z_L.detach(), x.detach())
+                    _, next_q = self.heads(nz_H)
+                    target_q = torch.sigmoid(torch.where(is_last, next_q[:, 0],
+                                                         torch.maximum(next_q[:, 0], next_q[:, 1])))
 
         loss, metrics = self._loss(inputs, labels, logits, q_halt, q_continue, target_q, halted, steps)
         out = {"z_H": z_H.detach(), "z_L": z_L.detach(), "steps": steps, "halted": halted,
                "preds": logits.detach().argmax(-1), "q_halt": q_halt.detach(),
-               "q_continue": q_continue.detach(), "metrics": metrics}
+               "q_continue": q_continue.detach(), "wants_halt": self.wants_halt(q_halt, q_continue).detach(),
+               "metrics": metrics}
         return loss, out
 
     def _loss(self, inputs, labels, logits, q_halt, q_continue, target_q, halted, steps):

@@ -262,3 +262,39 @@ def test_act_off_runs_fixed_segments_without_q_losses():
     assert out["metrics"]["q_continue_loss"] == 0
     with pytest.raises(ValueError, match="act"):
         registry.make_model_config("hrm", "tiny", {"act": 1})
+
+
+def test_halt_rule_solved_halts_on_q_halt_alone_without_a_target_segment():
+    inputs, labels, emb = batch(make().config)
+    for bias, compare_halts, solved_halts in (([1.0, 5.0], False, True), ([-1.0, -5.0], True, False)):
+        for rule, expected in (("compare", compare_halts), ("solved", solved_halts)):
+            m = make(halt_max_steps=4, halt_exploration_prob=0.0, halt_rule=rule)
+            with torch.no_grad():
+                m.q_head.bias.copy_(torch.tensor(bias))
+            m.train()
+            calls = []
+            segment = m.segment
+            m.segment = lambda *a, **k: calls.append(1) or segment(*a, **k)
+            _, out = m(inputs, labels, emb)
+            assert out["halted"].tolist() == [expected] * B, (rule, bias)
+            assert out["wants_halt"].tolist() == [expected] * B
+            assert len(calls) == (2 if rule == "compare" else 1)  # compare: one more segment for the Q target
+    m = make(halt_max_steps=4, halt_exploration_prob=0.0, halt_rule="solved")
+    m.train()
+    loss, out = m(inputs, labels, emb)
+    logits, q = m.heads(out["z_H"])  # recompute the loss by hand: LM + 0.5 BCE(q_halt, solved), no q_continue term
+    per_seq = token_cross_entropy(logits, labels, "stablemax").mean(-1)
+    correct = (logits.argmax(-1) == labels).all(-1).float()
+    bce = torch.nn.functional.binary_cross_entropy_with_logits(q[:, 0], correct, reduction="sum")
+    assert torch.allclose(loss, (per_seq.sum() + 0.5 * bce) / B, rtol=1e-5)
+    assert out["metrics"]["q_continue_loss"] == 0
+    with torch.no_grad():
+        m.q_head.bias.copy_(torch.tensor([1.0, 5.0]))
+    m.config.halt_exploration_prob = 1.0  # a minimum of 2..4 steps holds under this rule too
+    torch.manual_seed(1)
+    _, out = m(inputs, labels, emb)
+    assert not out["halted"].any()
+    full = make(halt_rule="compare")
+    assert m.flops_per_segment_token() < full.flops_per_segment_token()
+    with pytest.raises(ValueError, match="halt_rule"):
+        registry.make_model_config("hrm", "tiny", {"halt_rule": "never"})

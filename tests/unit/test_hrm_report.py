@@ -58,3 +58,19 @@ def test_curves_and_plots(tmp_path):
               "blanks_12": {"mean_blanks": 12.0, "all": stats, "by_rounds": {3: stats}}}
     report.plot_difficulty(result, "t", tmp_path / "d.png")
     assert (tmp_path / "c.png").stat().st_size > 1000 and (tmp_path / "d.png").stat().st_size > 1000
+
+
+def test_run_segments_uses_the_models_halt_rule():
+    cfg = registry.make_model_config("hrm", "tiny", {"halt_max_steps": 2, "seq_len": 36, "vocab_size": 8,
+                                                     "halt_rule": "solved"})
+    torch.manual_seed(0)
+    model = registry.get_spec("hrm").build(cfg)
+    with torch.no_grad():
+        model.q_head.bias.copy_(torch.tensor([1.0, 5.0]))  # q_halt > 0 but below q_continue
+    inputs, labels = sudoku.encode(*sudoku.generate_many(3, 20, seed=2, size=6))
+    _, halt = evaluate.run_segments(model, inputs, labels, 2, batch=4)
+    assert halt.all()  # "compare" would never halt these rows
+    with torch.no_grad():
+        model.q_head.bias.copy_(torch.tensor([-1.0, -5.0]))
+    _, halt = evaluate.run_segments(model, inputs, labels, 2, batch=4)
+    assert not halt.any()
