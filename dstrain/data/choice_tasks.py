@@ -1,11 +1,13 @@
-"""Two-choice arithmetic: a generated task family where a first answer is often wrong and a hint fixes it.
+"""Two-choice subtraction with a one-digit answer: a generated task family where a first answer is
+often wrong and a hint fixes it.
 
-``"Question: What is 47 + 38: 75 or 85?\\nAnswer: "`` -> ``"#### 85"``. The distractor is the
-answer off by a slip a child (or a tiny model) makes: a carry lost or added (+-10), or the last
-digit off by one or two. A policy that cannot yet add picks one of the two numbers; a hint that
-says the pick is wrong (or too high / too low) is enough to answer right the second time, and
-without it the second try has nothing new to go on. Used by SCoRe's self-correction recipe;
-checked by the maths verifier like ``arithmetic`` tasks.
+``"What is 47 - 41: 6 or 8?"`` -> ``"#### 6"``. Both operands have two digits and lie at most 9
+apart, so the answer is one digit; the distractor is a slip of one or two in it (kept within 0-9).
+The numbers a byte-level policy has to copy are single characters, yet choosing right takes the
+subtraction, which a tiny policy does not learn in a few minutes. A policy that cannot subtract picks one of the two
+digits; a hint that says the pick is wrong is enough to answer right the second time (the other
+one), and without it the second try has nothing new to go on. Used by SCoRe's self-correction
+recipe; checked by the maths verifier like ``arithmetic`` tasks.
 """
 from __future__ import annotations
 
@@ -13,21 +15,26 @@ import re
 
 from dstrain.data.tasks import Task, distinct_maths_tasks
 
-SLIPS = (-10, 10, -1, 1, -2, 2)
-"""How the distractor differs from the answer."""
+SLIPS = (-2, -1, 1, 2)
+"""How the distractor differs from the answer (the other sign when the slip leaves 0-9)."""
 _CHOICES = re.compile(r": (-?\d+) or (-?\d+)\?")
 
 
+def distractor(value: int, slip: int) -> int:
+    """``value + slip``, or ``value - slip`` when that leaves the digits 0-9."""
+    return value + slip if 0 <= value + slip <= 9 else value - slip
+
+
 def make_choice_tasks(n: int, seed: int = 0) -> list[Task]:
-    """``n`` distinct two-choice sum / difference questions of two-digit numbers, deterministic in ``seed``;
-    the right answer is first or second at random."""
+    """``n`` distinct two-choice differences of two-digit numbers with a one-digit answer,
+    deterministic in ``seed``; the right answer is first or second at random."""
     def draw(rng):
-        op = rng.choice("+-")
-        a, b = rng.randint(10, 99), rng.randint(10, 99)
-        value = a + b if op == "+" else a - b
-        wrong = value + rng.choice(SLIPS)
+        value = rng.randint(0, 9)
+        b = rng.randint(10, 99 - value)
+        a = b + value
+        wrong = distractor(value, rng.choice(SLIPS))
         first, second = (value, wrong) if rng.random() < 0.5 else (wrong, value)
-        return f"Question: What is {a} {op} {b}: {first} or {second}?\nAnswer: ", value
+        return f"What is {a} - {b}: {first} or {second}?", value
 
     return distinct_maths_tasks(n, "choice", seed, draw)
 

@@ -124,7 +124,7 @@ class ScoreTrainer(RLLoop):
             return None, None
         seed = cfg.data.seed
         task = self.task
-        policy = prl.warm_start(cfg, task, score_warm.policy_examples(self.train_tasks, seed),
+        policy = prl.warm_start(cfg, task, score_warm.policy_examples(self.train_tasks, seed, task.warm_turn2),
                                 self.world, self.out, log=lambda m: self._print(f"policy {m}"))
         if task.guidance == "none":
             return policy, None

@@ -74,6 +74,11 @@ class ScoreTaskConfig(PolicyTaskConfig):
     prompt: a teacher that knows the solution and must not state it. A hint that states a maths
     answer anyway counts as a leak: its guidance reward is -1 and ``hint_leak`` logs the rate."""
     hint_max_new_tokens: int = 32
+    warm_turn2: str = "verdict"
+    """What the policy's warm start teaches on turn-2 prompts with a verdict hint: verdict (the
+    reference: keep a right first answer, fix a wrong one) | format (keep the previous attempt
+    or switch to another answer, half and half whatever the verdict: the format and copying,
+    leaving the use of the verdict to RL). Turn-2 prompts with the fixed hint always teach the reference."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -90,6 +95,9 @@ class ScoreTaskConfig(PolicyTaskConfig):
             raise ValueError(f"task.guidance must be one of {', '.join(GUIDANCE)}, got {self.guidance!r}")
         if self.guidance == "none" and self.guidance_key:
             raise ValueError("task.guidance_key shows the key to the guidance model, but task.guidance is none")
+        from dstrain.trainers.score_warm import TURN2_MODES
+        if self.warm_turn2 not in TURN2_MODES:
+            raise ValueError(f"task.warm_turn2 must be one of {', '.join(TURN2_MODES)}, got {self.warm_turn2!r}")
         if self.advantage not in ADVANTAGES:
             raise ValueError(f"task.advantage must be one of {', '.join(ADVANTAGES)}, got {self.advantage!r}")
         for name in ("stage_one_steps", "alpha", "beta1", "beta2"):

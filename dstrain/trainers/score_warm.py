@@ -56,9 +56,14 @@ def corrupt(text: str, rng: random.Random) -> str:
 
 
 def verdict(task, previous: str) -> str:
-    """The warm-start hint for ``previous`` (a reference answer or a corrupted one)."""
+    """The warm-start hint for ``previous`` (a reference answer or a corrupted one): ``CORRECT``, or for
+    a maths task ``TOO_HIGH`` / ``TOO_LOW`` (``WRONG`` for a two-choice task: the fix is the other choice)."""
     if previous == task.reference:
         return CORRECT
+    from dstrain.data.choice_tasks import choices
+    if task.kind == "maths" and choices(task.prompt):
+        from dstrain.rewards.maths import extract_final_answer
+        return CORRECT if extract_final_answer(previous) == task.answer else WRONG
     if task.kind == "maths":
         from dstrain.rewards.maths import extract_final_answer, normalize_number
         try:
@@ -88,22 +93,43 @@ def corrupt_maths(task, rng: random.Random) -> str:
     return f"{head}#### {value + rng.choice(MATHS_SHIFTS)}"
 
 
-def _previous(task, rng: random.Random) -> str:
-    if rng.random() < 0.5:
-        return task.reference
+def _wrong(task, rng: random.Random) -> str:
     return corrupt_maths(task, rng) if task.kind == "maths" else corrupt(task.reference, rng)
 
 
-def policy_examples(tasks: list, seed: int) -> list:
-    """Re-prompted copies of ``tasks`` teaching the policy both turns (reference answers): turn 1,
-    turn 2 after the verdict hint, and turn 2 after ``NO_HINT`` (the hint of runs without a guidance
-    model). One warm start thus serves runs with and without guidance: they start from the same weights."""
+def _previous(task, rng: random.Random) -> str:
+    return task.reference if rng.random() < 0.5 else _wrong(task, rng)
+
+
+TURN2_MODES = ("verdict", "format")
+"""What the policy's warm start teaches after a verdict hint (``task.warm_turn2``)."""
+
+
+def policy_examples(tasks: list, seed: int, turn2: str = "verdict") -> list:
+    """Re-prompted copies of ``tasks`` teaching the policy both turns: turn 1 (the reference), turn 2
+    after the verdict hint, and turn 2 after ``NO_HINT`` (the hint of runs without a guidance model;
+    the reference). One warm start thus serves runs with and without guidance: they start from the
+    same weights.
+
+    After the verdict hint, ``turn2="verdict"`` teaches the reference (the whole correction: keep a
+    right first answer, fix a wrong one), ``"format"`` the previous attempt or a switch at random
+    (half and half, whatever the verdict says; for a two-choice task: the other offered answer),
+    so the policy learns the format and to copy, not to use the verdict: that is left to RL."""
+    if turn2 not in TURN2_MODES:
+        raise ValueError(f"turn2 must be one of {', '.join(TURN2_MODES)}, got {turn2!r}")
     rng = random.Random(f"score-warm-policy-{seed}")
     out = []
     for t in tasks:
         out.append(dataclasses.replace(t, prompt=episode.turn1_prompt(t.prompt)))
         prev = _previous(t, rng)
-        out.append(dataclasses.replace(t, prompt=episode.turn2_prompt(t.prompt, prev, verdict(t, prev))))
+        if turn2 == "verdict":
+            target = t.reference
+        elif rng.random() < 0.5:
+            target = prev
+        else:  # the switch: to the reference from a wrong attempt, to a wrong answer from a right one
+            target = t.reference if prev != t.reference else _wrong(t, rng)
+        out.append(dataclasses.replace(t, prompt=episode.turn2_prompt(t.prompt, prev, verdict(t, prev)),
+                                       reference=target))
         prev = _previous(t, rng)
         out.append(dataclasses.replace(t, prompt=episode.turn2_prompt(t.prompt, prev, NO_HINT)))
     return out

@@ -186,15 +186,66 @@ def test_choice_tasks_offer_the_answer_and_a_slip():
     firsts = 0
     for t in tasks:
         a, op, b = t.prompt.split("What is ")[1].split(":")[0].split()
-        value = int(a) + int(b) if op == "+" else int(a) - int(b)  # recomputed from the prompt
-        assert t.answer == str(value) and t.reference == f"#### {value}"
+        assert op == "-" and 10 <= int(b) <= int(a) <= 99
+        value = int(a) - int(b)  # recomputed from the prompt
+        assert 0 <= value <= 9 and t.answer == str(value) and t.reference == f"#### {value}"
         offered = ct.choices(t.prompt)
-        assert str(value) in offered and int(offered[0]) - int(offered[1]) in {s for x in ct.SLIPS for s in (x, -x)}
+        assert str(value) in offered and abs(int(offered[0]) - int(offered[1])) in (1, 2)
+        assert all(len(x) == 1 for x in offered)  # one digit each
         firsts += offered[0] == t.answer
         other = offered[1] if offered[0] == t.answer else offered[0]
         assert maths_reward(t.reference, t.answer) == 1.0 and maths_reward(f"#### {other}", t.answer) == 0.0
         assert score_warm.corrupt_maths(t, random.Random(0)) == f"#### {other}"
+        assert score_warm.verdict(t, f"#### {other}") == score_warm.WRONG
+        assert score_warm.verdict(t, f"#### {t.answer}") == score_warm.CORRECT
     assert 70 < firsts < 130  # the right answer is not always in the same place
+    assert {t.answer for t in tasks} == {str(d) for d in range(10)}
     train, held = load_tasks({"source": "choice", "n_train": 50, "n_eval": 10, "seed": 1})
     assert [t.prompt for t in train + held] == [t.prompt for t in tasks[:60]]
     assert ct.choices("Question: What is 1 + 2?\nAnswer: ") is None
+
+
+def test_distractor_stays_a_digit():
+    from dstrain.data.choice_tasks import SLIPS, distractor
+    for value in range(10):
+        for slip in SLIPS:
+            d = distractor(value, slip)
+            assert 0 <= d <= 9 and abs(d - value) == abs(slip)
+    assert distractor(0, -1) == 1 and distractor(9, 2) == 7 and distractor(5, -2) == 3
+
+
+def _turn2_parts(prompt: str) -> tuple[str, str]:
+    """(previous attempt, hint) of a turn-2 prompt, read back from its sections."""
+    prev = prompt.split(f"{ep.PREVIOUS}\n")[1].split("\n\n")[0]
+    hint = prompt.split(f"{ep.HINT}\n")[1].split("\n\n")[0]
+    return prev, hint
+
+
+def test_warm_turn2_modes():
+    """verdict: turn 2 after a verdict teaches the reference (keep or flip); format: keep or switch to
+    the other offered answer, half and half, whatever the verdict; the fixed-hint examples teach the
+    reference in both."""
+    from dstrain.data.choice_tasks import choices, make_choice_tasks
+    tasks = make_choice_tasks(400, seed=3)
+    for mode in score_warm.TURN2_MODES:
+        ex = score_warm.policy_examples(tasks, 0, mode)
+        assert len(ex) == 3 * len(tasks)
+        assert all(e.reference == t.reference for e, t in zip(ex[2::3], tasks))
+        kept = {score_warm.CORRECT: 0, score_warm.WRONG: 0}
+        for e, t in zip(ex[1::3], tasks):
+            prev, hint = _turn2_parts(e.prompt)
+            assert hint == (score_warm.CORRECT if prev == t.reference else score_warm.WRONG)
+            assert e.reference.split("#### ")[1] in choices(t.prompt)
+            if mode == "verdict":
+                assert e.reference == t.reference
+            kept[hint] += e.reference == prev
+        seen = {h: sum(_turn2_parts(e.prompt)[1] == h for e in ex[1::3]) for h in kept}
+        assert all(150 < n < 250 for n in seen.values())
+        if mode == "verdict":  # keep after CORRECT, switch after WRONG
+            assert kept == {score_warm.CORRECT: seen[score_warm.CORRECT], score_warm.WRONG: 0}
+        else:  # keep about half the time after either verdict
+            assert all(0.35 < kept[h] / seen[h] < 0.65 for h in kept)
+    with pytest.raises(ValueError, match="turn2 must be one of verdict, format"):
+        score_warm.policy_examples(tasks, 0, "copy")
+    with pytest.raises(ValueError, match="task.warm_turn2 must be one of verdict, format"):
+        ScoreTaskConfig(source="choice", warm_turn2="copy")
