@@ -92,6 +92,10 @@ class TrainConfig:
     optimizer: str = "auto"
     """Optimizer implementation: auto | torch_fused | torch_foreach | deepspeed. auto: PyTorch's fused AdamW
     on CUDA, its foreach AdamW on CPU, DeepSpeed's CPU Adam under optimizer offload (see dstrain.engine.optim)."""
+    optimizer_type: str = "adamw"
+    """The update rule: adamw | adam_atan2 (dstrain.optim.adam_atan2: epsilon-free Adam with atan2, the HRM
+    reference's optimizer; train.eps is then unused). Applies where the DeepSpeed JSON has no optimizer block
+    or one that pins nothing (the shipped profiles); a block with numbers of its own keeps its type."""
     nonfinite: str = "stop"
     """What a NaN/Inf loss or gradient on any rank does (every rank agrees through one small all-reduce per
     optimizer step, of every trained model): stop (leave the step's update undone, save the last good state
@@ -398,6 +402,8 @@ def validate(cfg: RunConfig, source: str) -> None:
            f"must be auto, true or false, got {json.dumps(t.compile)}")
     _check(t.optimizer in ("auto", "torch_fused", "torch_foreach", "deepspeed"), source, "train.optimizer",
            f"must be auto, torch_fused, torch_foreach or deepspeed, got {t.optimizer!r}")
+    _check(t.optimizer_type in ("adamw", "adam_atan2"), source, "train.optimizer_type",
+           f"must be adamw or adam_atan2, got {t.optimizer_type!r}")
     _check(ds.mixed_precision in ("auto", "deepspeed", "autocast"), source, "deepspeed.mixed_precision",
            f"must be auto, deepspeed or autocast, got {ds.mixed_precision!r}")
     from dstrain.comms import COMM_DTYPES

@@ -255,7 +255,8 @@ def _fill_optimizer(cfg: dict, v: RunValues, problems: list[str]) -> None:
     if not isinstance(opt, dict):
         problems.append(f"optimizer: must be an object, file says {_fmt(opt)}")
         return
-    is_adam = str(opt.get("type", "")).lower() in _ADAM_TYPES
+    kind = str(opt.get("type", "")).lower()
+    is_adam = kind in _ADAM_TYPES
     params = opt.get("params")
     if params is None and is_adam:
         params = opt["params"] = {}
@@ -263,8 +264,9 @@ def _fill_optimizer(cfg: dict, v: RunValues, problems: list[str]) -> None:
         return
     run = {"lr": v.lr, "betas": [float(b) for b in v.betas], "eps": v.eps, "weight_decay": v.weight_decay}
     for key, value in run.items():
-        # lr always matters; the Adam family also silently defaults the others
-        _fill(params, key, value, f"optimizer.params.{key}", problems, fill_missing=is_adam or key == "lr")
+        # lr always matters; the Adam family also silently defaults the others (AdamATan2: all but eps)
+        missing = is_adam or key == "lr" or (kind == "adamatan2" and key != "eps")
+        _fill(params, key, value, f"optimizer.params.{key}", problems, fill_missing=missing)
 
 
 def _fill_scheduler(cfg: dict, v: RunValues, problems: list[str]) -> None:

@@ -19,7 +19,7 @@ from dstrain.comms import comms_sections
 from dstrain.engine import cuda_env
 from dstrain.engine import ds_config as dsc
 from dstrain.engine import hardware
-from dstrain.engine.optim import OptimizerChoice, choose_optimizer
+from dstrain.engine.optim import OptimizerChoice, apply_optimizer_type, choose_optimizer
 from dstrain.engine.zero_tuning import fill_zero_sizes
 from dstrain.engine.profiles import (Plan, choose_plan, choose_precision, format_plan)
 
@@ -113,14 +113,15 @@ def plan_engine(cfg: RunConfig, world_size: int, hw=None, hw_notes: str = "",
         profile = ds.profile
         ckpt = ds.activation_checkpointing is True
         why = f"profile {profile}: named in the run config (the factory would pick {plan.profile})"
-    template = dsc.load_ds_json(dsc.resolve_profile_path(profile))
+    template = apply_optimizer_type(dsc.load_ds_json(dsc.resolve_profile_path(profile)), cfg.train.optimizer_type)
     source = str(dsc.resolve_profile_path(profile))
     if pipe is not None:
         from dstrain.parallel.pipeline import check_profile
         check_profile(template, source)
     values = run_values(cfg, dims.dp, precision, stats.hidden_size)
     resolved = dsc.fill_ds_config(fill_zero_sizes(template, stats.params, stats.hidden_size), values, source)
-    optimizer, resolved = choose_optimizer(resolved, cfg.train.optimizer, hw.device_type, values)
+    optimizer, resolved = choose_optimizer(resolved, cfg.train.optimizer, hw.device_type, values,
+                                           cfg.train.optimizer_type)
     # The pipeline engine runs DeepSpeed's own bf16 (its BF16_Optimizer path), not torch.autocast.
     amp_mode = "deepspeed" if pipe is not None and ds.mixed_precision == "auto" else ds.mixed_precision
     resolved, amp_note = mixed_precision(resolved, template, amp_mode, hw.device_type)

@@ -1,0 +1,87 @@
+"""AdamATan2: Adam whose ``m / (sqrt(v) + eps)`` is replaced by ``atan2(m, sqrt(v))``.
+
+Everett et al. 2024 ("Scaling Exponents Across Parameterizations and Optimizers") drop
+Adam's epsilon by bounding the ratio with ``atan2``: near zero it is the ratio itself, it
+never exceeds pi/2 in size, and it is invariant to the scale of the gradients. The HRM
+reference trains with it (lr 7e-5 / 1e-4, weight decay 1.0, betas 0.9 / 0.95).
+
+Per element, at step ``t`` (the rule of the HRM reference's CUDA kernel)::
+
+    p <- p * (1 - lr * weight_decay)                   # decoupled weight decay, first
+    m <- m + (1 - beta1) * (g - m)
+    v <- v + (1 - beta2) * (g * g - v)
+    p <- p - lr / (1 - beta1**t) * atan2(m, sqrt(v) / sqrt(1 - beta2**t))
+
+The bias correction of the first moment scales the step, not the ``atan2`` argument.
+Moments live in the parameter's dtype (fp32 master weights under DeepSpeed's bf16/fp16
+and ZeRO; fp32 weights under autocast). The step count is a CPU scalar tensor per
+parameter, as in ``torch.optim.AdamW``, so reading it never syncs a GPU. Implemented
+with PyTorch's foreach ops (one kernel per op per group); ``atan2`` runs per tensor.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class AdamATan2(torch.optim.Optimizer):
+    """Epsilon-free Adam with ``atan2`` (see the module doc); a drop-in for ``torch.optim.AdamW``."""
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 weight_decay: float = 1e-2):
+        if not (isinstance(lr, (int, float)) and lr >= 0):
+            raise ValueError(f"AdamATan2: lr must be a non-negative number, got {lr!r}")
+        betas = tuple(betas)
+        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"AdamATan2: betas must be two numbers in [0, 1), got {betas!r}")
+        if not weight_decay >= 0:
+            raise ValueError(f"AdamATan2: weight_decay must be non-negative, got {weight_decay!r}")
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
+
+    def _init_state(self, p: torch.Tensor) -> dict:
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params, grads, avgs, sqs, steps = [], [], [], [], []
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("AdamATan2 does not take sparse gradients")
+                state = self._init_state(p)
+                params.append(p)
+                grads.append(p.grad)
+                avgs.append(state["exp_avg"])
+                sqs.append(state["exp_avg_sq"])
+                steps.append(state["step"])
+            if params:
+                self._update(group, params, grads, avgs, sqs, steps)
+        return loss
+
+    @staticmethod
+    def _update(group, params, grads, avgs, sqs, steps) -> None:
+        lr, wd = group["lr"], group["weight_decay"]
+        beta1, beta2 = group["betas"]
+        torch._foreach_add_(steps, 1.0)
+        if wd != 0:
+            torch._foreach_mul_(params, 1.0 - lr * wd)
+        torch._foreach_lerp_(avgs, grads, 1.0 - beta1)
+        torch._foreach_lerp_(sqs, torch._foreach_mul(grads, grads), 1.0 - beta2)
+        denoms = torch._foreach_sqrt(sqs)
+        for p, m, d, t in zip(params, avgs, denoms, steps):
+            n = float(t)  # a CPU tensor: no device sync
+            d.div_(math.sqrt(1.0 - beta2 ** n))
+            torch.atan2(m, d, out=d)
+            p.add_(d, alpha=-lr / (1.0 - beta1 ** n))
