@@ -50,6 +50,50 @@ def evaluate(model, tok, rl, tasks, max_new_tokens: int = 10) -> dict[str, float
     return out
 
 
+def train(rl, mcfg, tok, examples, args, report):
+    """Plain AdamW on ``examples``' references (as the trainer's warm start); ``report(model, step, s)``
+    every ``args.eval_every`` steps and at the end, outside the training time."""
+    from dstrain.trainers import policy_rl as prl
+    torch.manual_seed(0)
+    model = rl.build(mcfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    rng = random.Random(args.seed + 17)
+    train_s, losses = 0.0, []
+    for step in range(1, args.steps + 1):
+        start = time.perf_counter()
+        model.train()
+        batch = [examples[rng.randrange(len(examples))] for _ in range(args.batch)]
+        x, y = prl.supervised_batch(tok, [t.prompt for t in batch], [prl.completion_target(t) for t in batch])
+        loss = model(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        train_s += time.perf_counter() - start
+        if step % max(1, args.steps // 10) == 0:
+            print(f"step {step}: loss {sum(losses) / len(losses):.3f} ({train_s:.0f} s)", flush=True)
+            losses = []
+        if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
+            report(model, step, train_s)
+    return model
+
+
+def verdict_accuracy(policy, guidance, tok, rl, tasks) -> dict[str, float]:
+    """How often the guidance model's greedy hint on the policy's greedy turn 1 is the true verdict."""
+    from dstrain.rl import episode as ep
+    from dstrain.trainers import score_warm as sw
+    t1 = [c.text for c in rl.generate(policy, tok, [ep.turn1_prompt(t.prompt) for t in tasks], greedy=True,
+                                      max_new_tokens=10, stop=("\n",))]
+    prompts = [ep.hint_prompt(t.prompt, a, sw.answer_key(t)) for t, a in zip(tasks, t1)]
+    hints = [c.text.strip() for c in rl.generate(guidance, tok, prompts, greedy=True, max_new_tokens=10,
+                                                 stop=sw.HINT_STOP)]
+    truth = [sw.verdict(t, a) for t, a in zip(tasks, t1)]
+    return {"verdict_right": sum(h == v for h, v in zip(hints, truth)) / len(tasks),
+            "says_wrong_when_right": sum(h != sw.CORRECT and v == sw.CORRECT for h, v in zip(hints, truth)) / len(tasks),
+            "says_right_when_wrong": sum(h == sw.CORRECT and v != sw.CORRECT for h, v in zip(hints, truth)) / len(tasks)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size", default="tiny")
@@ -61,6 +105,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--eval-every", type=int, default=0, help="also evaluate every k steps (0: at the end)")
     ap.add_argument("--turn2", default="verdict", help="warm-start mode after a verdict hint (task.warm_turn2)")
+    ap.add_argument("--guidance-steps", type=int, default=0,
+                    help="also warm-start a guidance model (shown the key) and score its verdicts")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
 
@@ -72,35 +118,24 @@ def main(argv=None) -> int:
     mcfg = registry.make_model_config("policy", args.size, {})
     rl = spec.rl
     tasks = make_choice_tasks(args.n_train + args.n_eval, args.seed)
-    train, held = tasks[:args.n_train], tasks[args.n_train:]
-    examples = sw.policy_examples(train, args.seed, args.turn2)
-    torch.manual_seed(0)
-    model = rl.build(mcfg)
+    train_tasks, held = tasks[:args.n_train], tasks[args.n_train:]
+    examples = sw.policy_examples(train_tasks, args.seed, args.turn2)
     tok = rl.load_tokenizer(mcfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    rng = random.Random(args.seed + 17)
-    start, losses, curve = time.perf_counter(), [], []
-    for step in range(1, args.steps + 1):
-        model.train()
-        batch = [examples[rng.randrange(len(examples))] for _ in range(args.batch)]
-        x, y = prl.supervised_batch(tok, [t.prompt for t in batch], [prl.completion_target(t) for t in batch])
-        loss = model(x, y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        losses.append(loss.item())
-        if step % max(1, args.steps // 10) == 0:
-            print(f"step {step}: loss {sum(losses) / len(losses):.3f} ({time.perf_counter() - start:.0f} s)",
-                  flush=True)
-            losses = []
-        if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
-            train_s = time.perf_counter() - start
-            figures = {"step": step, "train_s": round(train_s, 1), **evaluate(model, tok, rl, held)}
-            curve.append(figures)
-            print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in figures.items()}),
-                  flush=True)
-            start += time.perf_counter() - start - train_s  # evaluation time is not training time
+    curve = []
+
+    def report(model, step, train_s):
+        figures = {"step": step, "train_s": round(train_s, 1), **evaluate(model, tok, rl, held)}
+        curve.append(figures)
+        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in figures.items()}), flush=True)
+
+    policy = train(rl, mcfg, tok, examples, args, report)
+    if args.guidance_steps:
+        gex = sw.guidance_examples(train_tasks, args.seed, key=True)
+        gargs = argparse.Namespace(**{**vars(args), "steps": args.guidance_steps, "eval_every": 0})
+        guidance = train(rl, mcfg, tok, gex, gargs, lambda m, step, s: None)
+        figures = {"guidance_steps": args.guidance_steps, **verdict_accuracy(policy, guidance, tok, rl, held)}
+        curve.append(figures)
+        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in figures.items()}), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"command": " ".join(["python", *sys.argv]), "load": list(os.getloadavg()),

@@ -1,7 +1,7 @@
 """SCoRe's self-correction check: the recipe, the same run without the guidance model, and stage II only.
 
-    python benchmarks/score_selfcorrect.py                     # runs the three (in parallel), then reports
-    python benchmarks/score_selfcorrect.py --sequential        # one after the other (timings undisturbed)
+    python benchmarks/score_selfcorrect.py                     # runs the three (two at a time), then reports
+    python benchmarks/score_selfcorrect.py --parallel 1        # one after the other (timings undisturbed)
     python benchmarks/score_selfcorrect.py --report-only       # only read the three run folders
     python benchmarks/score_selfcorrect.py --extra=--train.steps=60 --out runs/sc_short
 
@@ -54,41 +54,54 @@ from the same weights (the policy's warm start teaches turn 2 both with verdict 
 fixed hint of runs without guidance)."""
 
 
-def share_warm_start(out: Path, name: str, poll_s: float = 10.0) -> None:
+def share_warm_start(out: Path, name: str, poll_s: float = 10.0, check=lambda: None) -> None:
     """Wait for the score run's warm starts that ``name`` needs, then copy them into its folder (the
-    trainer reuses a finished warm start it finds there)."""
+    trainer reuses a finished warm start it finds there); ``check()`` runs at every poll (it raises
+    when a run failed)."""
     done = [out / "score" / w / "WARM_START_COMPLETE" for w in WARM_STARTS[name]]
     while not all(d.is_file() for d in done):
+        check()
         time.sleep(poll_s)
     for w in WARM_STARTS[name]:
         shutil.copytree(out / "score" / w, out / name / w, dirs_exist_ok=True)
 
 
-def launch(names: list[str], out: Path, extra: list[str], sequential: bool) -> dict[str, dict]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
+def launch(names: list[str], out: Path, extra: list[str], parallel: int) -> dict[str, dict]:
+    """Start the runs, at most ``parallel`` at a time (score first: the others wait for its warm
+    starts); each process gets ``OMP_NUM_THREADS = cpus // parallel`` unless the caller set it."""
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // parallel))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
+           "OMP_NUM_THREADS": threads}
     out.mkdir(parents=True, exist_ok=True)
     info, procs = {}, {}
-    names = sorted(names, key=list(RUNS).index)  # score first: the others wait for its warm starts
+    names = sorted(names, key=list(RUNS).index)
     for name in names:
+        while len(procs) >= parallel:
+            _reap(procs, info)
         shared = name in WARM_STARTS and "score" in names
         if shared:
             print(f"{name}: waiting for the score run's warm start, to start from the same weights", flush=True)
-            share_warm_start(out, name)
+            share_warm_start(out, name, check=lambda: _reap(procs, info))
+        while len(procs) >= parallel:  # a slot may have been taken while waiting
+            _reap(procs, info)
         cmd = command(name, out, extra)
         print("$", " ".join(cmd[1:]), flush=True)
-        info[name] = {"command": " ".join(["python", *cmd[1:]]), "load_at_start": load()}
+        info[name] = {"command": " ".join(["python", *cmd[1:]]), "load_at_start": load(),
+                      "omp_num_threads": int(threads), "runs_at_once": parallel}
         if shared:
             info[name]["warm_start_copied_from"] = "score"
         log = open(out / f"{name}.log", "w")
         start = time.perf_counter()
         procs[name] = (subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), start, log)
-        if sequential:
-            _wait(name, procs.pop(name), info)
     while procs:  # each run's end is taken when it ends, not when the one before it does
-        for name in [n for n, (p, _, _) in procs.items() if p.poll() is not None]:
-            _wait(name, procs.pop(name), info)
-        time.sleep(2)
+        _reap(procs, info)
     return info
+
+
+def _reap(procs: dict, info: dict) -> None:
+    for name in [n for n, (p, _, _) in procs.items() if p.poll() is not None]:
+        _wait(name, procs.pop(name), info)
+    time.sleep(2)
 
 
 def _wait(name: str, proc, info: dict) -> None:
@@ -159,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="runs/score_selfcorrect", help="folder of the three runs")
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {', '.join(RUNS)}")
-    ap.add_argument("--sequential", action="store_true", help="one run at a time (default: all at once)")
+    ap.add_argument("--parallel", type=int, default=2, help="runs at once (1: one after the other)")
     ap.add_argument("--report-only", action="store_true", help="read existing run folders, start nothing")
     ap.add_argument("--extra", action="append", default=[], help="override passed to every run (repeatable)")
     ap.add_argument("--name", default="", help="suffix of the result files")
@@ -169,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown runs {unknown}; choose from {', '.join(RUNS)}")
     out = Path(args.out)
-    info = {} if args.report_only else launch(names, out, args.extra, args.sequential)
+    info = {} if args.report_only else launch(names, out, args.extra, args.parallel)
     device = "cpu"
     result = {"recipe": RECIPE, "device": device, "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                                                                "processor": platform.processor() or platform.machine()},

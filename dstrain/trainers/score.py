@@ -128,7 +128,8 @@ class ScoreTrainer(RLLoop):
                                 self.world, self.out, log=lambda m: self._print(f"policy {m}"))
         if task.guidance == "none":
             return policy, None
-        guidance = prl.warm_start(cfg, task, score_warm.guidance_examples(self.train_tasks, seed, task.guidance_key),
+        gtask = dataclasses.replace(task, warm_start_steps=math.ceil(task.guidance_warm_start * task.warm_start_steps))
+        guidance = prl.warm_start(cfg, gtask, score_warm.guidance_examples(self.train_tasks, seed, task.guidance_key),
                                   self.world, self.out / "guidance", log=lambda m: self._print(f"guidance {m}"))
         return policy, guidance
 

@@ -22,6 +22,8 @@ from dstrain.rl import episode
 
 CORRECT = "Correct."
 WRONG = "Wrong."
+"""(A same-length pair, "Right." / "Wrong.", was learnt slower by the tiny policy: 11% of wrong first answers
+fixed after 900 warm-start steps, against 47% with these two, in one run each.)"""
 TOO_HIGH = "Too high."
 TOO_LOW = "Too low."
 NO_HINT = "Check the previous attempt."
