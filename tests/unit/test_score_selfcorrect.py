@@ -249,3 +249,58 @@ def test_warm_turn2_modes():
         score_warm.policy_examples(tasks, 0, "copy")
     with pytest.raises(ValueError, match="task.warm_turn2 must be one of verdict, format"):
         ScoreTaskConfig(source="choice", warm_turn2="copy")
+
+
+def test_guidance_warm_start_is_a_fraction_of_the_policys(monkeypatch, tmp_path):
+    """The trainer warm-starts the guidance model for ceil(guidance_warm_start x warm_start_steps) steps,
+    on its own examples (hint prompts, verdict targets), and the policy for warm_start_steps."""
+    from types import SimpleNamespace
+
+    from dstrain.data.choice_tasks import make_choice_tasks
+    from dstrain.trainers import score as score_mod
+    calls = []
+    monkeypatch.setattr(score_mod.prl, "warm_start",
+                        lambda cfg, task, examples, world, out, log: calls.append((task.warm_start_steps, examples, out))
+                        or str(out))
+    tasks = make_choice_tasks(20, seed=2)
+    fake = SimpleNamespace(task=ScoreTaskConfig(source="choice", warm_start_steps=7, guidance_warm_start=0.3,
+                                                guidance_key=True),
+                           train_tasks=tasks, world=None, out=tmp_path, _print=print)
+    cfg = SimpleNamespace(data=SimpleNamespace(seed=2))
+    policy, guidance = score_mod.ScoreTrainer._warm_start(fake, cfg)
+    (p_steps, p_ex, p_out), (g_steps, g_ex, g_out) = calls
+    assert (p_steps, g_steps) == (7, 3) and g_out == tmp_path / "guidance" and policy == str(tmp_path)
+    assert len(p_ex) == 3 * len(tasks) and {g.reference for g in g_ex} <= {score_warm.CORRECT, score_warm.WRONG}
+    assert all(f"{ep.KEY}\n" in g.prompt for g in g_ex)
+    calls.clear()
+    fake.task = ScoreTaskConfig(source="choice", warm_start_steps=7, guidance="none")
+    assert score_mod.ScoreTrainer._warm_start(fake, cfg)[1] is None and len(calls) == 1
+
+
+@pytest.mark.parametrize("override, message", [
+    ("--task.guidance_warm_start=0", "task.guidance_warm_start must be within"),
+    ("--task.guidance_warm_start=1.5", "task.guidance_warm_start must be within"),
+    ("--task.warm_turn2=copy", "task.warm_turn2 must be one of verdict, format"),
+])
+def test_selfcorrect_recipe_refuses_bad_warm_start_settings(override, message):
+    from pathlib import Path
+
+    from dstrain.config import ConfigError, load_run_config
+    recipe = Path(__file__).resolve().parents[2] / "models" / "policy" / "recipes" / "score_selfcorrect_cpu.json"
+    with pytest.raises(ConfigError, match=message):
+        load_run_config(recipe, [override])
+
+
+def test_diagnostic_counts_offered_answers():
+    import importlib.util
+    from pathlib import Path
+
+    from dstrain.data.choice_tasks import make_choice_tasks
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "score_diagnose.py"
+    spec = importlib.util.spec_from_file_location("score_diagnose", path)
+    diag = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(diag)
+    tasks = make_choice_tasks(4, seed=0)
+    offered = [tuple(t.prompt.split(": ")[1].rstrip("?").split(" or ")) for t in tasks]
+    texts = [f"#### {offered[0][0]}", f"#### {offered[1][1]}", "#### 12", "no answer"]
+    assert diag.offered_fraction(tasks, texts) == 0.5
