@@ -167,6 +167,7 @@ def build_profiles(jobs: list[dict], tokens_per_step: int, world: int, flops_per
                         or job["zero"].get("offload_param", False))
         out[job["profile"]] = {"stage": job["zero"]["stage"], "zero": job["zero"], "order": job["order"],
                                "ds_optimizer": job.get("optimizer"), "plain_optimizer": plain.get("optimizer"),
+                               "nonfinite_check": job.get("nonfinite"),
                                **compare(d["step_time_s"]["median"], b["step_time_s"]["median"], goal),
                                "min_ratio": d["step_time_s"]["min"] / b["step_time_s"]["min"],
                                "cpu_time_ratio": d["cpu_time_s"]["median"] / b["cpu_time_s"]["median"],

@@ -139,6 +139,9 @@ def run_worker(opts: BenchOptions) -> int:
                                          world.world_size, compiled=opts.mode == "plain_compiled")
     else:
         engine = create_engine(lambda: spec.build(mcfg), spec.parallelize, plan, t)
+        if t.nonfinite != "off":  # what `dstrain train` runs: the gradient watch and its per-step check
+            from dstrain.resilience import NonFiniteGuard
+            engine.watch(NonFiniteGuard(t.nonfinite, t.max_consecutive_skips, world.rank, world.world_size))
         step, optimizer = _dstrain_step_fn(engine)
     runtime.seed_everything(t.seed + 7919 * (world.rank + 1))
 
@@ -179,6 +182,7 @@ def run_worker(opts: BenchOptions) -> int:
         values = stats.tolist()
         job = {"mode": opts.mode, "profile": opts.profile, "zero": plan.zero, "precision": plan.precision,
                "activation_checkpointing": plan.activation_checkpointing, "optimizer": optimizer,
+               "nonfinite": t.nonfinite if opts.mode == "dstrain" else None,
                "step_times_s": values[:opts.steps], "cpu_times_s": values[opts.steps:-2],
                "peak_memory_bytes": int(values[-2]), "estimated_memory_bytes": _estimate(plan, opts.profile),
                "compiled": plan.compile if opts.mode == "dstrain" else opts.mode == "plain_compiled",

@@ -35,6 +35,7 @@ def test_bench_zero1_two_ranks(tmp_path):
     assert result["batch"] == {"seq_len": 64, "micro_batch": 2, "grad_accum": 1, "tokens_per_step_global": 256}
     z1 = result["profiles"]["zero1"]
     assert z1["stage"] == 1 and z1["goal"] == 1.05 and isinstance(z1["goal_met"], bool)
+    assert z1["nonfinite_check"] == "stop"  # the engine is timed with the check `dstrain train` attaches
     for side in ("plain", "dstrain"):
         assert len(z1[side]["step_times_s"]) == 3
         assert 0 < z1[side]["mfu"] < 1
