@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Every GPU measurement the README and benchmarks/README quote, in parts that each fit ten minutes
+# of one GPU machine. Run from the repository root with the project importable (installed, or on
+# PYTHONPATH); results and one log per part go to OUT (default benchmarks/results/gpu_session).
+#
+#   bash benchmarks/gpu_session.sh tests      [OUT]   # tests/gpu, then tests/unit with CUDA visible
+#   bash benchmarks/gpu_session.sh engine     [OUT]   # GPT large: plain eager / compiled / zero0..3
+#   bash benchmarks/gpu_session.sh attention  [OUT]   # dilated vs dense 8k..1M; dilated LM at 32k and 1M
+#   bash benchmarks/gpu_session.sh hrm        [OUT]   # HRM sudoku size at batch 384, eager and compiled
+#   bash benchmarks/gpu_session.sh all        [OUT]   # the four, one after the other (about 35 min)
+#
+# A failing step is logged and the part goes on with the next one; the exit status is the number
+# of steps that failed. The JSON files name the device, the versions and the command themselves.
+set -u
+part=${1:?usage: gpu_session.sh tests|engine|attention|hrm|all [OUT]}
+case $part in tests|engine|attention|hrm|all) ;; *) echo "unknown part $part (tests, engine, attention, hrm or all)" >&2; exit 2 ;; esac
+out=${2:-benchmarks/results/gpu_session}
+mkdir -p "$out"
+failed=0
+
+step() {  # step NAME SECONDS COMMAND...: run with a time limit, append to the part's log
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name: $*" | tee -a "$log"
+    local t0=$SECONDS
+    if timeout "$limit" "$@" >>"$log" 2>&1; then
+        echo "== $name: ok in $((SECONDS - t0)) s" | tee -a "$log"
+    else
+        echo "== $name: FAILED (exit $?) after $((SECONDS - t0)) s" | tee -a "$log"
+        failed=$((failed + 1))
+    fi
+}
+
+run_part() {
+    log="$out/$1.log"
+    : >"$log"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >>"$log" 2>&1
+    python -c "import torch, deepspeed; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__)" >>"$log" 2>&1
+    case $1 in
+    tests)
+        step gpu-tests 420 python -m pytest -q -p no:cacheprovider tests/gpu
+        step unit-tests-cuda-visible 540 python -m pytest -q -p no:cacheprovider -x tests/unit
+        ;;
+    engine)
+        step gpt-large 560 python benchmarks/throughput.py models/gpt/recipes/tiny.json --model.size=large \
+            --data.seq_len=1024 --train.micro_batch=16 --nproc 1 --steps 10 --warmup 3 \
+            --profiles zero0,zero1,zero2,zero3 --plain once --out "$out/throughput_gpu_gpt_large.json" --plot
+        ;;
+    attention)
+        step attention 300 python benchmarks/attention.py --device cuda \
+            --lengths 8192,32768,131072,262144,524288,1048576 --repeats 5 --slope-from 32768 \
+            --out "$out/attention_gpu.json"
+        step dilated-lm-32k 240 python benchmarks/throughput.py models/dilated_lm/recipes/small_32k.json \
+            --profiles zero0 --plain once --compiled-baseline off --nproc 1 --steps 6 --warmup 2 \
+            --train.grad_accum=1 --out "$out/throughput_gpu_dilated_small_32k.json"
+        step dilated-lm-1m 300 python -m dstrain.cli train models/dilated_lm/recipes/small_1m.json \
+            --train.steps=6 --train.log_every=1 --train.eval_every=0 --checkpoint.every=0 \
+            --output.progress=false --output.dir="${TMPDIR:-/tmp}/dstrain_gpu_small_1m"
+        ;;
+    hrm)
+        step hrm-eager 240 python benchmarks/hrm_speed.py --sizes sudoku --batch 384 --precision bf16 \
+            --device cuda --out "$out/hrm_speed_gpu_sudoku.json"
+        step hrm-compiled 300 python benchmarks/hrm_speed.py --sizes sudoku --batch 384 --precision bf16 \
+            --device cuda --compile --out "$out/hrm_speed_gpu_sudoku_compile.json"
+        ;;
+    esac
+}
+
+if [ "$part" = all ]; then
+    for p in tests engine attention hrm; do run_part "$p"; done
+else
+    run_part "$part"
+fi
+exit "$failed"
