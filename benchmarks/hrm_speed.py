@@ -2,14 +2,16 @@
 
     python benchmarks/hrm_speed.py [--sizes debug,sudoku] [--batch 16] [--steps 10] [--warmup 2] \
         [--device auto] [--precision fp32|bf16] [--compile] [--sync-every-step] \
-        [--recipe models/hrm/recipes/sudoku_extreme.json] [--out benchmarks/results/hrm_speed_cpu.json]
+        [--recipe models/hrm/recipes/sudoku_extreme.json] [--out benchmarks/results/hrm_speed_cpu.json] \
+        [--grid 6 --model-args '{"seq_len": 36, "vocab_size": 8, "halt_rule": "solved"}']
 
 One process, no DeepSpeed: the loop the HRM trainer runs on one rank, written out so
 each speed change can be switched on and off. A step is one ACT segment for ``batch``
 rows: halted rows take new puzzles (selected on the device with ``torch.where``: the
-carry, the halting mask and the batch keep their shapes), the model's forward with the
-Q-target segment, backward, AdamW, and the sparse sign-SGD update of the shared puzzle
-embedding. Puzzles are generated beforehand and held on the device.
+carry, the halting mask and the batch keep their shapes), the model's forward (with the
+Q-target segment under the reference ``halt_rule`` and ACT on), backward, AdamW, and the
+sparse sign-SGD update of the shared puzzle embedding.
+Puzzles are generated beforehand and held on the device.
 
 Options that change the loop: ``--compile`` (``torch.compile(model, dynamic=False)``, as
 ``train.compile`` does inside the engine), ``--precision bf16`` (autocast, as the
@@ -42,14 +44,14 @@ from dstrain.optim.sparse_sign_sgd import SparseEmbedding, SparseSignSGD  # noqa
 from models import registry  # noqa: E402
 
 
-def make_pool(rows: int, blanks: int, seed: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    puzzles, solutions = sudoku.generate_many(rows, blanks, seed)
+def make_pool(rows: int, blanks: int, seed: int, device, grid: int = 9) -> tuple[torch.Tensor, torch.Tensor]:
+    puzzles, solutions = sudoku.generate_many(rows, blanks, seed, size=grid)
     inputs, labels = sudoku.encode(puzzles, solutions)
     return torch.from_numpy(inputs).to(device), torch.from_numpy(labels).to(device)
 
 
 def time_size(size: str, args, device: torch.device) -> dict:
-    cfg = registry.make_model_config("hrm", size)
+    cfg = registry.make_model_config("hrm", size, args.model_args)
     torch.manual_seed(0)
     model = registry.get_spec("hrm").build(cfg).to(device).train()
     dense = sum(p.numel() for p in model.parameters())
@@ -59,7 +61,7 @@ def time_size(size: str, args, device: torch.device) -> dict:
     table = SparseEmbedding(1, cfg.puzzle_emb_len * cfg.hidden_size, device=device)
     sparse = SparseSignSGD(table, lr=1e-2, weight_decay=0.1, equal_counts=True)
     b, total = args.batch, args.warmup + args.steps
-    pool_x, pool_y = make_pool(b * (total + 1), args.blanks, 0, device)
+    pool_x, pool_y = make_pool(b * (total + 1), args.blanks, 0, device, args.grid)
     ids = torch.zeros(b, dtype=torch.long, device=device)
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if args.precision == "bf16" else nullcontext())
     carry = None
@@ -132,8 +134,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--sync-every-step", action="store_true")
     parser.add_argument("--recipe", default=str(ROOT / "models" / "hrm" / "recipes" / "sudoku_extreme.json"))
+    parser.add_argument("--grid", type=int, default=9, choices=(4, 6, 9), help="side of the generated puzzles")
+    parser.add_argument("--model-args", default="{}",
+                        help="JSON object of HRM config overrides, e.g. seq_len/vocab_size for --grid, act, halt_rule")
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
+    try:
+        args.model_args = json.loads(args.model_args)
+    except json.JSONDecodeError as e:
+        parser.error(f"--model-args must be a JSON object: {e}")
+    if not isinstance(args.model_args, dict):
+        parser.error("--model-args must be a JSON object")
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be at least 1 and --warmup not negative")
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
