@@ -50,12 +50,15 @@ def evaluate(model, tok, rl, tasks, max_new_tokens: int = 10) -> dict[str, float
     return out
 
 
-def train(rl, mcfg, tok, examples, args, report):
-    """Plain AdamW on ``examples``' references (as the trainer's warm start); ``report(model, step, s)``
-    every ``args.eval_every`` steps and at the end, outside the training time."""
+def train(rl, mcfg, tok, examples, args, report, init=None):
+    """Plain AdamW on ``examples``' references (as the trainer's warm start), from ``init``'s weights
+    when given; ``report(model, step, s)`` every ``args.eval_every`` steps and at the end, outside the
+    training time."""
+    import copy
+
     from dstrain.trainers import policy_rl as prl
     torch.manual_seed(0)
-    model = rl.build(mcfg)
+    model = rl.build(mcfg) if init is None else copy.deepcopy(init)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     rng = random.Random(args.seed + 17)
     train_s, losses = 0.0, []
@@ -107,6 +110,10 @@ def main(argv=None) -> int:
     ap.add_argument("--turn2", default="verdict", help="warm-start mode after a verdict hint (task.warm_turn2)")
     ap.add_argument("--guidance-steps", type=int, default=0,
                     help="also warm-start a guidance model (shown the key) and score its verdicts")
+    ap.add_argument("--guidance-lr", type=float, default=0.0, help="(0: --lr)")
+    ap.add_argument("--guidance-from-policy", action="store_true",
+                    help="start the guidance model's warm start from the policy's weights")
+    ap.add_argument("--policy", default="", help="load this warm-started policy instead of training one")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
 
@@ -128,14 +135,23 @@ def main(argv=None) -> int:
         curve.append(figures)
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in figures.items()}), flush=True)
 
-    policy = train(rl, mcfg, tok, examples, args, report)
-    if args.guidance_steps:
-        gex = sw.guidance_examples(train_tasks, args.seed, key=True)
-        gargs = argparse.Namespace(**{**vars(args), "steps": args.guidance_steps, "eval_every": 0})
-        guidance = train(rl, mcfg, tok, gex, gargs, lambda m, step, s: None)
-        figures = {"guidance_steps": args.guidance_steps, **verdict_accuracy(policy, guidance, tok, rl, held)}
+    if args.policy:  # a warm-started policy from a run folder (``<output.dir>/warm_start``)
+        policy = rl.build(registry.make_model_config("policy", args.size, {"path": args.policy}))
+        report(policy, 0, 0.0)
+    else:
+        policy = train(rl, mcfg, tok, examples, args, report)
+
+    def report_guidance(guidance, step, train_s):
+        figures = {"guidance_step": step, "train_s": round(train_s, 1),
+                   **verdict_accuracy(policy, guidance, tok, rl, held)}
         curve.append(figures)
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in figures.items()}), flush=True)
+
+    if args.guidance_steps:
+        gex = sw.guidance_examples(train_tasks, args.seed, key=True)
+        gargs = argparse.Namespace(**{**vars(args), "steps": args.guidance_steps,
+                                      "lr": args.guidance_lr or args.lr})
+        train(rl, mcfg, tok, gex, gargs, report_guidance, init=policy if args.guidance_from_policy else None)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"command": " ".join(["python", *sys.argv]), "load": list(os.getloadavg()),

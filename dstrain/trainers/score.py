@@ -128,8 +128,10 @@ class ScoreTrainer(RLLoop):
                                 self.world, self.out, log=lambda m: self._print(f"policy {m}"))
         if task.guidance == "none":
             return policy, None
-        gtask = dataclasses.replace(task, warm_start_steps=math.ceil(task.guidance_warm_start * task.warm_start_steps))
-        guidance = prl.warm_start(cfg, gtask, score_warm.guidance_examples(self.train_tasks, seed, task.guidance_key),
+        gtask = dataclasses.replace(task, warm_start_steps=math.ceil(task.guidance_warm_start * task.warm_start_steps),
+                                    warm_start_lr=task.guidance_warm_start_lr or task.warm_start_lr)
+        gcfg = prl.with_model_path(cfg, policy) if task.guidance_from_policy else cfg
+        guidance = prl.warm_start(gcfg, gtask, score_warm.guidance_examples(self.train_tasks, seed, task.guidance_key),
                                   self.world, self.out / "guidance", log=lambda m: self._print(f"guidance {m}"))
         return policy, guidance
 

@@ -75,8 +75,14 @@ class ScoreTaskConfig(PolicyTaskConfig):
     answer anyway counts as a leak: its guidance reward is -1 and ``hint_leak`` logs the rate."""
     hint_max_new_tokens: int = 32
     guidance_warm_start: float = 1.0
-    """The guidance model's supervised warm start, as a fraction of the policy's ``warm_start_steps``
-    (rounded up; writing a verdict is learnt faster than answering after one)."""
+    """Steps of the guidance model's supervised warm start, as a multiple of the policy's
+    ``warm_start_steps`` (rounded up)."""
+    guidance_warm_start_lr: float = 0.0
+    """Learning rate of the guidance model's warm start (0: ``warm_start_lr``)."""
+    guidance_from_policy: bool = False
+    """Start the guidance model's warm start from the policy's warm-started weights instead of a fresh
+    initialisation: a model that already reads the previous attempt and the offered answers learns to
+    judge them much faster than one that must first learn to read."""
     warm_turn2: str = "verdict"
     """What the policy's warm start teaches on turn-2 prompts with a verdict hint: verdict (the
     reference: keep a right first answer, fix a wrong one) | format (keep the previous attempt
@@ -103,8 +109,10 @@ class ScoreTaskConfig(PolicyTaskConfig):
             raise ValueError(f"task.warm_turn2 must be one of {', '.join(TURN2_MODES)}, got {self.warm_turn2!r}")
         if self.advantage not in ADVANTAGES:
             raise ValueError(f"task.advantage must be one of {', '.join(ADVANTAGES)}, got {self.advantage!r}")
-        if not 0.0 < self.guidance_warm_start <= 1.0:
-            raise ValueError(f"task.guidance_warm_start must be within (0, 1], got {self.guidance_warm_start}")
+        if self.guidance_warm_start_lr < 0:
+            raise ValueError(f"task.guidance_warm_start_lr must not be negative, got {self.guidance_warm_start_lr}")
+        if not self.guidance_warm_start > 0:
+            raise ValueError(f"task.guidance_warm_start must be positive, got {self.guidance_warm_start}")
         for name in ("stage_one_steps", "alpha", "beta1", "beta2"):
             if getattr(self, name) < 0:
                 raise ValueError(f"task.{name} must not be negative, got {getattr(self, name)}")

@@ -33,8 +33,17 @@ MATHS_SHIFTS = (-20, -10, -2, -1, 1, 2, 10, 20)
 
 
 def answer_key(task) -> str:
-    """What the verifier checks against, as the guidance model is shown it with ``task.guidance_key``."""
-    return task.answer if task.kind == "maths" else "\n".join(task.tests)
+    """What the verifier checks against, as the guidance model is shown it with ``task.guidance_key``:
+    the tests of a code task; the final answer of a maths task, and for a two-choice task the marking
+    scheme, one line per offered answer written as a turn writes it, with its verdict
+    (``"#### 6 Wrong.\n#### 7 Correct."``): judging an attempt is then finding its line."""
+    if task.kind != "maths":
+        return "\n".join(task.tests)
+    from dstrain.data.choice_tasks import choices
+    offered = choices(task.prompt)
+    if not offered or task.answer not in offered:
+        return task.answer
+    return "\n".join(f"#### {x} {CORRECT if x == task.answer else WRONG}" for x in offered)
 
 
 def leaks_answer(task, hint: str) -> bool:

@@ -251,36 +251,52 @@ def test_warm_turn2_modes():
         ScoreTaskConfig(source="choice", warm_turn2="copy")
 
 
-def test_guidance_warm_start_is_a_fraction_of_the_policys(monkeypatch, tmp_path):
+def test_guidance_warm_start_is_a_multiple_of_the_policys(monkeypatch, tmp_path):
     """The trainer warm-starts the guidance model for ceil(guidance_warm_start x warm_start_steps) steps,
-    on its own examples (hint prompts, verdict targets), and the policy for warm_start_steps."""
+    on its own examples (hint prompts, verdict targets), from the policy's warm start with
+    guidance_from_policy (else from the run's model), and the policy for warm_start_steps."""
+    from pathlib import Path
     from types import SimpleNamespace
 
+    from dstrain.config import load_run_config
     from dstrain.data.choice_tasks import make_choice_tasks
     from dstrain.trainers import score as score_mod
     calls = []
     monkeypatch.setattr(score_mod.prl, "warm_start",
-                        lambda cfg, task, examples, world, out, log: calls.append((task.warm_start_steps, examples, out))
-                        or str(out))
+                        lambda cfg, task, examples, world, out, log: calls.append(
+                            (cfg.model.args.get("path"), task.warm_start_steps, examples, out)) or str(out))
+    lrs = []
+    monkeypatch.setattr(score_mod.prl, "warm_start", lambda cfg, task, *a, _inner=score_mod.prl.warm_start, **k:
+                        lrs.append(task.warm_start_lr) or _inner(cfg, task, *a, **k))
     tasks = make_choice_tasks(20, seed=2)
-    fake = SimpleNamespace(task=ScoreTaskConfig(source="choice", warm_start_steps=7, guidance_warm_start=0.3,
-                                                guidance_key=True),
-                           train_tasks=tasks, world=None, out=tmp_path, _print=print)
-    cfg = SimpleNamespace(data=SimpleNamespace(seed=2))
-    policy, guidance = score_mod.ScoreTrainer._warm_start(fake, cfg)
-    (p_steps, p_ex, p_out), (g_steps, g_ex, g_out) = calls
-    assert (p_steps, g_steps) == (7, 3) and g_out == tmp_path / "guidance" and policy == str(tmp_path)
-    assert len(p_ex) == 3 * len(tasks) and {g.reference for g in g_ex} <= {score_warm.CORRECT, score_warm.WRONG}
-    assert all(f"{ep.KEY}\n" in g.prompt for g in g_ex)
+    cfg = load_run_config(Path(__file__).resolve().parents[2] / "models/policy/recipes/score_selfcorrect_cpu.json")
+    for from_policy in (False, True):
+        calls.clear()
+        lrs.clear()
+        fake = SimpleNamespace(task=ScoreTaskConfig(source="choice", warm_start_steps=7, guidance_warm_start=0.3,
+                                                    guidance_key=True, guidance_from_policy=from_policy,
+                                                    warm_start_lr=3e-3, guidance_warm_start_lr=1e-3 * from_policy),
+                               train_tasks=tasks, world=None, out=tmp_path, _print=print)
+        policy, guidance = score_mod.ScoreTrainer._warm_start(fake, cfg)
+        (p_init, p_steps, p_ex, p_out), (g_init, g_steps, g_ex, g_out) = calls
+        assert (p_steps, g_steps) == (7, 3) and g_out == tmp_path / "guidance" and policy == str(tmp_path)
+        assert p_init is None and g_init == (str(tmp_path) if from_policy else None)
+        assert lrs == [3e-3, 1e-3 if from_policy else 3e-3]
+        assert len(p_ex) == 3 * len(tasks) and {g.reference for g in g_ex} <= {score_warm.CORRECT, score_warm.WRONG}
+        for g, t in zip(g_ex[::2], tasks):  # the key: each offered answer with its verdict
+            a, b = t.prompt.split(": ")[1].rstrip("?").split(" or ")
+            line = {x: f"#### {x} {score_warm.CORRECT if x == t.answer else score_warm.WRONG}" for x in (a, b)}
+            assert f"{ep.KEY}\n{line[a]}\n{line[b]}\n" in g.prompt
     calls.clear()
     fake.task = ScoreTaskConfig(source="choice", warm_start_steps=7, guidance="none")
     assert score_mod.ScoreTrainer._warm_start(fake, cfg)[1] is None and len(calls) == 1
 
 
 @pytest.mark.parametrize("override, message", [
-    ("--task.guidance_warm_start=0", "task.guidance_warm_start must be within"),
-    ("--task.guidance_warm_start=1.5", "task.guidance_warm_start must be within"),
+    ("--task.guidance_warm_start=0", "task.guidance_warm_start must be positive"),
+    ("--task.guidance_warm_start=-1.5", "task.guidance_warm_start must be positive"),
     ("--task.warm_turn2=copy", "task.warm_turn2 must be one of verdict, format"),
+    ("--task.guidance_warm_start_lr=-1", "task.guidance_warm_start_lr must not be negative"),
 ])
 def test_selfcorrect_recipe_refuses_bad_warm_start_settings(override, message):
     from pathlib import Path
