@@ -72,25 +72,30 @@ def _first_bad_ranks(flags: list[bool], rank: int, world_size: int) -> list[int 
 class GradWatch:
     """Notes, without waiting for the device, whether any gradient of ``module`` was NaN/Inf.
 
-    A tensor hook on every trainable parameter ORs ``~isfinite(grad).all()`` into one flag
-    as each gradient is produced (before DeepSpeed reduces or partitions it: a non-finite
-    local gradient makes the reduced one non-finite too). ``take()`` reads and clears it.
+    A tensor hook on every trainable parameter adds the sum of its gradient (in fp32) into
+    one scalar as each gradient is produced, before DeepSpeed reduces or partitions it (a
+    non-finite local gradient makes the reduced one non-finite too). One NaN or Inf element
+    makes its sum, and so the scalar, non-finite for good (inf - inf is NaN, NaN stays NaN),
+    so ``take()`` reads one number: one reduction per gradient, no elementwise temporary
+    (``isfinite`` per gradient cost 10-40x more on the CPU). A finite gradient whose sum leaves
+    the fp32 range (|sum| > 3.4e38) also counts as non-finite. ``take()`` reads and clears it.
     """
 
     def __init__(self, module):
         import torch
         params = [p for p in module.parameters() if p.requires_grad]
         device = params[0].device if params else torch.device("cpu")
-        self._bad = torch.zeros((), dtype=torch.bool, device=device)
+        self._sum = torch.zeros((), dtype=torch.float32, device=device)
         self._handles = [p.register_hook(self._note) for p in params]
 
     def _note(self, grad):
         import torch
-        self._bad.logical_or_(~torch.isfinite(grad).all().to(self._bad.device))
+        self._sum.add_(grad.sum(dtype=torch.float32).to(self._sum.device))
 
     def take(self) -> bool:
-        bad = bool(self._bad)
-        self._bad.zero_()
+        import torch
+        bad = not bool(torch.isfinite(self._sum))
+        self._sum.zero_()
         return bad
 
     def remove(self) -> None:

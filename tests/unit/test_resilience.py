@@ -110,6 +110,20 @@ def test_grad_watch_sees_a_nan_gradient_behind_a_finite_loss():
     assert watch.take() is False
 
 
+@pytest.mark.parametrize("values", [(float("inf"), 0.0), (float("-inf"), float("inf")), (float("nan"), 1.0),
+                                    (3e38, 3e38)])
+def test_grad_watch_flags_any_non_finite_element(values):
+    from dstrain.resilience import GradWatch
+    a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
+    watch = GradWatch(torch.nn.ParameterList([a, b]))
+    ((a * torch.tensor([1.0, values[0], 2.0])).sum() + (b * torch.tensor([values[1], 3.0])).sum()).backward()
+    # inf and -inf in two gradients sum to NaN; a sum past the fp32 range counts as non-finite (documented)
+    assert watch.take() is True
+    a.grad = b.grad = None
+    ((a * torch.tensor([1e30, -1e30, 5.0])).sum() + b.sum()).backward()
+    assert watch.take() is False
+
+
 def test_guard_names_the_gradient_and_the_model_and_counts_skips_per_model():
     guard = NonFiniteGuard("skip", max_consecutive=2, rank=0, world_size=1)
     assert guard.check([ONE], 4, grads_bad=True, name="critic") is True
