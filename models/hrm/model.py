@@ -14,8 +14,9 @@ carries its own state from the previous call:
   row halts at ``halt_max_steps``, or once ``q_halt > q_continue`` and at least a
   random minimum of steps has run (drawn with probability ``halt_exploration_prob``);
   ``q_continue`` learns from a bootstrapped target taken from one more no-grad
-  segment. With ``halt_rule = "solved"`` a row halts once ``q_halt > 0`` instead and
-  ``q_continue`` is unused. In evaluation every row runs ``halt_max_steps`` segments.
+  segment. With ``halt_rule = "solved"`` a row halts once ``q_halt > halt_threshold``
+  (default 0) instead and ``q_continue`` is unused. In evaluation every row runs
+  ``halt_max_steps`` segments.
 * Loss: (stablemax or softmax) cross-entropy averaged over each row's labelled
   tokens, plus ``0.5 * (BCE(q_halt, row is correct) + BCE(q_continue, target))``,
   summed over rows and divided by the rows of this call.
@@ -69,8 +70,11 @@ class HRMConfig:
     halt_rule: str = "compare"
     """compare (the reference): a row halts once ``q_halt > q_continue``, and ``q_continue``
     learns a bootstrapped target from one more no-grad segment. solved (as TRM): a row halts
-    once ``q_halt > 0`` (the Q-head thinks it is solved); ``q_continue`` is not used or
+    once ``q_halt > halt_threshold`` (the Q-head thinks it is solved); ``q_continue`` is not used or
     trained, and no extra segment runs. Under both, exploration draws a minimum of steps."""
+    halt_threshold: float = 0.0
+    """``solved`` rule only: halt once ``q_halt > halt_threshold`` (a logit: 0 is a predicted
+    probability of 0.5 that the row is right; higher halts later and more surely)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -97,6 +101,11 @@ class HRMConfig:
             raise ValueError(f"pos_encodings must be rope or learned, got {self.pos_encodings!r}")
         if self.halt_rule not in ("compare", "solved"):
             raise ValueError(f"halt_rule must be compare or solved, got {self.halt_rule!r}")
+        if isinstance(self.halt_threshold, bool) or not isinstance(self.halt_threshold, (int, float)) \
+                or not math.isfinite(self.halt_threshold):
+            raise ValueError(f"halt_threshold must be a finite number, got {self.halt_threshold!r}")
+        if self.halt_threshold and self.halt_rule != "solved":
+            raise ValueError("halt_threshold applies to halt_rule solved only")
         if self.loss not in ("stablemax", "softmax"):
             raise ValueError(f"loss must be stablemax or softmax, got {self.loss!r}")
 
@@ -243,7 +252,7 @@ class HRM(nn.Module):
         """The Q-head's halting decision ``bool[B]`` under ``halt_rule`` (before the minimum
         of steps and the ``halt_max_steps`` cap)."""
         if self.config.halt_rule == "solved":
-            return q_halt > 0
+            return q_halt > self.config.halt_threshold
         return q_halt > q_continue
 
     def initial_state(self, batch: int, device=None, dtype=None) -> tuple[torch.Tensor, torch.Tensor]:

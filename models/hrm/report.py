@@ -2,7 +2,8 @@
 
     python -m models.hrm.report RUN_DIR --out benchmarks/results/hrm_sudoku_debug \
         [--puzzles ../shared/data/sudoku_diabolical.txt --limit 1000] \
-        [--held-out] [--blanks 16,20,24,26 --per-blanks 200] [--compare OTHER_RUN --compare-label ...]
+        [--held-out] [--blanks 16,20,24,26 --per-blanks 200] [--compare OTHER_RUN --compare-label ...] \
+        [--halt-threshold 2.0]
 
 writes ``<out>.json`` (the train/val curves from ``metrics.jsonl``, the run's summary and,
 with ``--puzzles``, the exact accuracy of the latest complete checkpoint on those
@@ -12,6 +13,9 @@ generated puzzles and ``--blanks`` generates fresh ones with those numbers of bl
 both are evaluated segment by segment (:mod:`models.hrm.evaluate`): exact accuracy after
 one segment, after ``halt_max_steps`` and with adaptive halting, and mean ACT steps, by
 number of blanks and by propagation rounds (written to ``<out>_difficulty.png``).
+``--halt-threshold`` replaces the ``q_halt`` threshold of runs trained with
+``halt_rule = "solved"`` for those adaptive scores (an evaluation-time choice; the
+exact accuracy after ``halt_max_steps`` does not depend on it).
 """
 from __future__ import annotations
 
@@ -90,8 +94,13 @@ def evaluate_checkpoint(run_dir: str | Path, puzzle_file: str | Path, limit: int
 
 
 def evaluate_difficulty(run_dir: str | Path, held_out: bool, blanks: list[int], per_blanks: int,
-                        seed: int = 424242, weights: str = "ema") -> dict:
-    """Segment-by-segment evaluation (see :mod:`models.hrm.evaluate`) of generated puzzles."""
+                        seed: int = 424242, weights: str = "ema", halt_threshold: float | None = None) -> dict:
+    """Segment-by-segment evaluation (see :mod:`models.hrm.evaluate`) of generated puzzles.
+
+    ``halt_threshold`` (runs trained with ``halt_rule = "solved"`` only; others ignore it)
+    replaces the model's threshold for the adaptive-halting scores: an evaluation-time choice."""
+    import dataclasses
+
     import numpy as np
 
     from dstrain.config import run_config_from_dict
@@ -101,6 +110,8 @@ def evaluate_difficulty(run_dir: str | Path, held_out: bool, blanks: list[int], 
     from models.hrm import evaluate
 
     model, mcfg, run_cfg, emb, tag, loaded = load_checkpoint_model(run_dir, weights)
+    if halt_threshold is not None and getattr(mcfg, "halt_rule", "compare") == "solved":
+        mcfg = model.config = dataclasses.replace(mcfg, halt_threshold=float(halt_threshold))
     task = task_config(run_config_from_dict(run_cfg, "run_config.json"))
     sets = {}
     if held_out:
@@ -108,7 +119,8 @@ def evaluate_difficulty(run_dir: str | Path, held_out: bool, blanks: list[int], 
         sets["held_out"] = (ep, es)
     for b in blanks:
         sets[f"blanks_{b}"] = sudoku.generate_many(per_blanks, b, seed + b, size=task.grid)
-    out = {"checkpoint": tag, "weights": loaded, "halt_max_steps": mcfg.halt_max_steps, "act": mcfg.act}
+    out = {"checkpoint": tag, "weights": loaded, "halt_max_steps": mcfg.halt_max_steps, "act": mcfg.act,
+           "halt_rule": mcfg.halt_rule, "halt_threshold": mcfg.halt_threshold}
     for name, (puzzles, solutions) in sets.items():
         inputs, labels = sudoku.encode(puzzles, solutions, task.mask_givens)
         correct, halt = evaluate.run_segments(model, inputs, labels, mcfg.halt_max_steps, puzzle_emb=emb)
@@ -210,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--title", default="HRM on Sudoku")
     parser.add_argument("--weights", choices=("ema", "raw"), default="ema",
                         help="checkpoint weights to evaluate: the run's average (task.ema) where it has one, or raw")
+    parser.add_argument("--halt-threshold", type=float, default=None,
+                        help="evaluation-time q_halt threshold for runs trained with halt_rule solved "
+                             "(default: the run's own)")
     args = parser.parse_args(argv)
     if len(args.compare_label) not in (0, len(args.compare)):
         parser.error("give one --compare-label per --compare run, or none")
@@ -230,10 +245,11 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     if args.held_out or blanks:
         result["difficulty"] = evaluate_difficulty(run, args.held_out, blanks, args.per_blanks,
-                                                   weights=args.weights)
+                                                   weights=args.weights, halt_threshold=args.halt_threshold)
         for label, other in zip(labels, args.compare):
-            result["compare"][label]["difficulty"] = evaluate_difficulty(other, args.held_out, blanks,
-                                                                         args.per_blanks, weights=args.weights)
+            result["compare"][label]["difficulty"] = evaluate_difficulty(
+                other, args.held_out, blanks, args.per_blanks, weights=args.weights,
+                halt_threshold=args.halt_threshold)
         if blanks:
             plot_difficulty(result["difficulty"], f"{args.title}: {args.label} by difficulty",
                             out.with_name(out.name + "_difficulty.png"))

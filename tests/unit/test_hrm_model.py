@@ -298,3 +298,12 @@ def test_halt_rule_solved_halts_on_q_halt_alone_without_a_target_segment():
     assert m.flops_per_segment_token() < full.flops_per_segment_token()
     with pytest.raises(ValueError, match="halt_rule"):
         registry.make_model_config("hrm", "tiny", {"halt_rule": "never"})
+    m.config.halt_exploration_prob = 0.0
+    for threshold, halts in ((0.5, True), (2.0, False)):  # q_halt is the bias, 1.0 (the weight is 0)
+        m.config.halt_threshold = threshold
+        _, out = m(inputs, labels, emb)
+        assert out["halted"].tolist() == out["wants_halt"].tolist() == [halts] * B
+    with pytest.raises(ValueError, match="halt_threshold"):
+        registry.make_model_config("hrm", "tiny", {"halt_threshold": 1.0})  # the compare rule has none
+    with pytest.raises(ValueError, match="halt_threshold"):
+        registry.make_model_config("hrm", "tiny", {"halt_rule": "solved", "halt_threshold": float("nan")})

@@ -1,4 +1,5 @@
 """models.hrm.evaluate (segment-by-segment scoring, adaptive halting) and the report's curve reader and plots."""
+import dataclasses
 import json
 
 import numpy as np
@@ -74,3 +75,10 @@ def test_run_segments_uses_the_models_halt_rule():
         model.q_head.bias.copy_(torch.tensor([-1.0, -5.0]))
     _, halt = evaluate.run_segments(model, inputs, labels, 2, batch=4)
     assert not halt.any()
+    with torch.no_grad():
+        model.q_head.bias.copy_(torch.tensor([1.5, 5.0]))
+    _, halt = evaluate.run_segments(model, inputs, labels, 2, batch=4)
+    assert halt.all()  # 1.5 > the default threshold 0
+    model.config = dataclasses.replace(cfg, halt_threshold=2.0)
+    _, halt = evaluate.run_segments(model, inputs, labels, 2, batch=4)
+    assert not halt.any()  # 1.5 < 2
