@@ -515,9 +515,24 @@ def create_engine(build_model: Callable[[], torch.nn.Module],
     ds_engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=groups, optimizer=client, lr_scheduler=scheduler,
         config=plan.ds_config, mpu=mpu)
+    skip_lone_allreduce(ds_engine, plan)
     if plan.compile:
         compile_engine(ds_engine)
     return Engine(ds_engine, plan, group_names, parallel)
+
+
+def skip_lone_allreduce(ds_engine, plan: EnginePlan) -> bool:
+    """Turn off DeepSpeed's gradient all-reduce where there is nothing to reduce with: one process
+    in all, no ZeRO. There, DeepSpeed would still flatten every gradient into a new buffer, all-reduce
+    it with itself and copy it back at every step: two passes over the gradients and a buffer the
+    size of all of them (ZeRO-1/2/3 reduce in their own optimizers, which also fill their partitions,
+    so they are left as they are). Returns whether it was turned off."""
+    import torch.distributed as dist
+    alone = not dist.is_initialized() or dist.get_world_size() == 1
+    if alone and plan.zero["stage"] == 0 and plan.pipeline is None:
+        ds_engine.enable_backward_allreduce = False
+        return True
+    return False
 
 
 def _create_pipeline_engine(build_model, pipeline_parts, plan: EnginePlan, train: TrainConfig):
