@@ -198,3 +198,21 @@ def test_sequence_that_does_not_tile_is_rejected():
     q = torch.randn(1, 1, 12, 4)
     with pytest.raises(ValueError, match="does not tile"):
         dilated_attention(q, q, q, make_branches([8], [1]))
+
+
+@pytest.mark.parametrize("kind, dtype", [("flash", torch.bfloat16), ("efficient", torch.float32)])
+def test_cuda_kernel_calls_type_check_on_the_meta_device(monkeypatch, kind, dtype):
+    """The CUDA path's aten calls (argument order, lse shapes and padding, the lse-gradient columns)
+    run on meta tensors, whose kernels check signatures and infer shapes: a wrong call fails here
+    without a GPU. Values are not computed; tests/gpu compares them with the reference."""
+    from dstrain.ops import attention
+    monkeypatch.setattr(attention, "kernel_for", lambda q, fused=True, masked=False: kind)
+    q, k, v = (torch.empty(1, 4096, 4, 64, device="meta", dtype=dtype).transpose(1, 2).requires_grad_()
+               for _ in range(3))
+    for with_lse in (False, True):
+        out, lse = dilated_attention(q, k, v, make_branches([512, 1024, 2048], [1, 2, 4]), causal=True,
+                                     return_lse=True)
+        assert out.shape == q.shape and out.dtype == dtype and lse.shape == (1, 4, 4096)
+        (out.float().sum() + (lse.sum() if with_lse else 0)).backward()
+        assert all(t.grad.shape == t.shape and t.grad.dtype == dtype for t in (q, k, v))
+        q.grad = k.grad = v.grad = None
