@@ -16,7 +16,7 @@ The bias correction of the first moment scales the step, not the ``atan2`` argum
 Moments live in the parameter's dtype (fp32 master weights under DeepSpeed's bf16/fp16
 and ZeRO; fp32 weights under autocast). The step count is a CPU scalar tensor per
 parameter, as in ``torch.optim.AdamW``, so reading it never syncs a GPU. Implemented
-with PyTorch's foreach ops (one kernel per op per group); ``atan2`` runs per tensor.
+with PyTorch's foreach ops: a fixed number of kernels per parameter group, whatever its size.
 """
 from __future__ import annotations
 
@@ -75,13 +75,22 @@ class AdamATan2(torch.optim.Optimizer):
         lr, wd = group["lr"], group["weight_decay"]
         beta1, beta2 = group["betas"]
         torch._foreach_add_(steps, 1.0)
+        counts = [float(t) for t in steps]  # CPU tensors: no device sync
         if wd != 0:
             torch._foreach_mul_(params, 1.0 - lr * wd)
         torch._foreach_lerp_(avgs, grads, 1.0 - beta1)
         torch._foreach_lerp_(sqs, torch._foreach_mul(grads, grads), 1.0 - beta2)
         denoms = torch._foreach_sqrt(sqs)
-        for p, m, d, t in zip(params, avgs, denoms, steps):
-            n = float(t)  # a CPU tensor: no device sync
-            d.div_(math.sqrt(1.0 - beta2 ** n))
-            torch.atan2(m, d, out=d)
-            p.add_(d, alpha=-lr / (1.0 - beta1 ** n))
+        torch._foreach_div_(denoms, [math.sqrt(1.0 - beta2 ** n) for n in counts])
+        if any(p.dtype == torch.float16 for p in params):  # too narrow for the floor below: per tensor
+            updates = [torch.atan2(m, d) for m, d in zip(avgs, denoms)]
+        else:
+            # atan2(m, d) with d >= 0 is atan(m / d) once d is raised to fp32's smallest normal number
+            # (1.2e-38; bf16 shares its range): 0 / 0 (no gradient yet) becomes atan(0) = 0 and m / 0
+            # +-pi/2, atan2's values at d = 0. PyTorch has no foreach atan2; this keeps the number of
+            # kernels fixed. (For fp64 moments, only a d below 1.2e-38 is moved.)
+            torch._foreach_maximum_(denoms, torch.finfo(torch.float32).tiny)
+            updates = torch._foreach_div(avgs, denoms)
+            torch._foreach_atan_(updates)
+        torch._foreach_mul_(updates, [-lr / (1.0 - beta1 ** n) for n in counts])
+        torch._foreach_add_(params, updates)

@@ -27,11 +27,11 @@ def hand_steps(p0, grads, lr, betas, weight_decay):
     return p
 
 
-def run(p0, grads, **kw):
-    p = torch.nn.Parameter(torch.tensor(p0, dtype=torch.float64))
+def run(p0, grads, dtype=torch.float64, **kw):
+    p = torch.nn.Parameter(torch.tensor(p0, dtype=dtype))
     opt = AdamATan2([p], **kw)
     for g in grads:
-        p.grad = torch.tensor(g, dtype=torch.float64)
+        p.grad = torch.tensor(g, dtype=dtype)
         opt.step()
     return p.detach().tolist(), opt
 
@@ -121,3 +121,29 @@ def test_shipped_profiles_take_the_run_config_type_and_pinned_blocks_stay():
     assert choice.algorithm == "adam_atan2" and choice.params["weight_decay"] == 1.0
     pinned = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": "auto"}}}
     assert apply_optimizer_type(pinned, "adam_atan2") is pinned
+
+
+def torch_steps(p0, grads, dtype, lr, betas, weight_decay):
+    """The same rule in ``dtype`` with torch.atan2, one element at a time (underflow included)."""
+    b1, b2 = betas
+    t_ = lambda x: torch.tensor(x, dtype=dtype)  # noqa: E731
+    p, m, v = [t_(x) for x in p0], [t_(0.0)] * len(p0), [t_(0.0)] * len(p0)
+    for t, g in enumerate(grads, start=1):
+        for i, gi in enumerate(g):
+            gi = t_(gi)
+            p[i] = p[i] * (1 - lr * weight_decay)
+            m[i] = torch.lerp(m[i], gi, 1 - b1)
+            v[i] = torch.lerp(v[i], gi * gi, 1 - b2)
+            p[i] = p[i] - lr / (1 - b1 ** t) * torch.atan2(m[i], torch.sqrt(v[i]) / math.sqrt(1 - b2 ** t))
+    return [float(x) for x in p]
+
+
+@pytest.mark.parametrize("dtype, tiny", [(torch.float32, 1e-25), (torch.float16, 1e-7)])
+def test_narrow_dtypes_and_vanishing_gradients_follow_atan2(dtype, tiny):
+    # ``tiny`` squares to 0 in ``dtype``: v = 0 while m != 0, where atan2 gives pi/2 (fp16 runs per tensor).
+    p0 = [0.5, -0.25, 0.0, 1.0]
+    grads = [[tiny, -0.5, 0.0, 2.0], [0.0, 0.25, 0.0, -1.0]]
+    kw = dict(lr=0.01, betas=(0.9, 0.95), weight_decay=0.1)
+    got, _ = run(p0, grads, dtype=dtype, **kw)
+    assert all(math.isfinite(x) for x in got)
+    assert got == pytest.approx(torch_steps(p0, grads, dtype, **kw), rel=1e-3 if dtype == torch.float16 else 1e-6)
