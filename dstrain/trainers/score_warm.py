@@ -6,8 +6,9 @@ formats first (``policy_rl.warm_start`` on re-prompted copies of the training ta
 
 * policy: the reference answer after the turn-1 prompt, and after turn-2 prompts whose
   previous attempt is the reference (hint: it is correct) or a corrupted copy (hint: it is
-  wrong; for maths, whether it is too high or too low), and after turn-2 prompts with the
-  fixed hint of runs without a guidance model;
+  wrong; for maths, whether it is too high or too low; for a two-choice task, just wrong),
+  and after turn-2 prompts with the fixed hint of runs without a guidance model
+  (``policy_examples``'s ``turn2="format"`` teaches keep-or-switch instead after a verdict);
 * guidance: that verdict after the hint prompt.
 
 So at step 0 the guidance model is a (weak) verifier and turn 2 can keep a right first
