@@ -6,6 +6,7 @@ weights to and from the plain model's state dict with a prefix per layer.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -13,21 +14,45 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 
-class TokenPositionEmbedding(nn.Module):
-    """Token + learned position embeddings, then dropout."""
+POSITIONS = ("learned", "sinusoidal")
+#: Amplitude of the fixed sinusoidal table: its entries then have the RMS (0.02) of a learned table at init.
+SINUSOID_SCALE = 0.02 * 2 ** 0.5
 
-    def __init__(self, vocab: int, n_embd: int, block_size: int, dropout: float) -> None:
+
+def sinusoidal_positions(pos: torch.Tensor, dim: int, dtype: torch.dtype, chunk: int = 1 << 16) -> torch.Tensor:
+    """``[len(pos), dim]`` fixed encodings (Vaswani et al.): ``sin(p w_i)`` in even columns and
+    ``cos(p w_i)`` in odd ones, ``w_i = 10000^(-2i / dim)``, times :data:`SINUSOID_SCALE`.
+    The angles are formed in fp64 (positions up to millions keep their phase), ``chunk``
+    positions at a time so that the fp64 temporaries stay small; no parameters."""
+    freqs = torch.exp(torch.arange(0, dim, 2, device=pos.device, dtype=torch.float64)
+                      * (-math.log(10000.0) / dim))
+    table = torch.empty(len(pos), dim, device=pos.device, dtype=dtype)
+    for a in range(0, len(pos), chunk):
+        angles = pos[a:a + chunk].to(torch.float64)[:, None] * freqs
+        table[a:a + chunk, 0::2] = (torch.sin(angles) * SINUSOID_SCALE).to(dtype)
+        table[a:a + chunk, 1::2] = (torch.cos(angles[:, : dim // 2]) * SINUSOID_SCALE).to(dtype)
+    return table
+
+
+class TokenPositionEmbedding(nn.Module):
+    """Token + position embeddings (a learned table, or fixed sinusoids with no parameters), then dropout."""
+
+    def __init__(self, vocab: int, n_embd: int, block_size: int, dropout: float,
+                 positions: str = "learned") -> None:
         super().__init__()
         self.block_size = block_size
         self.tok_emb = nn.Embedding(vocab, n_embd)
-        self.pos_emb = nn.Embedding(block_size, n_embd)
+        self.pos_emb = nn.Embedding(block_size, n_embd) if positions == "learned" else None
         self.drop = nn.Dropout(dropout)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         t = input_ids.shape[1]
         if t > self.block_size:
             raise ValueError(f"sequence length {t} exceeds block_size {self.block_size}")
-        return self.drop(self.tok_emb(input_ids) + self.pos_emb(torch.arange(t, device=input_ids.device)))
+        pos = torch.arange(t, device=input_ids.device)
+        tok = self.tok_emb(input_ids)
+        where = self.pos_emb(pos) if self.pos_emb is not None else sinusoidal_positions(pos, tok.shape[-1], tok.dtype)
+        return self.drop(tok + where)
 
 
 class NormHead(nn.Module):
@@ -66,7 +91,8 @@ def lm_pipeline_parts(cfg, pipe_block: type[nn.Module], vocab: int, loss: Callab
     from deepspeed.pipe import LayerSpec
 
     from dstrain.parallel.pipeline import PipelineParts
-    layers = ([LayerSpec(TokenPositionEmbedding, vocab, cfg.n_embd, cfg.block_size, cfg.dropout)]
+    layers = ([LayerSpec(TokenPositionEmbedding, vocab, cfg.n_embd, cfg.block_size, cfg.dropout,
+                         getattr(cfg, "positions", "learned"))]
               + [LayerSpec(pipe_block, cfg, activation_checkpointing) for _ in range(cfg.n_layer)]
               + [LayerSpec(NormHead, cfg.n_embd, vocab, cfg.bias)])
     prefixes = [""] + [f"blocks.{i}." for i in range(cfg.n_layer)] + [""]

@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from dstrain.ops.dilated import dilated_attention, make_branches
+from dstrain.parallel.pipeline_layers import POSITIONS, sinusoidal_positions
 
 VOCAB_MULTIPLE = 64
 
@@ -33,7 +34,7 @@ class DilatedLMConfig:
     n_embd: int
     n_head: int
     block_size: int
-    """Longest sequence (learned position embeddings)."""
+    """Longest sequence."""
     segment_lengths: list = field(default_factory=lambda: [64])
     """Segment length w of each branch."""
     dilation_rates: list = field(default_factory=lambda: [1])
@@ -48,6 +49,9 @@ class DilatedLMConfig:
     """Block size of the block-sparse variant (0: dense segments)."""
     sparse_keep: float = 1.0
     """Fraction of key blocks each query block keeps (1.0: all)."""
+    positions: str = "learned"
+    """learned: a ``block_size x n_embd`` table (805M parameters at a million tokens and 768 wide) |
+    sinusoidal: fixed encodings, no parameters (``dstrain.parallel.pipeline_layers.sinusoidal_positions``)."""
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_embd", "n_head", "block_size", "vocab_size", "mlp_ratio"):
@@ -61,6 +65,8 @@ class DilatedLMConfig:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if not 0.0 < self.sparse_keep <= 1.0:
             raise ValueError(f"sparse_keep must be in (0, 1], got {self.sparse_keep}")
+        if self.positions not in POSITIONS:
+            raise ValueError(f"positions must be one of {', '.join(POSITIONS)}, got {self.positions!r}")
         if self.sparse_block < 0:
             raise ValueError(f"sparse_block must not be negative, got {self.sparse_block}")
 
@@ -156,7 +162,7 @@ class DilatedLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.tok_emb = nn.Embedding(cfg.padded_vocab, cfg.n_embd)
-        self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd) if cfg.positions == "learned" else None
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
@@ -223,7 +229,9 @@ class DilatedLM(nn.Module):
         if start + t > self.config.block_size:
             raise ValueError(f"sequence length {t * degree} exceeds block_size {self.config.block_size}")
         pos = torch.arange(start, start + t, device=input_ids.device)
-        x = self.drop(self.tok_emb(input_ids) + self.pos_emb(pos))
+        tok = self.tok_emb(input_ids)
+        where = self.pos_emb(pos) if self.pos_emb is not None else sinusoidal_positions(pos, tok.shape[-1], tok.dtype)
+        x = self.drop(tok + where)
         use_ckpt = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         for block in self.blocks:
             x = checkpoint(block, x, use_reentrant=False) if use_ckpt else block(x)

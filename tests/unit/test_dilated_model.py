@@ -33,7 +33,8 @@ def test_sizes_on_meta_device():
 
 @pytest.mark.parametrize("change,match", [({"dilation_rates": [1, 2]}, "same length"),
                                           ({"n_head": 5}, "divisible"), ({"sparse_keep": 0.0}, "sparse_keep"),
-                                          ({"segment_lengths": [32, 64, 130]}, "multiple")])
+                                          ({"segment_lengths": [32, 64, 130]}, "multiple"),
+                                          ({"positions": "rotary"}, "positions")])
 def test_bad_config_is_rejected(change, match):
     with pytest.raises(ValueError, match=match):
         _debug(**change)
@@ -52,6 +53,29 @@ def test_loss_is_causal_and_learnable():
     assert abs(loss.item() - math.log(320)) < 0.5  # near uniform at init
     loss.backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_sinusoidal_positions_have_no_parameters_and_the_textbook_values():
+    from dstrain.parallel.pipeline_layers import SINUSOID_SCALE, TokenPositionEmbedding, sinusoidal_positions
+    learned, fixed = DilatedLM(_debug()), DilatedLM(_debug(positions="sinusoidal"))
+    assert fixed.pos_emb is None and learned.num_params() - fixed.num_params() == 256 * 128
+    table = sinusoidal_positions(torch.arange(1_000_000 - 3, 1_000_000), 6, torch.float64, chunk=2)
+    for row, p in enumerate(range(1_000_000 - 3, 1_000_000)):
+        for i in range(3):  # column 2i: sin(p w_i), 2i + 1: cos(p w_i), w_i = 10000^(-2i/6)
+            w = 10000 ** (-2 * i / 6)
+            assert table[row, 2 * i].item() == pytest.approx(SINUSOID_SCALE * math.sin(p * w), abs=1e-12)
+            assert table[row, 2 * i + 1].item() == pytest.approx(SINUSOID_SCALE * math.cos(p * w), abs=1e-12)
+    # a causal LM that learns with them; the pipeline's embedding layer computes the same input
+    torch.manual_seed(0)
+    x = torch.randint(0, 257, (2, 128))
+    loss = fixed(x, x)
+    loss.backward()
+    assert torch.isfinite(loss) and fixed.tok_emb.weight.grad.abs().sum() > 0
+    layer = TokenPositionEmbedding(320, 128, 256, 0.0, "sinusoidal")
+    layer.tok_emb.load_state_dict(fixed.tok_emb.state_dict())
+    expected = fixed.tok_emb(x) + sinusoidal_positions(torch.arange(128), 128, torch.float32)
+    torch.testing.assert_close(layer(x), expected)
+    assert [n for n, _ in layer.named_parameters()] == ["tok_emb.weight"]
 
 
 def test_activation_checkpointing_gives_the_same_gradients():
