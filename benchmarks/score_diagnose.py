@@ -66,13 +66,7 @@ def train(rl, mcfg, tok, examples, args, report, init=None):
         start = time.perf_counter()
         model.train()
         batch = [examples[rng.randrange(len(examples))] for _ in range(args.batch)]
-        x, y = prl.supervised_batch(tok, [t.prompt for t in batch], [prl.completion_target(t) for t in batch])
-        loss = model(x, y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        losses.append(loss.item())
+        losses.append(prl.supervised_step(model, opt, tok, batch))
         train_s += time.perf_counter() - start
         if step % max(1, args.steps // 10) == 0:
             print(f"step {step}: loss {sum(losses) / len(losses):.3f} ({train_s:.0f} s)", flush=True)
@@ -118,7 +112,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from dstrain.data.choice_tasks import make_choice_tasks
-    from dstrain.trainers import policy_rl as prl
     from dstrain.trainers import score_warm as sw
     from models import registry
     spec = registry.get_spec("policy")

@@ -84,6 +84,18 @@ def supervised_batch(tokenizer, prompts: list[str], targets: list[str]) -> tuple
     return ids[:, :-1].contiguous(), labels[:, 1:].contiguous()
 
 
+def supervised_step(model, opt, tokenizer, batch) -> float:
+    """One AdamW step of teacher forcing on ``batch`` (tasks: prompt -> reference completion),
+    gradient norm clipped to 1; returns the loss."""
+    x, y = supervised_batch(tokenizer, [t.prompt for t in batch], [completion_target(t) for t in batch])
+    loss = model(x, y)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss.item()
+
+
 def warm_start(cfg: RunConfig, task: PolicyTaskConfig, tasks: list, world: runtime.World, out: Path,
                log=print) -> str | None:
     """Supervised phase on the tasks' references, once (rank 0, plain AdamW); returns the
@@ -106,13 +118,7 @@ def warm_start(cfg: RunConfig, task: PolicyTaskConfig, tasks: list, world: runti
         start, losses = time.perf_counter(), []
         for step in range(task.warm_start_steps):
             batch = [tasks[rng.randrange(len(tasks))] for _ in range(task.warm_start_batch)]
-            x, y = supervised_batch(tokenizer, [t.prompt for t in batch], [completion_target(t) for t in batch])
-            loss = model(x, y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            losses.append(loss.item())
+            losses.append(supervised_step(model, opt, tokenizer, batch))
             if (step + 1) % max(1, task.warm_start_steps // 5) == 0:
                 log(f"warm start {step + 1}/{task.warm_start_steps}: loss {sum(losses) / len(losses):.3f}")
                 losses = []
