@@ -151,14 +151,15 @@ def choose_optimizer(ds_config: dict, requested: str, device_type: str, values,
         raise ValueError(f"train.optimizer_type must be one of {', '.join(TYPES)}, got {optimizer_type!r}")
     out = copy.deepcopy(ds_config)
     block = out.get("optimizer")
-    if block and optimizer_type != "adamw" and str(block.get("type", "")).lower() != _ATAN2:
+    kind = str(block.get("type", "")).lower() if block else ""
+    if block and optimizer_type != "adamw" and kind != _ATAN2:
         raise ValueError(f"train.optimizer_type={optimizer_type} but the DeepSpeed JSON's optimizer block is "
                          f"type {block.get('type')!r}: set the block's type to {TYPES[optimizer_type]!r} or drop "
                          "the block, or leave train.optimizer_type at adamw")
     if not block and optimizer_type != "adamw":
         out["optimizer"] = _run_block(values, optimizer_type)
         return _atan2_choice(out, out["optimizer"], requested, "the run config (train.optimizer_type)")
-    if block and str(block.get("type", "")).lower() == _ATAN2:
+    if kind == _ATAN2:
         return _atan2_choice(out, block, requested, "the DeepSpeed JSON's optimizer block")
     source = "the DeepSpeed JSON's optimizer block" if block else "the run config (the JSON has no optimizer block)"
     keep, why = None, ""
@@ -167,7 +168,6 @@ def choose_optimizer(ds_config: dict, requested: str, device_type: str, values,
     elif requested == "deepspeed":
         keep, why = True, "train.optimizer=deepspeed"
     elif block:
-        kind = str(block.get("type", "")).lower()
         extra = sorted(set((block.get("params") or {})) - _MAPPED)
         if kind not in ("adam", "adamw"):
             keep, why = True, f"type {block.get('type')!r} has no PyTorch counterpart here"
@@ -181,7 +181,7 @@ def choose_optimizer(ds_config: dict, requested: str, device_type: str, values,
 
     params = dict((block or _run_block(values))["params"])
     decoupled = True
-    if block and str(block.get("type")).lower() == "adam":
+    if kind == "adam":
         decoupled = bool(params.get("adam_w_mode", True))  # DeepSpeed's Adam is AdamW unless told otherwise
     for key in ("adam_w_mode", "torch_adam"):
         params.pop(key, None)

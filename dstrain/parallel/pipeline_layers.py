@@ -34,6 +34,16 @@ def sinusoidal_positions(pos: torch.Tensor, dim: int, dtype: torch.dtype, chunk:
     return table
 
 
+def position_table(positions: str, block_size: int, n_embd: int) -> nn.Embedding | None:
+    """The learned position table of ``positions="learned"``; None for fixed sinusoids (no parameters)."""
+    return nn.Embedding(block_size, n_embd) if positions == "learned" else None
+
+
+def position_vectors(table: nn.Embedding | None, pos: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``[len(pos), D]`` to add to token embeddings ``like``: rows of ``table``, or sinusoids without one."""
+    return table(pos) if table is not None else sinusoidal_positions(pos, like.shape[-1], like.dtype)
+
+
 class TokenPositionEmbedding(nn.Module):
     """Token + position embeddings (a learned table, or fixed sinusoids with no parameters), then dropout."""
 
@@ -42,17 +52,15 @@ class TokenPositionEmbedding(nn.Module):
         super().__init__()
         self.block_size = block_size
         self.tok_emb = nn.Embedding(vocab, n_embd)
-        self.pos_emb = nn.Embedding(block_size, n_embd) if positions == "learned" else None
+        self.pos_emb = position_table(positions, block_size, n_embd)
         self.drop = nn.Dropout(dropout)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         t = input_ids.shape[1]
         if t > self.block_size:
             raise ValueError(f"sequence length {t} exceeds block_size {self.block_size}")
-        pos = torch.arange(t, device=input_ids.device)
         tok = self.tok_emb(input_ids)
-        where = self.pos_emb(pos) if self.pos_emb is not None else sinusoidal_positions(pos, tok.shape[-1], tok.dtype)
-        return self.drop(tok + where)
+        return self.drop(tok + position_vectors(self.pos_emb, torch.arange(t, device=input_ids.device), tok))
 
 
 class NormHead(nn.Module):

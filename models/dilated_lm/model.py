@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from dstrain.ops.dilated import dilated_attention, make_branches
-from dstrain.parallel.pipeline_layers import POSITIONS, sinusoidal_positions
+from dstrain.parallel.pipeline_layers import POSITIONS, position_table, position_vectors
 
 VOCAB_MULTIPLE = 64
 
@@ -162,7 +162,7 @@ class DilatedLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.tok_emb = nn.Embedding(cfg.padded_vocab, cfg.n_embd)
-        self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd) if cfg.positions == "learned" else None
+        self.pos_emb = position_table(cfg.positions, cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
@@ -230,8 +230,7 @@ class DilatedLM(nn.Module):
             raise ValueError(f"sequence length {t * degree} exceeds block_size {self.config.block_size}")
         pos = torch.arange(start, start + t, device=input_ids.device)
         tok = self.tok_emb(input_ids)
-        where = self.pos_emb(pos) if self.pos_emb is not None else sinusoidal_positions(pos, tok.shape[-1], tok.dtype)
-        x = self.drop(tok + where)
+        x = self.drop(tok + position_vectors(self.pos_emb, pos, tok))
         use_ckpt = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         for block in self.blocks:
             x = checkpoint(block, x, use_reentrant=False) if use_ckpt else block(x)
