@@ -16,7 +16,10 @@ pass@k before and after) and a PNG of the two curves.
 for every run, the mean step time split (``time/*``), the generation rounds per step
 and the fraction of groups dropped, and the dynamic run's step-time overhead over plain
 GRPO. Its curve is the verifier reward of each step's regular prompts (the first round),
-so the three curves are comparable.
+so the three curves are comparable. ``--rest-steps K`` adds one more dynamic run in which
+prompts whose latest group agreed rest for K steps (``task.dynamic_sampling_rest_steps``),
+with the same overhead figures (its regular prompts are then partly swapped: its curve is
+not the same prompts' reward).
 """
 from __future__ import annotations
 
@@ -78,12 +81,13 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4))
-    for name, style in (("grpo", "-"), ("lr0", "--"), ("dynamic", "-.")):
+    for name, style in (("grpo", "-"), ("lr0", "--"), ("dynamic", "-."), ("dynamic_rest", ":")):
         if name not in result["runs"]:
             continue
         curve = result["runs"][name]["reward_mean"]
         label = f"lr {result['runs'][name]['lr']:g}" + {"grpo": " (GRPO)", "lr0": " (no update)",
-                                                        "dynamic": " (GRPO + dynamic sampling)"}[name]
+                                                        "dynamic": " (GRPO + dynamic sampling)",
+                                                        "dynamic_rest": " (dynamic sampling, resting prompts)"}[name]
         ax.plot([int(k) for k in curve], list(curve.values()), style, marker="o", ms=3, label=label)
     ax.set_xlabel("step")
     ax.set_ylabel(f"mean reward (log window of {result['log_every']} steps)")
@@ -107,6 +111,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sizing", choices=("cost", "target", "fixed"), default=None,
                     help="task.dynamic_sampling_sizing of that run (default: the config's)")
     ap.add_argument("--target", type=float, default=None, help="task.dynamic_sampling_target of that run")
+    ap.add_argument("--rest-steps", type=int, default=0,
+                    help="with --dynamic: one more dynamic run with task.dynamic_sampling_rest_steps of this")
     ap.add_argument("--no-lr0", action="store_true", help="skip the lr-0 control (overhead measurements)")
     ap.add_argument("--warm-start", help="a finished warm_start/ folder of the same recipe to reuse instead of "
                                          "training one (the runs then start from it)")
@@ -128,15 +134,18 @@ def main(argv=None) -> int:
     if not args.no_lr0:
         seconds["lr0"] = run(args.recipe, out / "lr0", 0.0, steps, args.nproc, args.extra)
         names.append("lr0")
-    if args.dynamic:
+    dynamic_runs = {"dynamic": []} if args.dynamic else {}
+    if args.dynamic and args.rest_steps:
+        dynamic_runs["dynamic_rest"] = [f"--task.dynamic_sampling_rest_steps={args.rest_steps}"]
+    for name, rest in dynamic_runs.items():
         if warm.is_dir():
-            shutil.copytree(warm, out / "dynamic" / "warm_start")
-        seconds["dynamic"] = run(args.recipe, out / "dynamic", None, steps, args.nproc, args.extra + [
+            shutil.copytree(warm, out / name / "warm_start")
+        seconds[name] = run(args.recipe, out / name, None, steps, args.nproc, args.extra + [
             "--task.dynamic_sampling=true", f"--task.dynamic_sampling_max_rounds={args.max_rounds}",
             f"--task.dynamic_sampling_oversample={args.oversample}",
             *([f"--task.dynamic_sampling_sizing={args.sizing}"] if args.sizing else []),
-            *([f"--task.dynamic_sampling_target={args.target}"] if args.target is not None else [])])
-        names.append("dynamic")
+            *([f"--task.dynamic_sampling_target={args.target}"] if args.target is not None else []), *rest])
+        names.append(name)
 
     import torch
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
@@ -147,19 +156,19 @@ def main(argv=None) -> int:
         curve = rewards(out / name)
         half = [v for k, v in curve.items() if k > steps / 2]
         summary = json.loads((out / name / "summary.json").read_text())
-        result["runs"][name] = {"lr": cfg.train.lr if name == "grpo" else 0.0, "seconds": seconds[name],
+        result["runs"][name] = {"lr": 0.0 if name == "lr0" else cfg.train.lr, "seconds": seconds[name],
                                 "reward_mean": {str(k): v for k, v in sorted(curve.items())},
                                 "reward_mean_last_half": sum(half) / max(len(half), 1),
                                 "eval_before": summary.get("eval_before"), "eval_after": summary.get("eval_after"),
                                 "step_means": means(out / name, STEP_KEYS), "time_split": summary.get("time_split"),
                                 "load_before_after": LOADS.get(name)}
-    if args.dynamic:
-        p_means, d_means = (result["runs"][n]["step_means"] for n in ("grpo", "dynamic"))
+    for name in dynamic_runs:
+        p_means, d_means = (result["runs"][n]["step_means"] for n in ("grpo", name))
         plain, dyn = p_means.get("time/step"), d_means.get("time/step")
         if plain and dyn:
             def sampling(m):
                 return m.get("time/generation", 0.0) + m.get("time/reward", 0.0)
-            result["dynamic_overhead"] = {
+            result[f"{name}_overhead"] = {
                 "definition": "per-step means over the run, same recipe and trained batch: step_time_ratio = "
                               "dynamic / plain; extra_sampling_share = (dynamic - plain) generation + verifier "
                               "seconds, as a share of the dynamic step; refill_share = seconds of the rounds "
@@ -168,9 +177,10 @@ def main(argv=None) -> int:
                 "extra_sampling_share": (sampling(d_means) - sampling(p_means)) / dyn,
                 "refill_share": d_means.get("dynamic/refill_seconds", 0.0) / dyn,
                 "rounds_per_step": d_means.get("dynamic/rounds"),
-                "generated_per_trained": d_means.get("dynamic/generated_per_trained")}
-            print(f"dynamic sampling: {dyn:.2f} s/step vs {plain:.2f} s/step plain "
-                  f"(x{dyn / plain:.2f}), {result['dynamic_overhead']['rounds_per_step']:.2f} rounds per step")
+                "generated_per_trained": d_means.get("dynamic/generated_per_trained"),
+                "dropped_fraction": d_means.get("dynamic/dropped_fraction")}
+            print(f"{name}: {dyn:.2f} s/step vs {plain:.2f} s/step plain "
+                  f"(x{dyn / plain:.2f}), {result[f'{name}_overhead']['rounds_per_step']:.2f} rounds per step")
     tag = "cpu" if device == "cpu" else "gpu"
     (out / f"grpo_learning_{tag}.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, out / f"grpo_learning_{tag}.png")

@@ -6,7 +6,11 @@
 * :func:`informative_groups` - which groups of ``G`` consecutive rewards have a spread
   (a group whose rewards all agree has advantage 0 and teaches nothing).
 * :func:`refill_prompts` - the task indices of a refill round of dynamic sampling: a
-  pure function of (seed, step, round, rank), so a resumed run draws the same ones.
+  pure function of (seed, step, round, rank) and the prompts left out, so a resumed run
+  draws the same ones.
+* :class:`PromptRest` - prompts whose latest group was all right or all wrong rest for a
+  number of steps (``task.dynamic_sampling_rest_steps``): fewer groups are generated only
+  to be dropped.
 * :class:`GroupFiller` - one rank's bookkeeping while dynamic sampling fills its share
   of the batch with informative groups, round after round.
 * :func:`groups_for_target` - how many groups to sample so that, with each group
@@ -51,15 +55,55 @@ def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return groups.max(dim=1).values != groups.min(dim=1).values
 
 
-def refill_prompts(n_tasks: int, step: int, round_: int, rank: int, count: int, seed: int) -> list[int]:
+def refill_prompts(n_tasks: int, step: int, round_: int, rank: int, count: int, seed: int,
+                   exclude: frozenset[int] | set[int] = frozenset()) -> list[int]:
     """``count`` task indices for refill round ``round_`` of ``step`` on ``rank`` (round 0: the
-    first round's oversampling):
-    distinct while ``count <= n_tasks``, drawn with a generator seeded by all four."""
+    first round's oversampling; -1: replacements for resting regular prompts), drawn with a
+    generator seeded by all four from the tasks not in ``exclude`` (from all tasks when that
+    leaves none); distinct while ``count`` does not exceed the tasks drawn from."""
     rng = random.Random(((seed * 1_000_003 + step) * 8191 + round_) * 131 + rank)
+    pool = [i for i in range(n_tasks) if i not in exclude] if exclude else range(n_tasks)
+    if not pool:
+        pool = range(n_tasks)
     out: list[int] = []
     while len(out) < count:
-        out.extend(rng.sample(range(n_tasks), min(n_tasks, count - len(out))))
+        out.extend(rng.sample(pool, min(len(pool), count - len(out))))
     return out
+
+
+@dataclass
+class PromptRest:
+    """Prompts whose latest group had rewards that all agree rest for ``steps`` steps.
+
+    A group all right or all wrong at step ``s`` keeps its prompt out of the draws of steps
+    ``s + 1 .. s + steps``; an informative group ends the prompt's rest. ``until`` maps a task
+    index to the first step it may be drawn again. :meth:`record` is fed every rank's groups of
+    a step in the same order, so the state is the same on every rank (and goes into checkpoints).
+    """
+
+    steps: int
+    until: dict[int, int] = field(default_factory=dict)
+
+    def resting(self, step: int) -> frozenset[int]:
+        """Task indices not to draw at ``step``."""
+        return frozenset(t for t, first in self.until.items() if first > step)
+
+    def record(self, step: int, outcomes: list[tuple[int, bool]]) -> None:
+        """``outcomes``: (task index, informative) of every group of ``step``, in a fixed order
+        (the last one of a task decides)."""
+        for task, informative in outcomes:
+            if informative:
+                self.until.pop(task, None)
+            else:
+                self.until[task] = step + 1 + self.steps
+        self.until = {t: first for t, first in self.until.items() if first > step + 1}
+
+    def state(self) -> list[list[int]]:
+        return sorted([t, first] for t, first in self.until.items())
+
+    @classmethod
+    def from_state(cls, steps: int, state: list) -> "PromptRest":
+        return cls(steps, {int(t): int(first) for t, first in state})
 
 
 @dataclass

@@ -105,12 +105,16 @@ class GRPOTrainer(RLLoop):
                                           max_completion_length=self.task.max_new_tokens)
         self.start_step = 0
         self.keep_rate = None  # dynamic sampling's estimate of the informative fraction (grpo_sampling)
+        self.prompt_rest = None  # dynamic sampling's resting prompts (task.dynamic_sampling_rest_steps)
         if resume_tag is not None:
             state = load_checkpoint(self.engine, self.ckpt_root, resume_tag, self.world)
             self.start_step, self.guards.skipped = int(state["step"]), int(state.get("skipped_steps", 0))
+            from dstrain.rl.dapo import KeepRate, PromptRest
             if "dynamic_keep_rate" in state:  # dynamic sampling's running estimate: a resumed run sizes rounds alike
-                from dstrain.rl.dapo import KeepRate
                 self.keep_rate = KeepRate(rate=float(state["dynamic_keep_rate"]))
+            if "dynamic_prompt_rest" in state and self.task.dynamic_sampling_rest_steps:
+                self.prompt_rest = PromptRest.from_state(self.task.dynamic_sampling_rest_steps,
+                                                         state["dynamic_prompt_rest"])
         self.stop = StopFlag()
         self.rollouts = make_rollout(self, cfg.rollout)
 
@@ -205,6 +209,8 @@ class GRPOTrainer(RLLoop):
         state = {"samples_per_step": self.samples_per_step, "skipped_steps": self.guards.skipped}
         if self.keep_rate is not None:
             state["dynamic_keep_rate"] = self.keep_rate.rate
+        if self.prompt_rest is not None:
+            state["dynamic_prompt_rest"] = self.prompt_rest.state()
         self.saver.save(step, state)
 
     def evaluate(self, step: int) -> dict[str, float]:

@@ -85,6 +85,11 @@ class PolicyTaskConfig:
     """target sizing: probability that one round fills the share (binomial tail)."""
     dynamic_sampling_max_oversample: float = 2.0
     """A round samples at most ``(1 + this) x`` the share's groups (bounds generation memory)."""
+    dynamic_sampling_rest_steps: int = 0
+    """A prompt whose latest group (on any rank) had rewards that all agree is not drawn for this many
+    steps: a regular prompt of the step that is resting is swapped for a fresh one, and refills skip
+    resting prompts and those already dropped in this step. Fewer groups are generated only to be
+    dropped; the prompts seen are then no longer plain GRPO's. 0: off."""
     overlong_filter: bool = False
     """Mask out of the loss the completions that ``max_new_tokens`` cut (no stop string, no EOS)."""
     overlong_buffer: int = 0
@@ -128,7 +133,7 @@ class PolicyTaskConfig:
                 raise ValueError(f"task.{name} must be at least 1, got {getattr(self, name)}")
         for name in ("n_train", "mbpp_max_reference_chars", "beta", "epsilon_high", "eval_k", "warm_start_steps",
                      "warm_start_lr", "time_limit_s", "overlong_buffer", "overlong_penalty", "dynamic_sampling_oversample",
-                     "dynamic_sampling_max_oversample", "dynamic_sampling_round_cost"):
+                     "dynamic_sampling_max_oversample", "dynamic_sampling_round_cost", "dynamic_sampling_rest_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"task.{name} must not be negative, got {getattr(self, name)}")
         if not 0 < self.epsilon < 1:
@@ -136,6 +141,8 @@ class PolicyTaskConfig:
         if not 0 < self.dynamic_sampling_target < 1:
             raise ValueError(f"task.dynamic_sampling_target must be within (0, 1), "
                              f"got {self.dynamic_sampling_target}")
+        if self.dynamic_sampling_rest_steps and not self.dynamic_sampling:
+            raise ValueError("task.dynamic_sampling_rest_steps needs task.dynamic_sampling=true")
         if self.dynamic_sampling_sizing not in ("cost", "target", "fixed"):
             raise ValueError(f"task.dynamic_sampling_sizing must be cost, target or fixed, "
                              f"got {self.dynamic_sampling_sizing!r}")

@@ -20,6 +20,10 @@ a moving average over steps, kept in checkpoints), round 0 adds fresh groups (dr
 give the least expected sampling time (``task.dynamic_sampling_sizing``). Every round costs a
 generation call (its decoding steps are sequential whatever the batch), a sandbox pass and a
 cross-rank synchronisation; fewer, larger rounds are what keeps the overhead down.
+With ``task.dynamic_sampling_rest_steps`` (:class:`dapo.PromptRest`), prompts whose latest group
+agreed rest: resting regular prompts are swapped for fresh ones (drawn as "round -1"), and round-0
+extras and refills leave out resting prompts and those this rank dropped earlier in the step; every
+rank's (prompt, informative) outcomes are gathered after the step, so the rest is the same everywhere.
 When the cap of rounds is reached with a share still short, that rank trains on the
 groups it kept, padded to its ``n`` rows with dropped samples of weight 0 (their loss
 mask is zero), and the loss is normalised over the kept samples of the whole batch
@@ -171,18 +175,46 @@ def _sum_all(values: list[float]) -> list[float]:
     return t.tolist()
 
 
+def prompt_rest(tr) -> dapo.PromptRest | None:
+    """The trainer's resting prompts (``task.dynamic_sampling_rest_steps``; None when off; a resumed
+    trainer sets it from its checkpoint)."""
+    if not tr.task.dynamic_sampling_rest_steps:
+        return None
+    if getattr(tr, "prompt_rest", None) is None:
+        tr.prompt_rest = dapo.PromptRest(tr.task.dynamic_sampling_rest_steps)
+    return tr.prompt_rest
+
+
+def _record_outcomes(rest: dapo.PromptRest, step: int, outcomes: list[tuple[int, bool]]) -> None:
+    """Feed every rank's (prompt, informative) groups of the step, in rank order, to ``rest``."""
+    import torch.distributed as dist
+    box = [outcomes]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [None] * dist.get_world_size()
+        dist.all_gather_object(box, outcomes)
+    rest.record(step, [o for part in box for o in part])
+
+
 def dynamic_batch(tr, step: int) -> StepBatch:
     task, G, n, r = tr.task, tr.task.num_generations, tr.local_samples, tr.world.rank
+    n_tasks, seed = len(tr.train_tasks), tr.cfg.data.seed
     filler = dapo.GroupFiller(needed=n // G, group_size=G)
-    estimate = keep_rate(tr)
-    prompts = prl.step_prompts(len(tr.train_tasks), step, tr.prompts_per_step, tr.cfg.data.seed)
+    estimate, rest = keep_rate(tr), prompt_rest(tr)
+    prompts = prl.step_prompts(n_tasks, step, tr.prompts_per_step, seed)
     groups = [prompts[s // G] for s in range(r * n, (r + 1) * n, G)]
+    skip = rest.resting(step) if rest is not None else frozenset()
+    swapped = [i for i, g in enumerate(groups) if g in skip]
+    if swapped:  # resting regular prompts: fresh ones in their place
+        fresh = iter(dapo.refill_prompts(n_tasks, step, -1, r, len(swapped), seed, skip | set(groups)))
+        for i in swapped:
+            groups[i] = next(fresh)
     round0 = round_size(task, filler, estimate.rate)
     log_estimate = estimate.rate
     if round0 > len(groups):  # round 0 also samples fresh prompts, so that one round usually fills the share
-        groups += dapo.refill_prompts(len(tr.train_tasks), step, 0, r, round0 - len(groups), tr.cfg.data.seed)
+        taken = skip | set(groups) if rest is not None else frozenset()
+        groups += dapo.refill_prompts(n_tasks, step, 0, r, round0 - len(groups), seed, taken)
     base = (tr.cfg.train.seed * 1_000_003 + step) * 4099 + r
-    times, tokens, log, refill_s = {"generation": 0.0, "reward": 0.0}, 0, {}, 0.0
+    times, tokens, log, refill_s, outcomes = {"generation": 0.0, "reward": 0.0}, 0, {}, 0.0, []
     while True:
         tasks = [tr.train_tasks[i] for i in groups for _ in range(G)]
         completions, raw, shaped, statuses, gen_s, score_s = generate_and_score(tr, tasks, base + 7919 * filler.rounds)
@@ -194,12 +226,19 @@ def dynamic_batch(tr, step: int) -> StepBatch:
         if filler.rounds == 0:  # the step's regular prompts: comparable with plain GRPO's log
             log, _ = _round0_log(raw[:n], shaped[:n], completions[:n], statuses[:n], G)
         filler.add(shaped, completions)
+        if rest is not None and groups:
+            outcomes += zip(groups, dapo.informative_groups(shaped, G).tolist())
+            skip = skip | {g for g, ok in outcomes if not ok}  # dropped in this step: not drawn again
         if _max_all(float(filler.deficit > 0)) == 0 or filler.rounds >= task.dynamic_sampling_max_rounds:
             break
-        groups = dapo.refill_prompts(len(tr.train_tasks), step, filler.rounds, r,
-                                     round_size(task, filler, estimate.rate), tr.cfg.data.seed)
+        groups = dapo.refill_prompts(n_tasks, step, filler.rounds, r, round_size(task, filler, estimate.rate),
+                                     seed, skip)
     informative, generated = _sum_all([filler.generated - filler.dropped, filler.generated])
     estimate.update(informative, generated)  # the same on every rank: global counts
+    if rest is not None:
+        _record_outcomes(rest, step, outcomes)
+        log.update({"dynamic/resting_prompts": float(len(rest.resting(step + 1))),
+                    "dynamic/swapped_regular": float(len(swapped))})
     kept = filler.kept_items
     rows = kept + filler.filler_items[:n - len(kept)]
     weights = torch.cat([row_weights(kept, task), torch.zeros(len(rows) - len(kept))])

@@ -10,7 +10,7 @@ import torch
 from dstrain.rl import dapo
 from dstrain.trainers import grpo_sampling as gs
 from dstrain.trainers.grpo_config import PolicyTaskConfig
-from tests.unit.test_grpo_dapo import fake_trainer
+from tests.unit.test_grpo_dapo import FakeRL, fake_trainer
 
 
 def test_binomial_tail_by_hand():
@@ -118,9 +118,92 @@ def test_the_running_estimate_goes_into_the_checkpoint_state():
     from dstrain.trainers.grpo import GRPOTrainer
     saved = {}
     fake = types.SimpleNamespace(samples_per_step=32, guards=types.SimpleNamespace(skipped=0), keep_rate=None,
+                                 prompt_rest=None,
                                  saver=types.SimpleNamespace(save=lambda step, state: saved.update(state, step=step)))
     GRPOTrainer.save(fake, 5)
     assert "dynamic_keep_rate" not in saved and saved["step"] == 5
     fake.keep_rate = dapo.KeepRate(rate=0.42)
     GRPOTrainer.save(fake, 6)
     assert saved["dynamic_keep_rate"] == 0.42 and saved["step"] == 6
+
+
+# ---------------------------------------------------------------- resting prompts (task.dynamic_sampling_rest_steps)
+
+def test_prompt_rest_by_hand():
+    rest = dapo.PromptRest(steps=3)
+    rest.record(10, [(4, False), (7, True), (9, False), (9, True)])  # 9: the last outcome decides
+    assert rest.resting(11) == {4} and rest.resting(13) == {4} and rest.resting(14) == set()
+    rest.record(12, [(4, True), (5, False)])  # an informative group ends the rest
+    assert rest.resting(13) == {5} and rest.until == {5: 16}
+    assert dapo.PromptRest.from_state(3, rest.state()) == rest
+    rest.record(20, [])  # nothing resting any more: the table is emptied
+    assert rest.until == {}
+
+
+def test_refill_prompts_leave_out_the_excluded_and_keep_the_old_draws():
+    assert dapo.refill_prompts(50, 3, 1, 0, 10, 7, frozenset()) == dapo.refill_prompts(50, 3, 1, 0, 10, 7)
+    out = dapo.refill_prompts(20, 3, 1, 0, 15, 7, exclude={0, 1, 2, 3, 4, 5})
+    assert not set(out) & {0, 1, 2, 3, 4, 5} and len(out) == 15 and len(set(out)) == 14  # 14 left: wraps once
+    assert len(dapo.refill_prompts(3, 0, 0, 0, 2, 7, exclude={0, 1, 2})) == 2  # all excluded: all allowed
+
+
+class RecordingRL(FakeRL):
+    """FakeRL that also keeps the prompts of every generation call."""
+
+    def __init__(self):
+        super().__init__()
+        self.prompts = []
+
+    def generate(self, model, tok, prompts, **kw):
+        self.prompts.extend(prompts)
+        return super().generate(model, tok, prompts, **kw)
+
+
+def _run(monkeypatch, rest_steps: int, steps: int = 16):
+    """(groups generated per group trained, prompts drawn at each step, resting set before each step, trainer)."""
+    task = PolicyTaskConfig(num_generations=4, dynamic_sampling=True, dynamic_sampling_max_rounds=6,
+                            dynamic_sampling_rest_steps=rest_steps)
+    tr = fake_trainer(["easy", "hard", "mixed"] * 8, task, local_samples=16, monkeypatch=monkeypatch)
+    tr.rl = RecordingRL()
+    generated, trained, drawn, resting = 0, 0.0, [], []
+    for step in range(steps):
+        resting.append(tr.prompt_rest.resting(step) if getattr(tr, "prompt_rest", None) else frozenset())
+        tr.rl.calls.clear()
+        tr.rl.prompts.clear()
+        sb = gs.dynamic_batch(tr, step)
+        assert sb.log["trained_zero_variance_groups"] == 0.0
+        drawn.append({int(p.split()[1]) for p in tr.rl.prompts})
+        generated += sum(tr.rl.calls) // 4
+        trained += 4 * sb.log["dynamic/filled_fraction"]
+    return generated / trained, drawn, resting, tr
+
+
+def test_resting_prompts_cut_the_groups_generated_only_to_be_dropped(monkeypatch):
+    """'easy' and 'hard' prompts always give groups that agree: once seen they rest (here for longer
+    than the run), no step draws a resting prompt, and fewer groups are generated per group trained."""
+    plain, drawn_plain, _, _ = _run(monkeypatch, rest_steps=0)
+    rested, drawn, resting, tr = _run(monkeypatch, rest_steps=100)
+    assert rested < 0.8 * plain, (rested, plain)
+    assert tr.keep_rate.rate > 0.6  # most groups drawn are informative
+    for step, (d, r) in enumerate(zip(drawn, resting)):
+        assert not d & r, (step, d & r)
+    agreeing = {i for d in drawn for i in d if i % 3 != 2}  # every easy or hard prompt drawn rests
+    assert tr.prompt_rest.resting(16) == agreeing and agreeing
+    assert any(d & r for d, r in zip(drawn_plain, resting))  # without the rest, those prompts come back
+
+
+def test_rest_steps_need_dynamic_sampling_and_go_into_the_checkpoint_state():
+    import types
+
+    from dstrain.trainers.grpo import GRPOTrainer
+    with pytest.raises(ValueError, match="dynamic_sampling_rest_steps needs task.dynamic_sampling"):
+        PolicyTaskConfig(dynamic_sampling_rest_steps=5)
+    with pytest.raises(ValueError, match="dynamic_sampling_rest_steps must not be negative"):
+        PolicyTaskConfig(dynamic_sampling=True, dynamic_sampling_rest_steps=-1)
+    saved = {}
+    fake = types.SimpleNamespace(samples_per_step=32, guards=types.SimpleNamespace(skipped=0), keep_rate=None,
+                                 prompt_rest=dapo.PromptRest(5, {3: 12}),
+                                 saver=types.SimpleNamespace(save=lambda step, state: saved.update(state, step=step)))
+    GRPOTrainer.save(fake, 7)
+    assert saved["dynamic_prompt_rest"] == [[3, 12]]
+    assert dapo.PromptRest.from_state(5, saved["dynamic_prompt_rest"]) == dapo.PromptRest(5, {3: 12})
