@@ -72,7 +72,7 @@ def means(out: Path, keys: tuple[str, ...]) -> dict[str, float]:
 STEP_KEYS = ("time/step", "time/generation", "time/reward", "time/reference", "time/training",
              "dynamic/rounds", "dynamic/dropped_fraction", "dynamic/filled_fraction", "dynamic/generated_groups",
              "dynamic/round0_groups", "dynamic/generated_per_trained", "dynamic/refill_seconds",
-             "dynamic/keep_rate_estimate",
+             "dynamic/keep_rate_estimate", "dynamic/surplus_groups",
              "train/zero_variance_groups", "train/trained_zero_variance_groups")
 
 

@@ -163,7 +163,8 @@ class GroupFiller:
 
     def stats(self) -> dict[str, float]:
         return {"dropped_fraction": self.dropped / max(self.generated, 1), "rounds": float(self.rounds),
-                "filled_fraction": self.kept / max(self.needed, 1), "generated_groups": float(self.generated)}
+                "filled_fraction": self.kept / max(self.needed, 1), "generated_groups": float(self.generated),
+                "surplus_groups": float(self.surplus)}
 
 
 def binomial_at_least(n: int, p: float, k: int) -> float:

@@ -80,7 +80,7 @@ def test_group_filler_bookkeeping():
     assert (f.kept, f.deficit, f.dropped, f.surplus, f.rounds) == (3, 0, 2, 1, 2)
     assert f.kept_rewards == [1.0, 0.0, 0.0, 1.0, 1.0, 0.5]
     assert f.stats() == {"dropped_fraction": 2 / 6, "rounds": 2.0, "filled_fraction": 1.0,
-                         "generated_groups": 6.0}
+                         "generated_groups": 6.0, "surplus_groups": 1.0}
     assert f.next_count() == 0
 
 
