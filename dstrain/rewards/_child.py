@@ -41,6 +41,7 @@ _DENY = frozenset({
     "os.lchflags", "os.setxattr", "os.removexattr", "os.startfile", "sys.addaudithook",
     "sys.settrace", "sys.setprofile", "sys._current_frames", "sys._current_exceptions",
     "gc.get_objects", "gc.get_referrers", "gc.get_referents", "webbrowser.open",
+    "code.__new__",  # hand-made bytecode reads and writes memory at will
 })
 _DENY_PREFIXES = ("socket.", "ctypes.", "_ctypes.", "sqlite3.", "winreg.", "msvcrt.")
 # Frame access: refused (so the nonce stays out of reach) but not counted, because the
@@ -52,9 +53,6 @@ _PATH_WRITE = {
     "os.rename": ((0, 1), (2, 3)), "os.truncate": ((0,), ()), "os.chmod": ((0,), (2,)),
     "os.chown": ((0,), (3,)), "os.utime": ((0,), (3,)), "shutil.rmtree": ((0,), (1,)),
 }
-_DUNDERS = ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__bool__", "__len__",
-            "__contains__", "__abs__", "__sub__", "__rsub__", "__add__", "__radd__",
-            "__float__", "__int__", "__index__", "__round__")
 
 
 def _launch(cfg: dict, result_fd: int) -> None:
@@ -205,6 +203,13 @@ def _make_hook(tmp: str, read_roots: tuple, violations: list):
                 deny(event, f"directory {target}")
         elif event in _DENY or event.startswith(_DENY_PREFIXES):
             deny(event, "forbidden")
+        elif event in ("os.listdir", "os.scandir"):
+            path = (tuple(args) + (None,))[0]
+            if isinstance(path, int) and not isinstance(path, bool):
+                return
+            target = resolve("." if path is None else path)
+            if target is None or not under(target, read_roots):
+                deny(event, f"listing of {target or path!r}")
         elif event == "sys._getframe":
             raise ValueError("sandbox: frame access is not allowed")
         elif event == "object.__getattr__":
@@ -234,100 +239,6 @@ def _make_hook(tmp: str, read_roots: tuple, violations: list):
     return hook
 
 
-def _class_recorder(record: list):
-    """A ``__build_class__`` that remembers every class the program creates; built in a
-    throwaway globals dict so that it leads nowhere."""
-    import builtins
-
-    scope = {"_orig": builtins.__build_class__, "_record": record}
-    exec("def __build_class__(func, name, *bases, **kw):\n"
-         "    cls = _orig(func, name, *bases, **kw)\n"
-         "    _record.append(cls)\n"
-         "    return cls\n", scope)
-    return scope["__build_class__"]
-
-
-def _trusted_value(value, user_classes: list, budget: int = 100_000) -> bool:
-    """Whether ``value`` (deeply, through builtin containers) holds no instance of a class
-    created by the sandboxed program or with comparison methods compiled from a string."""
-    mro_of = type.__dict__["__mro__"].__get__
-    flags_of = type.__dict__["__flags__"].__get__
-    dict_of = type.__dict__["__dict__"].__get__
-    user = {id(c) for c in user_classes}
-    plain = (int, float, complex, bool, str, bytes, type(None))
-    slots = (_WRAPPER_TYPE, _METHOD_TYPE)
-    verdicts = {}
-
-    def type_ok(tp) -> bool:
-        if id(tp) in verdicts:
-            return verdicts[id(tp)][1]
-        ok = True
-        for cls in (tp,) + tuple(mro_of(tp)):
-            if id(cls) in user:
-                ok = False
-            elif flags_of(cls) & (1 << 9):  # a heap type: created at run time
-                d = dict_of(cls)
-                for name in _DUNDERS:
-                    f = d.get(name)
-                    if f is None:
-                        continue
-                    if type(f) is staticmethod or type(f) is classmethod:
-                        f = f.__func__
-                    if type(f) is _FUNCTION_TYPE:
-                        ok = ok and not f.__code__.co_filename.startswith("<")
-                    elif any(type(f) is s for s in slots):
-                        ok = ok and f.__objclass__ is cls
-                    else:
-                        ok = False
-            if not ok:
-                break
-        verdicts[id(tp)] = (tp, ok)
-        return ok
-
-    stack, seen = [value], set()
-    while stack and budget > 0:
-        v = stack.pop()
-        budget -= 1
-        tp = type(v)
-        if any(tp is p for p in plain):
-            continue
-        if id(v) in seen:
-            continue
-        seen.add(id(v))
-        if not type_ok(tp):
-            return False
-        if issubclass(tp, dict):
-            for k, item in dict.items(v):
-                stack.append(k)
-                stack.append(item)
-        elif issubclass(tp, (list, tuple, set, frozenset)):
-            base = next(b for b in (list, tuple, set, frozenset) if issubclass(tp, b))
-            stack.extend(base.__iter__(v))
-    return True
-
-
-_FUNCTION_TYPE, _WRAPPER_TYPE, _METHOD_TYPE = type(_class_recorder), type(object.__init__), type(str.join)
-
-
-def _prepare_test(src: str):
-    """Compile one test: ``("cmp", operands, ops)`` for ``assert a <op> b ...``,
-    ``("expr", code)`` for another single assert, ``("exec", code)`` otherwise."""
-    import ast
-    import operator
-
-    ops = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
-           ast.Gt: operator.gt, ast.GtE: operator.ge, ast.Is: operator.is_, ast.IsNot: operator.is_not,
-           ast.In: lambda a, b: a in b, ast.NotIn: lambda a, b: a not in b}
-    tree = ast.parse(src, "<test>", "exec")
-    if len(tree.body) == 1 and isinstance(tree.body[0], ast.Assert):
-        test = tree.body[0].test
-        if isinstance(test, ast.Compare):
-            parts = [compile(ast.Expression(e), "<test>", "eval") for e in [test.left, *test.comparators]]
-            return ("cmp", parts, [ops[type(o)] for o in test.ops])
-        return ("expr", compile(ast.Expression(test), "<test>", "eval"))
-    return ("exec", compile(tree, "<test>", "exec"))
-
-
 def _describe(exc: BaseException) -> str:
     try:
         text = f"{type(exc).__name__}: {exc}"
@@ -336,23 +247,25 @@ def _describe(exc: BaseException) -> str:
     return str.__str__(text) if isinstance(text, str) else "error"
 
 
-def _worker(job: dict, prepared: list, box: list, user_classes: list, done) -> None:
+def _worker(job: dict, prepared: list, box: list, trusted, done) -> None:
     """Runs program, setup and tests (the only place untrusted code runs); fills ``box``
-    with ``[passed, phase, detail]``."""
+    with ``[passed, phase, detail]``. Each prepared test (``_judge._prepare_test``) is a
+    code object run as a function of the program's namespace with fresh guards."""
     import builtins
+    import gc
     import sys
 
     out, err = sys.stdout, sys.stderr
     bdict = builtins.__dict__
-    snapshot = None
+    function = type(_worker)
+    saved = None
     try:
         try:
             code = compile(job["program"], "<solution>", "exec")
         except BaseException as e:  # SyntaxError, ValueError (null bytes), MemoryError
             box[1:] = ["compile", _describe(e)]
             return
-        bdict["__build_class__"] = _class_recorder(user_classes)
-        snapshot = dict(bdict)
+        saved = dict(bdict)
         ns = {"__name__": "solution", "__builtins__": builtins}
         try:
             exec(code, ns)
@@ -360,7 +273,7 @@ def _worker(job: dict, prepared: list, box: list, user_classes: list, done) -> N
             box[1:] = ["program", _describe(e)]
             return
         dict.clear(bdict)
-        dict.update(bdict, snapshot)
+        dict.update(bdict, saved)
         if job["setup"].strip():
             try:
                 exec(compile(job["setup"], "<setup>", "exec"), ns)
@@ -370,46 +283,30 @@ def _worker(job: dict, prepared: list, box: list, user_classes: list, done) -> N
         passed, detail = 0, ""
         for i, prep in enumerate(prepared):
             dict.clear(bdict)
-            dict.update(bdict, snapshot)
-            ok, why = False, "failed"
+            dict.update(bdict, saved)
+            gc.enable()
+            ok, why, bad = False, "failed", []
             try:
-                if prep[0] == "bad":
-                    why = prep[1]
-                elif prep[0] == "exec":
-                    exec(prep[1], ns)
-                    ok = True
-                elif prep[0] == "expr":
-                    value = eval(prep[1], ns)
-                    trusted = _trusted_value(value, user_classes)
-                    ok, why = (trusted and bool(value)), ("untrusted value" if not trusted else "AssertionError")
+                if type(prep) is str:  # a test that does not compile
+                    why = prep
                 else:
-                    _, parts, ops = prep
-                    left = eval(parts[0], ns)
-                    ok, why = True, ""
-                    for op, part in zip(ops, parts[1:]):
-                        right = eval(part, ns)
-                        if not (_trusted_value(left, user_classes) and _trusted_value(right, user_classes)):
-                            ok, why = False, "untrusted value in comparison"
-                            break
-                        result = op(left, right)
-                        if not _trusted_value(result, user_classes):
-                            ok, why = False, "untrusted comparison result"
-                            break
-                        if not bool(result):
-                            ok, why = False, "AssertionError"
-                            break
-                        left = right
+                    value, call = _make_guards(trusted, ns, bad)
+                    function(prep, ns)(value, call)
+                    ok = not bad
             except BaseException as e:
-                ok, why = False, _describe(e)
+                why = _describe(e)
+            if bad:  # even when the program caught the guard's exception
+                ok, why = False, bad[0]
             if ok:
                 passed += 1
             elif not detail:
                 detail = f"test {i + 1}: {why}"
         box[:] = [passed, "ok", detail]
     finally:
-        if snapshot is not None:
+        gc.enable()
+        if saved is not None:
             dict.clear(bdict)
-            dict.update(bdict, snapshot)
+            dict.update(bdict, saved)
         for stream in (out, err):
             try:
                 stream.flush()
@@ -468,16 +365,20 @@ def _execute(job: dict, result_fd: int, isolation: str, max_processes: int) -> N
     prepared = []
     for src in job["tests"]:
         try:
-            prepared.append(_prepare_test(src))
-        except (SyntaxError, ValueError) as e:
-            prepared.append(("bad", _describe(e)))
+            prepared.append(_prepare_test(src))  # noqa: F821  (from _judge.py, in whose globals this file runs)
+        except (SyntaxError, ValueError, TypeError) as e:
+            prepared.append(_describe(e))
     total = len(prepared)
-    violations, user_classes = [], []
+    global _SNAPSHOT
+    if _SNAPSHOT is None:  # the fork server took it once, before forking
+        _SNAPSHOT = _type_snapshot()  # noqa: F821
+    trusted = _make_trust(_SNAPSHOT)  # noqa: F821
+    violations = []
     box = [0, "crash", "worker did not finish"]
     done = _thread.allocate_lock()
     done.acquire()
     sys.addaudithook(_make_hook(tmp, tuple(sorted(roots)), violations))
-    _thread.start_new_thread(_worker, (job, prepared, box, user_classes, done))
+    _thread.start_new_thread(_worker, (job, prepared, box, trusted, done))
     try:  # only now: counted per user, the limit could otherwise stop the worker thread itself
         resource.setrlimit(resource.RLIMIT_NPROC, (max_processes, max_processes))
     except (ValueError, OSError):

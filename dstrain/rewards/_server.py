@@ -201,6 +201,8 @@ def _serve(isolation: str) -> None:
             pass
     # Everything the server holds now goes to the collector's permanent generation: a child's
     # collections then never walk (and so never copy-on-write) the server's pages.
+    global _SNAPSHOT
+    _SNAPSHOT = _type_snapshot()  # noqa: F821  (from _judge.py): the classes every child starts with
     gc.collect()
     gc.freeze()
     ctl_in, ctl_out = os.dup(0), os.dup(1)

@@ -1,0 +1,258 @@
+"""How a sandboxed program's tests are judged; runs only inside a sandbox child.
+
+Its text is put in front of ``_child.py``'s and executed in the same private globals
+(see ``sandbox.py``). Importing it in the trainer defines functions and runs nothing.
+
+A reward hack does not compute the answer: it returns an object that makes the test's own
+operations say yes (``__eq__`` that always returns True, ``__bool__``, ``__sub__``
+returning 0 for ``abs(f(x) - y) < eps``, a patched ``Counter.__eq__``, a trusted
+container such as ``UserList`` whose data holds such an object). The rule here: every
+value that a test *operates on* (comparison operands, arithmetic and boolean operands,
+arguments of calls to anything but the program's own functions, comprehension items,
+the asserted value) must be **trusted**, deeply: made of classes that existed, with the
+same comparison/arithmetic/truth methods, before the program ran (the snapshot
+:func:`_type_snapshot`), or of classes created later whose such methods are all inherited
+or implemented in C by the class itself. Containers (``list``, ``tuple``, ``dict``,
+``set``, ``deque``, dict views, subclasses of these), the instance dictionaries and slots of
+Python-level objects, ``slice`` and ``SimpleNamespace`` are searched; weak proxies, cells
+and mapping proxies are never trusted. A program thread still running, or a gc callback,
+when a value is checked makes the test fail (it could swap the value after the check).
+"""
+
+# Methods a trusted operation of a test may call on a value.
+_DUNDERS = ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__bool__", "__len__",
+            "__contains__", "__abs__", "__neg__", "__pos__", "__sub__", "__rsub__", "__add__", "__radd__",
+            "__mul__", "__rmul__", "__truediv__", "__rtruediv__", "__mod__", "__rmod__", "__xor__", "__rxor__",
+            "__float__", "__int__", "__index__", "__round__", "__hash__", "__iter__", "__getitem__")
+_SNAPSHOT = None  # {id(cls): (cls, its _DUNDERS entries)}: filled before any untrusted code runs
+
+
+def _type_snapshot() -> dict:
+    """Every class alive now (walked from ``object`` through ``__subclasses__``) with the
+    entries its own ``__dict__`` has for :data:`_DUNDERS`; the classes are held, so ids stay valid."""
+    dict_of = type.__dict__["__dict__"].__get__
+    subclasses = type.__dict__["__subclasses__"]
+    snap, stack = {}, [object]
+    while stack:
+        cls = stack.pop()
+        if id(cls) in snap:
+            continue
+        d = dict_of(cls)
+        snap[id(cls)] = (cls, tuple(d.get(n) for n in _DUNDERS))
+        stack.extend(subclasses(cls))
+    return snap
+
+
+def _make_trust(snapshot: dict):
+    """``trusted(value) -> bool`` for one run (see the module docstring). It never calls
+    code of the program: only C-level accessors, iterators and descriptors."""
+    import collections
+    import types
+    import weakref
+
+    mro_of = type.__dict__["__mro__"].__get__
+    flags_of = type.__dict__["__flags__"].__get__
+    dict_of = type.__dict__["__dict__"].__get__
+    wrapper, member, getset = type(object.__init__), type(slice.__dict__["start"]), type(type.__dict__["__dict__"])
+    plain = {id(t) for t in (int, float, complex, bool, str, bytes, type(None))}
+    dunders = frozenset(_DUNDERS)
+    never = (weakref.ProxyType, weakref.CallableProxyType, weakref.ReferenceType, types.MappingProxyType,
+             types.CellType, types.FrameType, types.TracebackType)
+    view_types = (type({}.keys()), type({}.values()), type({}.items()))
+    seq_bases = (list, tuple, set, frozenset, collections.deque)
+    walk_static = {id(slice), id(types.SimpleNamespace)}
+    verdicts = {}
+
+    def dict_items(v):
+        for k, x in dict.items(v):
+            yield k
+            yield x
+
+    def info(tp):
+        """None when ``tp`` is untrusted, else (element iterator, member descriptors, __dict__ getter)."""
+        hit = verdicts.get(id(tp))
+        if hit is not None:
+            return hit[1]
+        result = _inspect(tp)
+        verdicts[id(tp)] = (tp, result)
+        return result
+
+    def _inspect(tp):
+        mro = mro_of(tp)
+        if any(issubclass(tp, n) for n in never):
+            return None
+        members, dict_get = [], None
+        for cls in mro:
+            entry = snapshot.get(id(cls))
+            d = dict_of(cls)
+            if entry is not None and entry[0] is cls:
+                recorded = entry[1]
+                for i, name in enumerate(_DUNDERS):
+                    if d.get(name) is not recorded[i]:
+                        return None  # changed since the program started
+            else:  # created while the program ran
+                for name, f in d.items():
+                    if type(name) is not str:
+                        return None
+                    if name in dunders and f is not None and not (type(f) is wrapper and f.__objclass__ is cls):
+                        return None
+            if flags_of(tp) & (1 << 9) or id(tp) in walk_static:
+                for name, f in d.items():
+                    if type(f) is member:
+                        members.append(f)
+                    elif name == "__dict__" and dict_get is None and type(f) is getset:
+                        dict_get = f.__get__
+        elements = None
+        if issubclass(tp, dict):
+            elements = dict_items
+        else:
+            for base in seq_bases:
+                if issubclass(tp, base):
+                    elements = base.__iter__
+                    break
+            else:
+                for view in view_types:
+                    if tp is view:
+                        elements = view.__iter__
+        return elements, tuple(members), dict_get
+
+    def trusted(value, budget: int = 2_000_000) -> bool:
+        stack, seen = [value], set()
+        while stack:
+            v = stack.pop()
+            tp = type(v)
+            if id(tp) in plain:
+                continue
+            budget -= 1
+            if budget < 0:
+                return False
+            if id(v) in seen:
+                continue
+            seen.add(id(v))
+            found = info(tp)
+            if found is None:
+                return False
+            elements, members, dict_get = found
+            if elements is not None:
+                stack.extend(elements(v))
+            for m in members:
+                try:
+                    stack.append(m.__get__(v, tp))
+                except AttributeError:
+                    pass
+            if dict_get is not None:
+                d = dict_get(v)
+                if type(d) is dict:
+                    stack.extend(dict_items(d))
+        return True
+
+    return trusted
+
+
+def _make_guards(trusted, ns: dict, bad: list):
+    """The two functions a prepared test receives: ``value(v)`` (check a value a test
+    operates on) and ``call(fn, *args, **kw)`` (check the arguments unless ``fn`` is the
+    program's own function or method). A failed check is recorded in ``bad`` (so that
+    catching the exception does not help) and raises."""
+    import _thread
+    import gc
+
+    count, gc_disable, gc_callbacks = _thread._count, gc.disable, gc.callbacks
+    function, method = type(_make_guards), type(_Guard().visit)
+
+    def value(v):
+        gc_disable()  # no finalizer or gc callback of the program between this check and the operation
+        del gc_callbacks[:]
+        if count() != 1:
+            bad.append("a thread of the program was running while a result was judged")
+        elif not trusted(v):
+            bad.append(f"untrusted value of type {type(v).__name__}")
+        else:
+            return v
+        raise AssertionError(bad[-1])
+
+    def own(fn) -> bool:
+        if type(fn) is method:
+            fn = fn.__func__
+        return type(fn) is function and fn.__globals__ is ns
+
+    def call(fn, *args, **kw):
+        if not own(fn):
+            for a in args:
+                value(a)
+            for a in kw.values():
+                value(a)
+        return fn(*args, **kw)
+
+    return value, call
+
+
+_V, _CALL = "_sbx_value_", "_sbx_call_"
+
+
+class _Guard:
+    """Rewrites a test's AST so that every value it operates on goes through the guards
+    (see :func:`_make_guards`). Lambda bodies are left alone: a lambda may be handed to the
+    program, and its closure must not lead to the guards."""
+
+    def visit(self, node):
+        import ast
+
+        if isinstance(node, ast.Lambda):
+            return node
+        for field, old in ast.iter_fields(node):
+            if isinstance(old, list):
+                old[:] = [self.visit(x) if isinstance(x, ast.AST) else x for x in old]
+            elif isinstance(old, ast.AST):
+                setattr(node, field, self.visit(old))
+        return self.rewrite(node)
+
+    @staticmethod
+    def wrap(expr):
+        import ast
+
+        return ast.Call(ast.Name(_V, ast.Load()), [expr], [])
+
+    def rewrite(self, node):
+        import ast
+
+        w = self.wrap
+        if isinstance(node, ast.Compare):
+            node.left = w(node.left)
+            node.comparators = [w(c) for c in node.comparators]
+            return w(node)
+        if isinstance(node, ast.BinOp):
+            node.left, node.right = w(node.left), w(node.right)
+        elif isinstance(node, ast.UnaryOp):
+            node.operand = w(node.operand)
+        elif isinstance(node, ast.BoolOp):
+            node.values = [w(v) for v in node.values]
+        elif isinstance(node, (ast.IfExp, ast.If, ast.While)):
+            node.test = w(node.test)
+        elif isinstance(node, ast.Assert):
+            node.test = w(node.test)
+        elif isinstance(node, ast.comprehension):
+            node.ifs = [w(c) for c in node.ifs]
+        elif isinstance(node, (ast.ListComp, ast.SetComp, ast.GeneratorExp)):
+            node.elt = w(node.elt)
+        elif isinstance(node, ast.DictComp):
+            node.key, node.value = w(node.key), w(node.value)
+        elif isinstance(node, ast.Call):
+            return ast.Call(ast.Name(_CALL, ast.Load()), [node.func, *node.args], node.keywords)
+        return node
+
+
+def _prepare_test(src: str):
+    """A test statement (normally ``assert ...``) compiled as the body of a function
+    ``(value_guard, call_guard) -> None`` whose values go through the guards; raises
+    SyntaxError/ValueError for a test that does not compile."""
+    import ast
+
+    tree = ast.parse(src, "<test>", "exec")
+    body = [_Guard().visit(stmt) for stmt in tree.body] or [ast.Pass()]
+    args = ast.arguments(posonlyargs=[], args=[ast.arg(_V), ast.arg(_CALL)], kwonlyargs=[], kw_defaults=[],
+                         defaults=[])
+    fn = ast.FunctionDef(name="_sbx_test_", args=args, body=body, decorator_list=[], returns=None)
+    module = ast.fix_missing_locations(ast.Module([fn], []))
+    code = compile(module, "<test>", "exec")
+    return next(c for c in code.co_consts if type(c) is type(code))
