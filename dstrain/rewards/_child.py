@@ -33,6 +33,10 @@ STUB = "import sys; exec(compile(sys.argv[1], '<sandbox>', 'exec'), {'__name__':
 
 CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x20000, 0x10000000, 0x20000000, 0x40000000
 PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 24, 38
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_NOATIME, MS_NODIRATIME = 1, 2, 4, 8, 32, 1024, 2048
+MS_BIND, MS_REC, MS_PRIVATE, MS_RELATIME = 4096, 16384, 1 << 18, 1 << 21
+TMPFS_BYTES = 64 << 20
+"""Size of the tmpfs a sandboxed program (or a fork server's programs, one at a time) may fill."""
 
 # Audit events that are always refused and counted as violations.
 _DENY = frozenset({
@@ -75,6 +79,12 @@ def _launch(cfg: dict, result_fd: int) -> None:
                 notes.append(label)
                 pid_ns = "pidns" in label
                 break
+    fresh_proc = False
+    if cfg["namespaces"] and libc is not None:
+        mounts = _private_mounts(libc, cfg)
+        if mounts:
+            notes.append(mounts)
+            fresh_proc = pid_ns
     if libc is not None and os.geteuid() == 0:
         try:
             with open("/proc/sys/kernel/cap_last_cap") as f:
@@ -102,6 +112,10 @@ def _launch(cfg: dict, result_fd: int) -> None:
     pid = os.fork()  # the child is the init of the new PID namespace
     if pid == 0:
         try:
+            # a /proc of this PID namespace: the trainer's processes are not even listed
+            if fresh_proc and libc.mount(b"proc", b"/proc", b"proc", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                                         None) == 0:
+                argv[argv.index(isolation)] = isolation + ",procfs"
             os.execv(sys.executable, argv)
         finally:
             os._exit(127)
@@ -112,6 +126,48 @@ def _launch(cfg: dict, result_fd: int) -> None:
         except InterruptedError:
             continue
     os._exit(128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))
+
+
+def _private_mounts(libc, cfg: dict) -> str:
+    """In a new mount namespace, mount a fresh tmpfs of :data:`TMPFS_BYTES` on the working
+    directory (the program's files then never reach a disk nor the trainer's view of that
+    folder) and remount every other mount read-only, so that nothing outside it can be
+    created or changed even by calls no audit event covers (``mknod``, ``mkfifo``). Returns
+    ``"mntns,rofs"``, ``"mntns"`` when some remount failed, or ``""`` when not permitted."""
+    import os
+
+    if libc.unshare(CLONE_NEWNS) != 0:
+        return ""
+    if libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
+        return ""
+    try:
+        with open("/proc/self/mountinfo", "rb") as f:
+            table = [line.split() for line in f.read().splitlines()]
+    except OSError:
+        return ""
+    keep = {b"nosuid": MS_NOSUID, b"nodev": MS_NODEV, b"noexec": MS_NOEXEC, b"noatime": MS_NOATIME,
+            b"nodiratime": MS_NODIRATIME, b"relatime": MS_RELATIME}
+    here = os.getcwd()
+    opts = f"size={TMPFS_BYTES},mode=0700"
+    if cfg.get("uid") is not None:
+        opts += f",uid={cfg['uid']},gid={cfg['gid']}"
+    if libc.mount(b"tmpfs", os.fsencode(here), b"tmpfs", MS_NOSUID | MS_NODEV, opts.encode()) != 0:
+        return ""
+    os.chdir(here)  # into the new tmpfs
+    failed = 0
+    for row in table:
+        if len(row) < 6:
+            continue
+        point = row[4]
+        for code in set(point.split(b"\\")[1:]):  # mountinfo escapes spaces etc. as \ooo
+            if code[:3].isdigit():
+                point = point.replace(b"\\" + code[:3], bytes([int(code[:3], 8)]))
+        flags = MS_REMOUNT | MS_BIND | MS_RDONLY
+        for opt in row[5].split(b","):
+            flags |= keep.get(opt, 0)
+        if libc.mount(None, point, None, flags, None) != 0:
+            failed += 1
+    return "mntns" if failed else "mntns,rofs"
 
 
 def _set_limits(cfg: dict) -> None:
