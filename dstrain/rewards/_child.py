@@ -303,7 +303,7 @@ def _describe(exc: BaseException) -> str:
     return str.__str__(text) if isinstance(text, str) else "error"
 
 
-def _worker(job: dict, prepared: list, box: list, trusted, done) -> None:
+def _worker(job: dict, prepared: list, box: list, trusted, modules: dict, done) -> None:
     """Runs program, setup and tests (the only place untrusted code runs); fills ``box``
     with ``[passed, phase, detail]``. Each prepared test (``_judge._prepare_test``) is a
     code object run as a function of the program's namespace with fresh guards."""
@@ -346,8 +346,8 @@ def _worker(job: dict, prepared: list, box: list, trusted, done) -> None:
                 if type(prep) is str:  # a test that does not compile
                     why = prep
                 else:
-                    value, call = _make_guards(trusted, ns, bad)
-                    function(prep, ns)(value, call)
+                    guards = _make_guards(trusted, ns, bad, saved, modules, prep[1])  # noqa: F821
+                    function(prep[0], ns)(*guards)
                     ok = not bad
             except BaseException as e:
                 why = _describe(e)
@@ -418,6 +418,9 @@ def _execute(job: dict, result_fd: int, isolation: str, max_processes: int) -> N
     for p in [sys.prefix, sys.base_prefix, sys.exec_prefix, *sys.path]:
         if p:
             roots.add(os.path.realpath(p))
+    global _SNAPSHOT
+    if _SNAPSHOT is None:  # the fork server took it once, before forking
+        _SNAPSHOT = _type_snapshot()  # noqa: F821
     prepared = []
     for src in job["tests"]:
         try:
@@ -425,16 +428,13 @@ def _execute(job: dict, result_fd: int, isolation: str, max_processes: int) -> N
         except (SyntaxError, ValueError, TypeError) as e:
             prepared.append(_describe(e))
     total = len(prepared)
-    global _SNAPSHOT
-    if _SNAPSHOT is None:  # the fork server took it once, before forking
-        _SNAPSHOT = _type_snapshot()  # noqa: F821
-    trusted = _make_trust(_SNAPSHOT)  # noqa: F821
+    trusted = _make_trust(_SNAPSHOT[0])  # noqa: F821
     violations = []
     box = [0, "crash", "worker did not finish"]
     done = _thread.allocate_lock()
     done.acquire()
     sys.addaudithook(_make_hook(tmp, tuple(sorted(roots)), violations))
-    _thread.start_new_thread(_worker, (job, prepared, box, trusted, done))
+    _thread.start_new_thread(_worker, (job, prepared, box, trusted, _SNAPSHOT[1], done))
     try:  # only now: counted per user, the limit could otherwise stop the worker thread itself
         resource.setrlimit(resource.RLIMIT_NPROC, (max_processes, max_processes))
     except (ValueError, OSError):

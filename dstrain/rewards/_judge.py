@@ -24,12 +24,21 @@ _DUNDERS = ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__bool_
             "__contains__", "__abs__", "__neg__", "__pos__", "__sub__", "__rsub__", "__add__", "__radd__",
             "__mul__", "__rmul__", "__truediv__", "__rtruediv__", "__mod__", "__rmod__", "__xor__", "__rxor__",
             "__float__", "__int__", "__index__", "__round__", "__hash__", "__iter__", "__getitem__")
-_SNAPSHOT = None  # {id(cls): (cls, its _DUNDERS entries)}: filled before any untrusted code runs
+_SNAPSHOT = None  # (classes, modules) of _type_snapshot(): taken before any untrusted code runs
+_COMMON = ("math", "re", "string", "itertools", "functools", "operator", "heapq", "bisect", "copy", "cmath",
+           "array", "struct", "time", "collections", "sys")
+"""Modules imported before the snapshot even by a spawned child (1-2 ms), so that tests
+naming them get the real ones; the fork server imports more (``_server._PRELOAD``)."""
 
 
-def _type_snapshot() -> dict:
-    """Every class alive now (walked from ``object`` through ``__subclasses__``) with the
-    entries its own ``__dict__`` has for :data:`_DUNDERS`; the classes are held, so ids stay valid."""
+def _type_snapshot() -> tuple:
+    """(classes, modules): every class alive now (walked from ``object`` through
+    ``__subclasses__``) with the entries its own ``__dict__`` has for :data:`_DUNDERS`, and a
+    copy of every loaded module's namespace; objects are held, so their ids stay valid."""
+    import sys
+
+    for name in _COMMON:
+        __import__(name)
     dict_of = type.__dict__["__dict__"].__get__
     subclasses = type.__dict__["__subclasses__"]
     snap, stack = {}, [object]
@@ -40,7 +49,11 @@ def _type_snapshot() -> dict:
         d = dict_of(cls)
         snap[id(cls)] = (cls, tuple(d.get(n) for n in _DUNDERS))
         stack.extend(subclasses(cls))
-    return snap
+    modules = {}
+    for name, module in list(sys.modules.items()):
+        if type(module) is type(sys):
+            modules[id(module)] = (module, dict(module.__dict__), name)
+    return snap, modules
 
 
 def _make_trust(snapshot: dict):
@@ -149,16 +162,48 @@ def _make_trust(snapshot: dict):
     return trusted
 
 
-def _make_guards(trusted, ns: dict, bad: list):
-    """The two functions a prepared test receives: ``value(v)`` (check a value a test
-    operates on) and ``call(fn, *args, **kw)`` (check the arguments unless ``fn`` is the
-    program's own function or method). A failed check is recorded in ``bad`` (so that
-    catching the exception does not help) and raises."""
+def _make_guards(trusted, ns: dict, bad: list, builtins: dict, modules: dict, test_names: tuple):
+    """The functions a prepared test receives: ``value(v)`` (check a value a test operates
+    on), ``call(fn, *args, **kw)`` (check the arguments unless ``fn`` is the program's own
+    function or method), ``name(n)`` (a builtin or module name: see below) and
+    ``attr(obj, n)`` (an attribute of a module loaded before the program is read as it was
+    then, so ``math.isclose = lambda *a, **k: True`` does not reach the test). A failed
+    check is recorded in ``bad`` (so that catching the exception does not help) and raises.
+
+    ``name``: a builtin name means the real builtin, unless the program defines it and the
+    test names none of the program's other globals (the tested function itself is called
+    ``sum``); a module name means that module unless the program bound the name to a
+    function or class of its own."""
     import _thread
     import gc
 
+    function = type(_make_guards)
+    module_type, missing = type(gc), object()
+    shadow_ok = not any(n not in builtins and n in ns for n in test_names)
+    by_name = {rec[2]: rec[0] for rec in modules.values()}
+
+    def name(n):
+        if n in builtins:
+            if shadow_ok and n in ns:
+                return ns[n]
+            return builtins[n]
+        v = ns.get(n, missing)
+        real = by_name.get(n)
+        if real is not None and (v is missing or type(v) not in (function, type)):
+            return real
+        if v is missing:
+            raise NameError(f"name {n!r} is not defined")
+        return v
+
+    def attr(obj, n):
+        if type(obj) is module_type:
+            rec = modules.get(id(obj))
+            if rec is not None and rec[0] is obj and n in rec[1]:
+                return rec[1][n]
+        return getattr(obj, n)
+
     count, gc_disable, gc_callbacks = _thread._count, gc.disable, gc.callbacks
-    function, method = type(_make_guards), type(_Guard().visit)
+    method = type(_Guard().visit)
 
     def value(v):
         gc_disable()  # no finalizer or gc callback of the program between this check and the operation
@@ -184,16 +229,20 @@ def _make_guards(trusted, ns: dict, bad: list):
                 value(a)
         return fn(*args, **kw)
 
-    return value, call
+    return value, call, name, attr
 
 
-_V, _CALL = "_sbx_value_", "_sbx_call_"
+_V, _CALL, _NAME, _ATTR = "_sbx_value_", "_sbx_call_", "_sbx_name_", "_sbx_attr_"
 
 
 class _Guard:
     """Rewrites a test's AST so that every value it operates on goes through the guards
     (see :func:`_make_guards`). Lambda bodies are left alone: a lambda may be handed to the
-    program, and its closure must not lead to the guards."""
+    program, and its closure must not lead to the guards. ``names``: the free names to
+    route through ``name`` (builtins and loaded modules); ``bound``: names the test binds."""
+
+    def __init__(self, names=frozenset(), bound=frozenset()) -> None:
+        self.names, self.bound, self.used = names, bound, set()
 
     def visit(self, node):
         import ast
@@ -239,20 +288,36 @@ class _Guard:
             node.key, node.value = w(node.key), w(node.value)
         elif isinstance(node, ast.Call):
             return ast.Call(ast.Name(_CALL, ast.Load()), [node.func, *node.args], node.keywords)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in self.bound:
+            self.used.add(node.id)
+            if node.id in self.names:
+                return ast.Call(ast.Name(_NAME, ast.Load()), [ast.Constant(node.id)], [])
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+            return ast.Call(ast.Name(_ATTR, ast.Load()), [node.value, ast.Constant(node.attr)], [])
         return node
 
 
 def _prepare_test(src: str):
-    """A test statement (normally ``assert ...``) compiled as the body of a function
-    ``(value_guard, call_guard) -> None`` whose values go through the guards; raises
-    SyntaxError/ValueError for a test that does not compile."""
+    """(code, names): a test statement (normally ``assert ...``) compiled as the body of a
+    function of the four guards (see :func:`_make_guards`), and the free names it reads;
+    raises SyntaxError/ValueError for a test that does not compile."""
     import ast
+    import builtins
+    import sys
 
     tree = ast.parse(src, "<test>", "exec")
-    body = [_Guard().visit(stmt) for stmt in tree.body] or [ast.Pass()]
-    args = ast.arguments(posonlyargs=[], args=[ast.arg(_V), ast.arg(_CALL)], kwonlyargs=[], kw_defaults=[],
-                         defaults=[])
+    bound = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+            bound.add(node.id)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+    names = {n for n in sys.modules if "." not in n} | set(vars(builtins))
+    guard = _Guard(frozenset(names - bound), frozenset(bound))
+    body = [guard.visit(stmt) for stmt in tree.body] or [ast.Pass()]
+    args = ast.arguments(posonlyargs=[], args=[ast.arg(a) for a in (_V, _CALL, _NAME, _ATTR)], kwonlyargs=[],
+                         kw_defaults=[], defaults=[])
     fn = ast.FunctionDef(name="_sbx_test_", args=args, body=body, decorator_list=[], returns=None)
     module = ast.fix_missing_locations(ast.Module([fn], []))
     code = compile(module, "<test>", "exec")
-    return next(c for c in code.co_consts if type(c) is type(code))
+    return next(c for c in code.co_consts if type(c) is type(code)), tuple(sorted(guard.used))
