@@ -45,8 +45,12 @@ _DENY = frozenset({
     "os.lchflags", "os.setxattr", "os.removexattr", "os.startfile", "sys.addaudithook",
     "sys.settrace", "sys.setprofile", "sys._current_frames", "sys._current_exceptions",
     "gc.get_objects", "gc.get_referrers", "gc.get_referents", "webbrowser.open",
-    "code.__new__",  # hand-made bytecode reads and writes memory at will
+    "code.__new__", "marshal.loads", "marshal.load",  # hand-made bytecode reads and writes memory at will
 })
+# Extension modules that start processes or corrupt memory without an audit event of
+# their own (``_posixsubprocess.fork_exec``, ``_testcapi``, sub-interpreters): refused
+# by name or file name, however they are loaded.
+_DENY_MODULES = ("_posixsubprocess", "_ctypes", "_test", "_xx", "xx")
 _DENY_PREFIXES = ("socket.", "ctypes.", "_ctypes.", "sqlite3.", "winreg.", "msvcrt.")
 # Frame access: refused (so the nonce stays out of reach) but not counted, because the
 # standard library probes sys._getframe (namedtuple, enum) and copes with ValueError.
@@ -259,6 +263,15 @@ def _make_hook(tmp: str, read_roots: tuple, violations: list):
                 deny(event, f"directory {target}")
         elif event in _DENY or event.startswith(_DENY_PREFIXES):
             deny(event, "forbidden")
+        elif event == "import":
+            args = tuple(args) + (None, None)
+            for part in (args[0], args[1]):
+                if isinstance(part, (str, bytes)):
+                    base = fsdecode(b"".join((part,))) if isinstance(part, bytes) else str.__str__(part)
+                    base = base.rsplit("/", 1)[-1].rsplit(".", 1)[-1] if part is args[0] else \
+                        base.rsplit("/", 1)[-1].split(".", 1)[0]
+                    if base.startswith(_DENY_MODULES):
+                        deny(event, f"module {base}")
         elif event in ("os.listdir", "os.scandir"):
             path = (tuple(args) + (None,))[0]
             if isinstance(path, int) and not isinstance(path, bool):
@@ -433,6 +446,9 @@ def _execute(job: dict, result_fd: int, isolation: str, max_processes: int) -> N
     box = [0, "crash", "worker did not finish"]
     done = _thread.allocate_lock()
     done.acquire()
+    # Modules are compiled from source from now on: no .pyc is read (marshal is refused, see
+    # _DENY) and none can be planted, as the cache folder would be inside the program's own.
+    sys.pycache_prefix = os.path.join(tmp, ".no-pycache")
     sys.addaudithook(_make_hook(tmp, tuple(sorted(roots)), violations))
     _thread.start_new_thread(_worker, (job, prepared, box, trusted, _SNAPSHOT[1], done))
     try:  # only now: counted per user, the limit could otherwise stop the worker thread itself
