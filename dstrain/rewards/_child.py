@@ -316,7 +316,7 @@ def _describe(exc: BaseException) -> str:
     return str.__str__(text) if isinstance(text, str) else "error"
 
 
-def _worker(job: dict, prepared: list, box: list, trusted, modules: dict, done) -> None:
+def _worker(job: dict, prepared: list, box: list, judge: tuple, done) -> None:
     """Runs program, setup and tests (the only place untrusted code runs); fills ``box``
     with ``[passed, phase, detail]``. Each prepared test (``_judge._prepare_test``) is a
     code object run as a function of the program's namespace with fresh guards."""
@@ -327,6 +327,7 @@ def _worker(job: dict, prepared: list, box: list, trusted, modules: dict, done) 
     out, err = sys.stdout, sys.stderr
     bdict = builtins.__dict__
     function = type(_worker)
+    trusted, modules, tools = judge
     saved = None
     try:
         try:
@@ -359,7 +360,7 @@ def _worker(job: dict, prepared: list, box: list, trusted, modules: dict, done) 
                 if type(prep) is str:  # a test that does not compile
                     why = prep
                 else:
-                    guards = _make_guards(trusted, ns, bad, saved, modules, prep[1])  # noqa: F821
+                    guards = _make_guards(trusted, ns, bad, saved, modules, prep[1], tools)  # noqa: F821
                     function(prep[0], ns)(*guards)
                     ok = not bad
             except BaseException as e:
@@ -450,7 +451,7 @@ def _execute(job: dict, result_fd: int, isolation: str, max_processes: int) -> N
     # _DENY) and none can be planted, as the cache folder would be inside the program's own.
     sys.pycache_prefix = os.path.join(tmp, ".no-pycache")
     sys.addaudithook(_make_hook(tmp, tuple(sorted(roots)), violations))
-    _thread.start_new_thread(_worker, (job, prepared, box, trusted, _SNAPSHOT[1], done))
+    _thread.start_new_thread(_worker, (job, prepared, box, (trusted, _SNAPSHOT[1], _guard_tools()), done))  # noqa: F821
     try:  # only now: counted per user, the limit could otherwise stop the worker thread itself
         resource.setrlimit(resource.RLIMIT_NPROC, (max_processes, max_processes))
     except (ValueError, OSError):

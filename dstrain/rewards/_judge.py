@@ -24,6 +24,8 @@ _DUNDERS = ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__bool_
             "__contains__", "__abs__", "__neg__", "__pos__", "__sub__", "__rsub__", "__add__", "__radd__",
             "__mul__", "__rmul__", "__truediv__", "__rtruediv__", "__mod__", "__rmod__", "__xor__", "__rxor__",
             "__float__", "__int__", "__index__", "__round__", "__hash__", "__iter__", "__getitem__")
+import sys as _judge_sys  # noqa: E402  (its type is the module type)
+
 _SNAPSHOT = None  # (classes, modules) of _type_snapshot(): taken before any untrusted code runs
 _COMMON = ("math", "re", "string", "itertools", "functools", "operator", "heapq", "bisect", "copy", "cmath",
            "array", "struct", "time", "collections", "sys")
@@ -162,7 +164,15 @@ def _make_trust(snapshot: dict):
     return trusted
 
 
-def _make_guards(trusted, ns: dict, bad: list, builtins: dict, modules: dict, test_names: tuple):
+def _guard_tools() -> tuple:
+    """What the guards call, taken before the program runs (it could patch the modules)."""
+    import _thread
+    import gc
+
+    return _thread._count, gc.disable, gc.callbacks
+
+
+def _make_guards(trusted, ns: dict, bad: list, builtins: dict, modules: dict, test_names: tuple, tools: tuple):
     """The functions a prepared test receives: ``value(v)`` (check a value a test operates
     on), ``call(fn, *args, **kw)`` (check the arguments unless ``fn`` is the program's own
     function or method), ``name(n)`` (a builtin or module name: see below) and
@@ -174,11 +184,7 @@ def _make_guards(trusted, ns: dict, bad: list, builtins: dict, modules: dict, te
     test names none of the program's other globals (the tested function itself is called
     ``sum``); a module name means that module unless the program bound the name to a
     function or class of its own."""
-    import _thread
-    import gc
-
-    function = type(_make_guards)
-    module_type, missing = type(gc), object()
+    function, module_type, missing = type(_make_guards), type(_judge_sys), object()
     shadow_ok = not any(n not in builtins and n in ns for n in test_names)
     by_name = {rec[2]: rec[0] for rec in modules.values()}
 
@@ -202,7 +208,7 @@ def _make_guards(trusted, ns: dict, bad: list, builtins: dict, modules: dict, te
                 return rec[1][n]
         return getattr(obj, n)
 
-    count, gc_disable, gc_callbacks = _thread._count, gc.disable, gc.callbacks
+    count, gc_disable, gc_callbacks = tools
     method = type(_Guard().visit)
 
     def value(v):
