@@ -28,7 +28,7 @@ import sys as _judge_sys  # noqa: E402  (its type is the module type)
 
 _SNAPSHOT = None  # (classes, modules) of _type_snapshot(): taken before any untrusted code runs
 _COMMON = ("math", "re", "string", "itertools", "functools", "operator", "heapq", "bisect", "copy", "cmath",
-           "array", "struct", "time", "collections", "sys")
+           "array", "struct", "time", "collections", "sys", "fractions")
 """Modules imported before the snapshot even by a spawned child (1-2 ms), so that tests
 naming them get the real ones; the fork server imports more (``_server._PRELOAD``)."""
 
