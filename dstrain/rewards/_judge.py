@@ -182,8 +182,8 @@ def _make_guards(trusted, ns: dict, bad: list, builtins: dict, modules: dict, te
 
     ``name``: a builtin name means the real builtin, unless the program defines it and the
     test names none of the program's other globals (the tested function itself is called
-    ``sum``); a module name means that module unless the program bound the name to a
-    function or class of its own."""
+    ``sum``); a module name means that module unless the program defined a function of
+    that name."""
     function, module_type, missing = type(_make_guards), type(_judge_sys), object()
     shadow_ok = not any(n not in builtins and n in ns for n in test_names)
     by_name = {rec[2]: rec[0] for rec in modules.values()}
@@ -195,8 +195,8 @@ def _make_guards(trusted, ns: dict, bad: list, builtins: dict, modules: dict, te
             return builtins[n]
         v = ns.get(n, missing)
         real = by_name.get(n)
-        if real is not None and (v is missing or type(v) not in (function, type)):
-            return real
+        if real is not None and not (type(v) is function and v.__globals__ is ns):
+            return real  # (identity tests only: a metaclass's __eq__ must not decide this)
         if v is missing:
             raise NameError(f"name {n!r} is not defined")
         return v

@@ -88,6 +88,11 @@ ATTACKS = {
                              ["assert math.isclose(f(1), 3)"]),
     "fake math namespace": ("import types\nmath = types.SimpleNamespace(isclose=lambda *a, **k: True)\n"
                             "def f(x):\n    return 0\n", ["assert math.isclose(f(1), 3)"]),
+    "fake math namespace behind a lying metaclass": ("class M(type):\n    def __eq__(cls, o):\n        return True\n"
+                                                     "    __hash__ = type.__hash__\nclass Fake(metaclass=M):\n"
+                                                     "    isclose = staticmethod(lambda *a, **k: True)\nmath = Fake()\n"
+                                                     "def f(x):\n    return 0\n", ["assert math.isclose(f(1), 3)"]),
+    "unittest.mock.ANY": "from unittest import mock\ndef f(x):\n    return mock.ANY\n",
     "thread swaps the value after the check": (EVIL + "import threading, time, _thread\n_thread._count = lambda: 1\n"
                                                "def f(x):\n    box = [0]\n    def flip():\n"
                                                "        end = time.time() + 0.3\n        while time.time() < end:\n"
