@@ -10,7 +10,8 @@ program and calls :func:`_execute` there).
 
 ``launch`` (trusted, before any untrusted byte is read): tries ``unshare`` of a
 network and a PID namespace (falling back to a user namespace, then to no namespace,
-silently), drops every capability from the bounding set, switches to an unprivileged
+silently), then of a mount namespace in which every mount is read-only but a fresh tmpfs
+on the working directory (:func:`_private_mounts`), drops every capability from the bounding set, switches to an unprivileged
 uid when the parent asked for one, sets ``no_new_privs`` and the resource limits, then
 (inside a new PID namespace, after one fork so the program is that namespace's init)
 re-executes a fresh interpreter for the second stage, so ``ctypes`` is never loaded
@@ -24,9 +25,9 @@ thread, the only holder of the nonce, waits. It finally writes one line
 ``<nonce> <passed> <total> <phase> <violations> <isolation>\\t<detail>`` to the result
 pipe and leaves with ``os._exit``.
 
-Each test is an ``assert``; for ``assert a == b`` (any comparison chain) the operands and
-the comparison result must not be objects of classes created by the program
-(:func:`_trusted_value`), which defeats the "object whose ``__eq__`` returns True" trick.
+How tests are judged (every value a test operates on must be made of classes that existed,
+unchanged, before the program ran; builtins and loaded modules as they were then) is in
+``_judge.py``, whose text runs in front of this file's in the same globals.
 """
 
 STUB = "import sys; exec(compile(sys.argv[1], '<sandbox>', 'exec'), {'__name__': '__sandbox__'})"

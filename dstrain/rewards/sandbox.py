@@ -22,8 +22,13 @@ Layers, from the kernel up (see ``_child.py`` for the child side):
   ``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_FSIZE``, ``RLIMIT_NPROC``, ``RLIMIT_NOFILE``,
   ``RLIMIT_CORE=0``;
 * a new network namespace (no interfaces but a down loopback) and a new PID namespace
-  (the trainer's pid does not exist there) when ``unshare`` is permitted; silently
-  skipped when it is not;
+  (the trainer's pid does not exist there, and a fresh ``/proc`` lists none of its
+  processes) when ``unshare`` is permitted; silently skipped when it is not;
+* a new mount namespace in which every mount is remounted read-only and the program's
+  folder is a fresh tmpfs of ``_child.TMPFS_BYTES`` (64 MiB): nothing outside it can be
+  created even by calls no audit event covers (``mknod``, ``mkfifo``), and a disk-filling
+  program fills 64 MiB of memory, not the trainer's disk (``ExecResult.isolation`` then
+  says ``mntns,rofs``);
 * when the trainer runs as root: an empty capability bounding set (no ``mknod``,
   ``mount``, raw sockets, raising limits), ``no_new_privs``, and, when the interpreter
   is readable by ``nobody``, the uid/gid of ``nobody``;
@@ -31,26 +36,44 @@ Layers, from the kernel up (see ``_child.py`` for the child side):
   process creation (fork, exec, spawn, system, ``subprocess``), signals (``os.kill``,
   ``os.killpg``), sockets, ``ctypes``, garbage-collector and frame introspection,
   tracing, writes outside the temporary directory (``/dev/null`` excepted), links,
-  and reads outside the interpreter's own directories (so ``/proc/<pid>/environ`` and
-  the trainer's home are out of reach). Every refusal except frame access makes the run
-  ``"error"`` with reward 0, even when the program catches the exception.
+  reads and directory listings outside the interpreter's own directories (so
+  ``/proc/<pid>/environ`` and the trainer's home are out of reach), hand-made code objects
+  (``code.__new__``, ``marshal.loads``: modules are compiled from source, no ``.pyc`` is
+  read), and extension modules that act without audit events of their own
+  (``_posixsubprocess``, ``_ctypes``, ``_testcapi``, sub-interpreters), however loaded.
+  Every refusal except frame access makes the run ``"error"`` with reward 0, even when
+  the program catches the exception.
 
 The result line carries a random nonce passed on stdin, which the child reads before
 any untrusted code runs and keeps only in the frame of its main thread, while the
 program runs in another thread; frame access is refused, so the program cannot print
-a forged "all passed" line. Tests are checked so that an ``assert x == y`` cannot be
-won by returning an object of the program's own class whose ``__eq__`` says yes.
+a forged "all passed" line. Tests are judged so that they cannot be won without computing
+the answer (``_judge.py``): every value a test operates on (comparison and arithmetic
+operands, arguments of library calls, the asserted value) must be built, deeply, from
+classes that existed with the same comparison, arithmetic and truth methods before the
+program ran, so an always-equal object (however its class was made), a patched
+``Counter.__eq__`` or such an object inside a list, ``UserList``, ``deque`` or ``Fraction``
+fails the test; builtins, loaded modules and their attributes are read as they were before
+the program ran (a program-defined ``set`` or a patched ``math.isclose`` does not reach the
+test; the one exception is a tested function that is itself named like a builtin); and a
+program thread still running while a value is judged fails the test.
 
-Consequences for programs: no ``ctypes`` and therefore no ``numpy``; no subprocesses,
-threads must have ended when the tests finish, ``sys._getframe``/``traceback`` frame
-access raises, and only the temporary directory is writable.
+Consequences for programs: no ``ctypes`` and therefore no ``numpy``; no subprocesses
+(``import subprocess`` itself is refused), threads must have ended when the tests finish,
+``sys._getframe``/``traceback`` frame access raises, and only the temporary directory is
+writable.
 
-Not protected against: a determined attacker with a CPython memory-corruption bug;
-denial of service within the limits (CPU, memory, disk up to ``file_size_bytes`` per
-file inside the temporary directory); a program that shadows names the tests use
-(e.g. defines ``set``) or monkeypatches modules the tests call; classes built from
-code compiled under a forged file name; reading world-readable files under the
-interpreter's prefix. Without namespaces and without root, network isolation rests on
+Not protected against: a determined attacker with a CPython memory-corruption bug or a
+kernel exploit (this is not a security boundary of the strength of a VM or of seccomp:
+there is no seccomp filter, and as root without ``nobody`` the child keeps uid 0 without
+capabilities, so the read-only mounts and the audit hook are what keep it from files);
+denial of service within the limits (CPU, memory, 64 MiB of tmpfs); reading files under
+the interpreter's prefix and site-packages; a test that hands a lambda to the program
+(lambda bodies in tests are not guarded); a program that patches a module it imported
+itself and the test then uses (only modules loaded before the program ran are restored);
+stdlib classes with Python-level comparison methods first imported by the program (their
+instances then count as untrusted: a correct program returning one scores 0). Without
+namespaces (no root, no user namespaces) writes, network and process isolation rest on
 the audit hook alone.
 """
 from __future__ import annotations
