@@ -201,7 +201,7 @@ def _make_hook(tmp: str, read_roots: tuple, violations: list):
     import os
     import stat
 
-    get_ident, getcwd, readlink, realpath = _thread.get_ident, os.getcwd, os.readlink, os.path.realpath
+    get_ident, getcwd, readlink, realpath, getpid = _thread.get_ident, os.getcwd, os.readlink, os.path.realpath, os.getpid
     join, isabs, fsdecode, lstat = os.path.join, os.path.isabs, os.fsdecode, os.stat
     busy = set()
     write_flags = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
@@ -264,6 +264,10 @@ def _make_hook(tmp: str, read_roots: tuple, violations: list):
                 deny(event, f"directory {target}")
         elif event in _DENY or event.startswith(_DENY_PREFIXES):
             deny(event, "forbidden")
+        elif event == "resource.prlimit":
+            pid = (tuple(args) + (0,))[0]  # an exact int: the C value the call will use
+            if type(pid) is not int or (pid != 0 and pid != getpid()):  # another process: the fork server, say
+                deny(event, "limits of another process")
         elif event == "import":
             args = tuple(args) + (None, None)
             for part in (args[0], args[1]):

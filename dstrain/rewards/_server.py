@@ -157,7 +157,13 @@ def _one(job: dict, workdir: str, isolation: str, ctl_out: int) -> bytes:
     import time
 
     wall, cap = float(job.pop("wall")), int(job.pop("cap"))
+    root = os.path.dirname(workdir)
+    os.chmod(root, 0o700)
     os.mkdir(workdir, 0o700)
+    # The server's folder read-only for its owner while the program runs: the program is
+    # uid 0 without capabilities, so DAC stops calls no audit event covers (``mknod``) from
+    # planting anything next to its own folder, e.g. where the next job's folder will be.
+    os.chmod(root, 0o500)
     pipes = [os.pipe() for _ in range(3)]
     start = time.monotonic()
     pid = os.fork()
@@ -187,6 +193,18 @@ def _one(job: dict, workdir: str, isolation: str, ctl_out: int) -> bytes:
     return _frame(header, (bytes(out["stdout"]), bytes(out["stderr"]), bytes(out["result"])))
 
 
+def _fingerprint() -> tuple:
+    """What a program child may change in the server from outside (same uid, no audit event
+    for ``setpriority``, ``sched_setaffinity``, ``sched_setscheduler``; ``prlimit`` is
+    refused): every later child would inherit it."""
+    import os
+    import resource
+
+    limits = tuple(resource.getrlimit(getattr(resource, name)) for name in dir(resource) if name.startswith("RLIMIT_"))
+    return (os.getpriority(os.PRIO_PROCESS, 0), tuple(sorted(os.sched_getaffinity(0))), os.sched_getscheduler(0),
+            os.sched_getparam(0).sched_priority, limits)
+
+
 def _serve(isolation: str) -> None:
     """The server loop (see the module docstring); leaves when the control pipe closes."""
     import json
@@ -212,7 +230,7 @@ def _serve(isolation: str) -> None:
     os.close(null)
     root = os.path.realpath(os.getcwd())
     _write_all(ctl_out, _frame({"ready": True, "isolation": isolation, "pidns": "pidns" in isolation.split(",")}))
-    n = 0
+    n, clean = 0, _fingerprint()
     while True:
         size = _read_exact(ctl_in, 4)
         if size is None:
@@ -223,4 +241,7 @@ def _serve(isolation: str) -> None:
         n += 1
         workdir = os.path.join(root, f"job{n}")
         _write_all(ctl_out, _one(json.loads(data), workdir, isolation, ctl_out))
+        os.chmod(root, 0o700)
         _remove(workdir)  # after the reply: the program's group is dead already; the trainer need not wait
+        if _fingerprint() != clean:
+            os._exit(0)  # a program changed the server itself (niceness, CPU set, limits): be replaced

@@ -120,6 +120,7 @@ ATTACKS = {
     "kill every process": "import os, signal\nos.kill(-1, signal.SIGKILL)\n",
     "kill the parent and the trainer": "import os, signal\nfor pid in (os.getppid(), {pid}, 1):\n    try:\n"
     "        os.kill(pid, signal.SIGKILL)\n    except Exception:\n        pass\ndef f(x):\n    return 0\n",
+    "limits of the fork server lowered": "import os, resource\nresource.prlimit(os.getppid() or 1, resource.RLIMIT_NOFILE, (4, 4))\n",
     "signal to its own main thread": "import signal, threading\n"
     "signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)\ndef f(x):\n    return 0\n",
     "disk filled": "i = 0\nwhile True:\n    with open(f'f{i}', 'wb') as fh:\n        fh.write(b'x' * (1 << 20))\n    i += 1\n",
@@ -162,6 +163,15 @@ LEAKS = {
                    ["assert 'LEAK' not in os.environ", "assert os.environ['PATH'] != '/nowhere'"]),
     "lock of the logging module held": ("import logging\nlogging._acquireLock()\n",
                                         "import logging\nlogging.getLogger('x').warning('hi')\n", ["assert True"]),
+    "fork server reniced, pinned and made idle": ("import os\nfor pid in {os.getppid(), 1}:\n    for how in ("
+                                                  "lambda: os.setpriority(os.PRIO_PROCESS, pid, 19),\n"
+                                                  "                lambda: os.sched_setaffinity(pid, {0}),\n"
+                                                  "                lambda: os.sched_setscheduler(pid, os.SCHED_IDLE, "
+                                                  "os.sched_param(0))):\n        try:\n            how()\n"
+                                                  "        except OSError:\n            pass\n",
+                                                  "import os\n", ["assert os.getpriority(os.PRIO_PROCESS, 0) == 0",
+                                                                  "assert os.sched_getscheduler(0) == os.SCHED_OTHER",
+                                                                  "assert len(os.sched_getaffinity(0)) == os.cpu_count()"]),
     "slow only when run a second time": ("open('seen', 'w').close()\nopen('../seen', 'w').close()\n",
                                          "import os, time\nif os.path.exists('seen') or os.path.exists('../seen'):\n"
                                          "    time.sleep(5)\n", ["assert True"]),
@@ -212,6 +222,20 @@ def test_nothing_leaks_to_the_next_program(pool, name):
     assert r.status == "passed", (name, r.detail, r.stderr[-300:])
     assert time.monotonic() - start < 1.0
     still_works(pool)
+
+
+def test_nothing_can_be_planted_next_to_the_programs_folder(pool):
+    """``mknod`` has no audit event: in the fork server the folder holding the job folders is
+    read-only while a program runs, so the next job's folder cannot be taken (which would
+    cost a server restart)."""
+    program = ("import os, stat\nmade = []\nfor name in ('../job2', '../job3', '../x'):\n    try:\n"
+               "        os.mknod(name, 0o600 | stat.S_IFREG)\n        made.append(name)\n    except OSError:\n"
+               "        pass\nprint(made)\n")
+    starts = [s.starts for s in pool.servers.servers] if pool.servers is not None else []
+    r = pool.run(program, ["assert True"])
+    assert r.stdout.strip() == "[]", r.stdout
+    still_works(pool)
+    assert starts == ([s.starts for s in pool.servers.servers] if pool.servers is not None else [])
 
 
 def test_legitimate_programs_still_pass(pool):
