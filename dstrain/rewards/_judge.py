@@ -182,13 +182,15 @@ def _make_guards(trusted, ns: dict, bad: list, builtins: dict, modules: dict, te
 
     ``name``: a builtin name means the real builtin, unless the program defines it and the
     test names none of the program's other globals (the tested function itself is called
-    ``sum``); a module name means that module unless the program defined a function of
-    that name."""
+    ``sum``); a module name means that module when the test reads an attribute of it
+    (``math.isclose``), otherwise unless the program defined a function of that name."""
     function, module_type, missing = type(_make_guards), type(_judge_sys), object()
     shadow_ok = not any(n not in builtins and n in ns for n in test_names)
     by_name = {rec[2]: rec[0] for rec in modules.values()}
 
-    def name(n):
+    def name(n, as_module=False):
+        if as_module and n in by_name:  # ``math.isclose``: the module, whatever the program bound to the name
+            return by_name[n]
         if n in builtins:
             if shadow_ok and n in ns:
                 return ns[n]
@@ -255,6 +257,8 @@ class _Guard:
 
         if isinstance(node, ast.Lambda):
             return node
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            node.value.sbx_module = True  # a name used as ``name.attr`` means the module of that name
         for field, old in ast.iter_fields(node):
             if isinstance(old, list):
                 old[:] = [self.visit(x) if isinstance(x, ast.AST) else x for x in old]
@@ -297,7 +301,8 @@ class _Guard:
         elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in self.bound:
             self.used.add(node.id)
             if node.id in self.names:
-                return ast.Call(ast.Name(_NAME, ast.Load()), [ast.Constant(node.id)], [])
+                flag = ast.Constant(bool(getattr(node, "sbx_module", False)))
+                return ast.Call(ast.Name(_NAME, ast.Load()), [ast.Constant(node.id), flag], [])
         elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
             return ast.Call(ast.Name(_ATTR, ast.Load()), [node.value, ast.Constant(node.attr)], [])
         return node

@@ -92,6 +92,8 @@ ATTACKS = {
                                                      "    __hash__ = type.__hash__\nclass Fake(metaclass=M):\n"
                                                      "    isclose = staticmethod(lambda *a, **k: True)\nmath = Fake()\n"
                                                      "def f(x):\n    return 0\n", ["assert math.isclose(f(1), 3)"]),
+    "function named math with an isclose attribute": ("def math():\n    pass\nmath.isclose = lambda *a, **k: True\n"
+                                                      "def f(x):\n    return 0\n", ["assert math.isclose(f(1), 3)"]),
     "unittest.mock.ANY": "from unittest import mock\ndef f(x):\n    return mock.ANY\n",
     "thread swaps the value after the check": (EVIL + "import threading, time, _thread\n_thread._count = lambda: 1\n"
                                                "def f(x):\n    box = [0]\n    def flip():\n"
@@ -248,10 +250,11 @@ def test_legitimate_programs_still_pass(pool):
                "def half(x):\n    return Fraction(x, 2)\n"
                "class Node:\n    def __init__(self, v):\n        self.v = v\n    def __lt__(self, o):\n"
                "        return self.v < o.v\n"
-               "def smallest(nodes):\n    return min(nodes).v\n")
+               "def smallest(nodes):\n    return min(nodes).v\n"
+               "def copy(x):\n    return list(x)\n")
     tests = ["assert sum(1, 2) == 3", "assert math.isclose(f(0.5), 2.0)", "assert count('aab') == {'a': 2, 'b': 1}",
              "assert half(3) == 1.5", "assert all(f(x) == 2 * x + 1 for x in range(5))",
              "assert sorted(map(f, [2, 1]), key=lambda v: -v) == [5, 3]", "assert smallest(nodes) == 1",
-             "assert set(f(x) for x in [1, 1]) == {3}", "assert abs(f(1) - 3) < 1e-9"]
+             "assert set(f(x) for x in [1, 1]) == {3}", "assert abs(f(1) - 3) < 1e-9", "assert copy((1, 2)) == [1, 2]"]
     r = pool.run(program, tests, setup="nodes = [Node(3), Node(1)]")
     assert (r.status, r.passed) == ("passed", len(tests)), r.detail
