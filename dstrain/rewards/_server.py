@@ -207,10 +207,10 @@ def _fingerprint() -> tuple:
 
 def _serve(isolation: str) -> None:
     """The server loop (see the module docstring); leaves when the control pipe closes."""
+    import gc
     import json
     import os
-
-    import gc
+    import signal
 
     for name in _PRELOAD:
         try:
@@ -223,6 +223,9 @@ def _serve(isolation: str) -> None:
     _SNAPSHOT = _type_snapshot()  # noqa: F821  (from _judge.py): the classes every child starts with
     gc.collect()
     gc.freeze()
+    # As its PID namespace's init, the server gets from its children only the signals it
+    # handles: Python's SIGINT handler is the one it had (pidfd_send_signal has no audit event).
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     ctl_in, ctl_out = os.dup(0), os.dup(1)
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):

@@ -122,6 +122,9 @@ ATTACKS = {
     "kill every process": "import os, signal\nos.kill(-1, signal.SIGKILL)\n",
     "kill the parent and the trainer": "import os, signal\nfor pid in (os.getppid(), {pid}, 1):\n    try:\n"
     "        os.kill(pid, signal.SIGKILL)\n    except Exception:\n        pass\ndef f(x):\n    return 0\n",
+    "signals to the fork server through a pidfd": "import os, signal\nfor pid in {os.getppid(), 1}:\n"
+    "    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):\n        try:\n"
+    "            signal.pidfd_send_signal(os.pidfd_open(pid), sig)\n        except OSError:\n            pass\n",
     "limits of the fork server lowered": "import os, resource\nresource.prlimit(os.getppid() or 1, resource.RLIMIT_NOFILE, (4, 4))\n",
     "signal to its own main thread": "import signal, threading\n"
     "signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)\ndef f(x):\n    return 0\n",
