@@ -434,7 +434,7 @@ def _execute(job: dict, result_fd: int, isolation: str, max_processes: int) -> N
     tmp = os.path.realpath(os.getcwd())
     roots = {tmp, "/dev/null", "/dev/urandom", "/dev/zero", "/proc/cpuinfo", "/proc/meminfo",
              "/usr/lib", "/usr/lib64", "/usr/local/lib", "/usr/share", "/lib", "/lib64", "/etc/localtime"}
-    for p in [sys.prefix, sys.base_prefix, sys.exec_prefix, *sys.path]:
+    for p in sys.path:  # the import path, not the whole prefix (a virtual environment's other files stay closed)
         if p:
             roots.add(os.path.realpath(p))
     global _SNAPSHOT

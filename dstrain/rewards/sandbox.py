@@ -36,7 +36,7 @@ Layers, from the kernel up (see ``_child.py`` for the child side):
   process creation (fork, exec, spawn, system, ``subprocess``), signals (``os.kill``,
   ``os.killpg``), sockets, ``ctypes``, garbage-collector and frame introspection,
   tracing, writes outside the temporary directory (``/dev/null`` excepted), links,
-  reads and directory listings outside the interpreter's own directories (so
+  reads and directory listings outside the import path and a few system folders (so
   ``/proc/<pid>/environ`` and the trainer's home are out of reach), hand-made code objects
   (``code.__new__``, ``marshal.loads``: modules are compiled from source, no ``.pyc`` is
   read), and extension modules that act without audit events of their own
@@ -59,22 +59,22 @@ test; the one exception is a tested function that is itself named like a builtin
 program thread still running while a value is judged fails the test.
 
 Consequences for programs: no ``ctypes`` and therefore no ``numpy``; no subprocesses
-(``import subprocess`` itself is refused), threads must have ended when the tests finish,
-``sys._getframe``/``traceback`` frame access raises, and only the temporary directory is
-writable.
+(``import subprocess`` itself is refused, and with it ``asyncio`` and ``multiprocessing``);
+threads must have ended when the tests finish; ``sys._getframe``/``traceback`` frame access
+raises; only the temporary directory is writable; imported modules compile from source.
 
 Not protected against: a determined attacker with a CPython memory-corruption bug or a
 kernel exploit (this is not a security boundary of the strength of a VM or of seccomp:
 there is no seccomp filter, and as root without ``nobody`` the child keeps uid 0 without
 capabilities, so the read-only mounts and the audit hook are what keep it from files);
-denial of service within the limits (CPU, memory, 64 MiB of tmpfs); reading files under
-the interpreter's prefix and site-packages; a test that hands a lambda to the program
-(lambda bodies in tests are not guarded); a program that patches a module it imported
-itself and the test then uses (only modules loaded before the program ran are restored);
-stdlib classes with Python-level comparison methods first imported by the program (their
-instances then count as untrusted: a correct program returning one scores 0). Without
-namespaces (no root, no user namespaces) writes, network and process isolation rest on
-the audit hook alone.
+denial of service within the limits (CPU, memory, 64 MiB of tmpfs); reading files on the
+import path (standard library, site-packages) and under ``/usr/lib``, ``/usr/share`` and
+``/lib``; a test that hands a lambda to the program (lambda bodies in tests are not
+guarded); a program that patches a module it imported itself and the test then uses (only
+modules loaded before the program ran are restored); stdlib classes with Python-level
+comparison methods first imported by the program (their instances then count as
+untrusted: a correct program returning one scores 0). Without namespaces (no root, no
+user namespaces) writes, network and process isolation rest on the audit hook alone.
 """
 from __future__ import annotations
 

@@ -133,6 +133,7 @@ ATTACKS = {
     "trainer environment through /proc": "import os\nfor p in ({pid}, os.getppid(), 1, 'self/../{pid}'):\n"
     "    print(open(f'/proc/{p}/environ', 'rb').read())\n",
     "trainer command line": "print(open('/proc/{pid}/cmdline', 'rb').read())\n",
+    "virtual environment's own files": "import sys\nprint(open(sys.prefix + '/pyvenv.cfg').read())\n",
     "secret file next to the checkpoints": "print(open({secret_file!r}).read())\n",
     "listing the checkpoint folder and /root": "import os\nprint(os.listdir({out!r}), os.listdir('/root'))\n",
     "mknod and mkfifo outside": "import os, stat\nos.mkfifo(os.path.join({out!r}, 'fifo'))\n"
