@@ -87,10 +87,13 @@ def cmd_train(args, overrides) -> int:
     world = int(os.environ.get("WORLD_SIZE", 1))
     adopted = _adopt(cfg, world)
     from dstrain.engine.ds_preflight import check_run
-    check_run(cfg, world, "cpu" if os.environ.get("DS_ACCELERATOR") == "cpu" else "cuda")
+    notes = check_run(cfg, world, "cpu" if os.environ.get("DS_ACCELERATOR") == "cpu" else "cuda")
     if int(os.environ.get("RANK", 0)) == 0:
         for line in _adopted_lines(adopted):
             print(line, flush=True)
+        if "DSTRAIN_FAILURE_DIR" not in os.environ:  # not started by dstrain launch, which printed them
+            for note in notes:
+                print(f"dstrain: note: {note}", file=sys.stderr, flush=True)
     from dstrain.trainers import get_trainer
     out = Path(cfg.output.dir)
     fresh = not out.exists()

@@ -30,6 +30,9 @@ STAGE3_ONLY = frozenset({
     "mics_shard_size", "mics_hierarchical_params_gather",
 })
 
+#: ZeRO++ switches that run DeepSpeed's CUDA quantizer kernel (no CPU implementation).
+ZERO_QUANTIZED = ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients")
+
 #: ZeRO keys that do something at stage 0 (the rest of the section is unused there).
 STAGE0_USED = frozenset({"stage", "load_from_fp32_weights", "elastic_checkpoint", "reduce_bucket_size",
                          "allgather_bucket_size", "round_robin_gradients", "ignore_unused_parameters"})
@@ -37,6 +40,10 @@ STAGE0_USED = frozenset({"stage", "load_from_fp32_weights", "elastic_checkpoint"
 #: Optimizer types whose DeepSpeed kernels exist only for CUDA (or need NCCL and cupy).
 CUDA_ONLY_OPTIMIZERS = {"lamb": "FusedLamb", "onebitadam": "1-bit Adam", "zerooneadam": "0/1 Adam",
                         "onebitlamb": "1-bit LAMB"}
+
+#: Optimizer types DeepSpeed builds itself (lower case); any other name is looked up in torch.optim as spelled.
+DEEPSPEED_OPTIMIZER_TYPES = frozenset({"adam", "adamw", "adagrad", "lamb", "lion", "muadam", "muadamw", "musgd",
+                                       "muon", "adamatan2"})
 
 #: Keys of DeepSpeed's dict-based (not pydantic) sections, which otherwise ignore typos.
 PLAIN_SECTION_KEYS = {
@@ -79,6 +86,12 @@ def _zero_problems(cfg: dict, device_type: str, problems: list[str], notes: list
                         and k not in ("offload_optimizer", "cpu_offload"))
         if unused:
             notes.append(f"zero_optimization: stage 0 does not use {', '.join(unused)}")
+    quantized = sorted(k for k in ZERO_QUANTIZED if zo.get(k) is True)
+    if stage == 3 and quantized and device_type == "cpu":
+        them = "it" if len(quantized) == 1 else "them"
+        problems.append(f"zero_optimization.{', '.join(quantized)}: ZeRO++ quantized communication runs DeepSpeed's "
+                        f"quantizer kernel, which the CPU accelerator does not have; set {them} to false (keep "
+                        "zero_hpz_partition_size) or run on GPUs")
     for key in ("offload_optimizer", "offload_param"):
         block = zo.get(key)
         if isinstance(block, dict) and str(block.get("device", "")).lower() == "nvme":
@@ -102,10 +115,14 @@ def _async_io_available() -> bool:
 def _dtype_problems(cfg: dict, device_type: str, problems: list[str]) -> None:
     for path, value in (("communication_data_type", cfg.get("communication_data_type")),
                         ("seq_parallel_communication_data_type", cfg.get("seq_parallel_communication_data_type")),
+                        ("torch_autocast.dtype", (cfg.get("torch_autocast") or {}).get("dtype")
+                         if isinstance(cfg.get("torch_autocast"), dict) else None),
                         ("data_types.grad_accum_dtype", (cfg.get("data_types") or {}).get("grad_accum_dtype")
                          if isinstance(cfg.get("data_types"), dict) else None)):
         if value is None:
             continue
+        if path == "torch_autocast.dtype" and isinstance(value, str):
+            value = value.removeprefix("torch.")  # DeepSpeed also takes torch's names there
         if not isinstance(value, str) or value.lower() not in _DTYPES:
             problems.append(f"{path}: must be one of fp32, fp16, bf16, file says {value!r}")
         elif device_type == "cpu" and value.lower() in _HALF:
@@ -153,6 +170,10 @@ def _monitor_problems(cfg: dict, problems: list[str], notes: list[str]) -> None:
         problems.append("activation_checkpointing.number_checkpoints: only models that call "
                         "deepspeed.checkpointing read it, which dstrain's models do not; remove it and use "
                         "--deepspeed.activation_checkpointing=true")
+    if cfg.get("seq_parallel_communication_data_type") is not None and cfg.get("sequence_parallel_size") in (None, 1):
+        notes.append("seq_parallel_communication_data_type: unused: only DeepSpeed's Ulysses sequence parallelism "
+                     "(sequence_parallel_size > 1) reads it; dstrain's parallel.sp exchanges activations in the "
+                     "model's own dtype")
     aio = cfg.get("aio")
     zo = cfg.get("zero_optimization") if isinstance(cfg.get("zero_optimization"), dict) else {}
     nvme = any(isinstance(zo.get(k), dict) and str(zo[k].get("device", "")).lower() == "nvme"
@@ -174,6 +195,72 @@ def _plain_section_keys(cfg: dict, problems: list[str]) -> None:
                 problems.append(f"{section}.{key}: unknown key{hint}; DeepSpeed would silently ignore it")
 
 
+def _torch_optimizer(name: str):
+    try:
+        import torch.optim
+    except ImportError:  # checked without torch: DeepSpeed's start-up says it then
+        return True
+    cls = getattr(torch.optim, name, None)
+    return cls if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) else None
+
+
+def _optimizer_problems(cfg: dict, device_type: str, problems: list[str]) -> None:
+    """The optimizer block DeepSpeed would build: a type it can build here, params it accepts, ZeRO's vetting."""
+    opt = cfg.get("optimizer")
+    if not isinstance(opt, dict) or not isinstance(opt.get("type"), str):
+        return
+    name, kind = opt["type"], opt["type"].lower()
+    zo = cfg.get("zero_optimization") if isinstance(cfg.get("zero_optimization"), dict) else {}
+    offload = str((zo.get("offload_optimizer") or {}).get("device", "none")).lower() in ("cpu", "nvme") \
+        if isinstance(zo.get("offload_optimizer"), dict) else False
+    params = opt.get("params") if isinstance(opt.get("params"), dict) else {}
+    if "max_grad_norm" in params:
+        problems.append("optimizer.params.max_grad_norm: DeepSpeed refuses it; remove it and set the top-level "
+                        "\"gradient_clipping\" instead")
+    if device_type == "cpu" and (kind in CUDA_ONLY_OPTIMIZERS or (kind == "lion" and not offload)):
+        kernel = CUDA_ONLY_OPTIMIZERS.get(kind, "FusedLion")
+        alt = " (or offload the optimizer to \"cpu\": DeepSpeed's CPU Lion)" if kind == "lion" else \
+            " (or remove the optimizer block: dstrain then builds AdamW from the run config)"
+        problems.append(f"optimizer.type: {name!r} runs DeepSpeed's {kernel} CUDA kernel, which the CPU "
+                        f"accelerator does not have; use \"AdamW\"{alt}")
+        return
+    if kind in DEEPSPEED_OPTIMIZER_TYPES or kind in CUDA_ONLY_OPTIMIZERS:
+        return
+    cls = _torch_optimizer(name)
+    if cls is None:
+        import difflib
+        known = ["Adam", "AdamW", "Adagrad", "Lamb", "Lion", "AdamATan2"] + _torch_optimizer_names()
+        close = difflib.get_close_matches(name, known, n=1) or [k for k in known if k.lower() == kind]
+        hint = f" (did you mean {close[0]!r}?" + (" names of torch.optim classes are case-sensitive)"
+                                                  if close and close[0].lower() == kind else ")") if close else ""
+        problems.append(f"optimizer.type: {name!r} is neither one of DeepSpeed's optimizers nor a torch.optim "
+                        f"class{hint}; DeepSpeed would fail at start-up")
+        return
+    if cls is True:
+        return
+    import inspect
+    accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
+    extra = sorted(k for k in params if k not in accepted)
+    if extra:
+        problems.append(f"optimizer.params.{', '.join(extra)}: torch.optim.{name} does not take "
+                        f"{'it' if len(extra) == 1 else 'them'} (it takes {', '.join(sorted(accepted))})")
+    stage = zo.get("stage", 0)
+    if isinstance(stage, int) and stage >= 1 and cfg.get("zero_allow_untested_optimizer") is not True \
+            and name not in ("Adam", "AdamW", "Adagrad"):
+        problems.append(f"optimizer.type: ZeRO stage {stage} accepts torch.optim.{name} only with "
+                        "\"zero_allow_untested_optimizer\": true (DeepSpeed asserts at start-up); add it, or use "
+                        "\"AdamW\"")
+
+
+def _torch_optimizer_names() -> list[str]:
+    try:
+        import torch.optim
+    except ImportError:
+        return []
+    return sorted(n for n in dir(torch.optim) if isinstance(getattr(torch.optim, n), type)
+                  and issubclass(getattr(torch.optim, n), torch.optim.Optimizer) and n != "Optimizer")
+
+
 def section_problems(cfg: dict, device_type: str) -> tuple[list[str], list[str]]:
     """``(problems, notes)`` for a user's DeepSpeed JSON on ``device_type`` ("cpu" or "cuda").
 
@@ -192,13 +279,7 @@ def section_problems(cfg: dict, device_type: str) -> tuple[list[str], list[str]]
     if device_type == "cpu" and _enabled(cfg.get("fp16")):
         problems.append("fp16.enabled: fp16 does not run on the CPU accelerator (DeepSpeed raises 'Type fp16 is not "
                         "supported'); use bf16 (\"bf16\": {\"enabled\": true}) or fp32 (fp16.enabled false or \"auto\")")
-    opt = cfg.get("optimizer")
-    if device_type == "cpu" and isinstance(opt, dict):
-        kind = str(opt.get("type", "")).lower()
-        if kind in CUDA_ONLY_OPTIMIZERS:
-            problems.append(f"optimizer.type: {opt.get('type')!r} runs DeepSpeed's {CUDA_ONLY_OPTIMIZERS[kind]} CUDA "
-                            "kernel, which the CPU accelerator does not have; use \"AdamW\" (or remove the optimizer "
-                            "block: dstrain then builds AdamW from the run config)")
+    _optimizer_problems(cfg, device_type, problems)
     _zero_problems(cfg, device_type, problems, notes)
     _dtype_problems(cfg, device_type, problems)
     _unused_sections(cfg, problems)

@@ -278,12 +278,19 @@ def mixed_precision(resolved: dict, template: dict, mode: str, device_type: str)
     bf16 = resolved.get("bf16", {}).get("enabled") is True
     stage = (resolved.get("zero_optimization") or {}).get("stage", 0)
     left_to_us = (template.get("bf16") or {}).get("enabled") == "auto"
+    # a file asking for torch_autocast itself (bf16 not set true there) gets it, on every device and stage
+    file_autocast = (template.get("torch_autocast") or {}).get("enabled") is True \
+        and (template.get("bf16") or {}).get("enabled") is not True
     if mode == "auto":
-        mode = "autocast" if bf16 and left_to_us and stage == 0 and device_type == "cuda" else "deepspeed"
+        mode = "autocast" if bf16 and (file_autocast or (left_to_us and stage == 0 and device_type == "cuda")) \
+            else "deepspeed"
     if not bf16 or mode == "deepspeed":
         return resolved, ""
     out = dict(resolved)
     out["bf16"] = {"enabled": False}
+    if file_autocast:  # the file's block (its dtype, lower_precision_safe_modules) kept
+        out["torch_autocast"] = {"dtype": "bfloat16", **template["torch_autocast"], "enabled": True}
+        return out, "bf16 as torch.autocast over fp32 weights (the file's torch_autocast section)"
     out["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
     return out, "bf16 as torch.autocast over fp32 weights (deepspeed.mixed_precision=autocast or auto on a GPU)"
 
@@ -516,6 +523,7 @@ def create_engine(build_model: Callable[[], torch.nn.Module],
         model=model, model_parameters=groups, optimizer=client, lr_scheduler=scheduler,
         config=plan.ds_config, mpu=mpu)
     skip_lone_allreduce(ds_engine, plan)
+    drop_stale_optimizer_state(ds_engine)
     if plan.compile:
         compile_engine(ds_engine)
     return Engine(ds_engine, plan, group_names, parallel)
@@ -533,6 +541,26 @@ def skip_lone_allreduce(ds_engine, plan: EnginePlan) -> bool:
         ds_engine.enable_backward_allreduce = False
         return True
     return False
+
+
+def drop_stale_optimizer_state(ds_engine) -> int:
+    """Forget optimizer state kept for parameters the optimizer no longer holds; returns how many.
+
+    DeepSpeed's unfused 16-bit wrapper (bf16/fp16 without ZeRO, for optimizers other than
+    Adam/AdamW, e.g. Adagrad) swaps each group's parameters for fp32 copies after the
+    optimizer was built. Optimizers that create their state in the constructor (Adagrad's
+    sums) keep it for the replaced 16-bit tensors, and ``state_dict()`` then fails on them
+    (a KeyError at the first checkpoint); the copies get their own state at the first step.
+    """
+    inner = getattr(getattr(ds_engine, "optimizer", None), "optimizer", None)
+    state = getattr(inner, "state", None)
+    if not isinstance(state, dict) or not hasattr(inner, "param_groups"):
+        return 0
+    held = {id(p) for group in inner.param_groups for p in group["params"]}
+    stale = [p for p in state if id(p) not in held]
+    for p in stale:
+        del state[p]
+    return len(stale)
 
 
 def _create_pipeline_engine(build_model, pipeline_parts, plan: EnginePlan, train: TrainConfig):

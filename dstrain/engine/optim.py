@@ -170,7 +170,7 @@ def choose_optimizer(ds_config: dict, requested: str, device_type: str, values,
     elif block:
         extra = sorted(set((block.get("params") or {})) - _MAPPED)
         if kind not in ("adam", "adamw"):
-            keep, why = True, f"type {block.get('type')!r} has no PyTorch counterpart here"
+            keep, why = True, f"type {block.get('type')!r} is not Adam/AdamW, which dstrain builds itself"
         elif extra:
             keep, why = True, f"params {', '.join(extra)} have no torch.optim.AdamW counterpart"
     if keep:

@@ -28,6 +28,37 @@ FILES = sorted(p.name for p in HERE.glob("*.json"))
 # file -> None (trains) or the text its one-line refusal must contain
 EXPECT: dict[str, str | None] = {
     "accelerate_zero2_no_optimizer.json": None,
+    "activation_checkpointing_cpu.json": "activation_checkpointing.cpu_checkpointing:",
+    "adam_max_grad_norm_param.json": "optimizer.params.max_grad_norm: DeepSpeed refuses it; remove it and set the "
+                                     "top-level \"gradient_clipping\" instead",
+    "alignment_handbook_onebit_lamb.json": "optimizer.type: 'OneBitLamb' runs DeepSpeed's 1-bit LAMB CUDA kernel",
+    "autotuning_section.json": "autotuning.enabled: dstrain does not run DeepSpeed's autotuner",
+    "checkpoint_tag_validation_universal.json": None,
+    "cifar_adagrad_optimizer.json": None,
+    "compression_training_section.json": "top-level key 'compression_training' is no longer supported",
+    "debug_memory_breakdown_dump_state.json": None,
+    "elasticity_section.json": "top-level key 'elasticity' is no longer supported",
+    "examples_lr_range_test.json": None,
+    "examples_onecycle_scheduler.json": None,
+    "hf_fp16_auto_cast_hysteresis.json": None,
+    "legacy_curriculum_learning_top_level.json": "top-level key 'curriculum_learning' is no longer supported: use "
+                                                 "data_efficiency.data_sampling.curriculum_learning instead",
+    "lion_optimizer_no_offload.json": "optimizer.type: 'Lion' runs DeepSpeed's FusedLion CUDA kernel, which the CPU "
+                                      "accelerator does not have; use \"AdamW\" (or offload the optimizer",
+    "megatron_curriculum_data_efficiency.json": "data_efficiency.enabled: dstrain's samplers feed the data",
+    "mixed_precision_typo_key.json": "unknown top-level key 'mixed_precision'",
+    "seq_parallel_comm_dtype_bf16.json": None,
+    "torch_autocast_bf16_section.json": None,
+    "torch_autocast_fp16_on_cpu.json": "torch_autocast.dtype: fp16 does not run on the CPU accelerator",
+    "torch_optim_lowercase_sgd_under_zero.json": "optimizer.type: 'sgd' is neither one of DeepSpeed's optimizers nor a "
+                                                 "torch.optim class (did you mean 'SGD'?",
+    "torch_optim_rmsprop_zero1_untested.json": "optimizer.type: ZeRO stage 1 accepts torch.optim.RMSprop only with "
+                                               "\"zero_allow_untested_optimizer\": true",
+    "torch_optim_sgd_momentum.json": None,
+    "zero3_adamw_torch_adam_fast_init.json": None,
+    "zeropp_hpz_no_quantization.json": None,
+    "zeropp_zero3_quantized_hpz.json": "zero_optimization.zero_quantized_gradients, zero_quantized_weights: ZeRO++ "
+                                       "quantized communication runs DeepSpeed's quantizer kernel",
     "accelerate_zero3_offload.json": None,
     "examples_bing_bert_lamb.json": "optimizer.type: 'Lamb' runs DeepSpeed's FusedLamb CUDA kernel",
     "examples_cifar_style_zero0.json": None,
