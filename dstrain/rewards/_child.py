@@ -332,7 +332,7 @@ def _worker(job: dict, prepared: list, box: list, judge: tuple, done) -> None:
     out, err = sys.stdout, sys.stderr
     bdict = builtins.__dict__
     function = type(_worker)
-    trusted, modules, tools = judge
+    checks, modules, tools = judge
     saved = None
     try:
         try:
@@ -365,7 +365,7 @@ def _worker(job: dict, prepared: list, box: list, judge: tuple, done) -> None:
                 if type(prep) is str:  # a test that does not compile
                     why = prep
                 else:
-                    guards = _make_guards(trusted, ns, bad, saved, modules, prep[1], tools)  # noqa: F821
+                    guards = _make_guards(checks, ns, bad, saved, modules, prep[1], tools)  # noqa: F821
                     function(prep[0], ns)(*guards)
                     ok = not bad
             except BaseException as e:
@@ -447,7 +447,7 @@ def _execute(job: dict, result_fd: int, isolation: str, max_processes: int) -> N
         except (SyntaxError, ValueError, TypeError) as e:
             prepared.append(_describe(e))
     total = len(prepared)
-    trusted = _make_trust(_SNAPSHOT[0])  # noqa: F821
+    checks = _make_trust(_SNAPSHOT[0])  # noqa: F821
     violations = []
     box = [0, "crash", "worker did not finish"]
     done = _thread.allocate_lock()
@@ -456,7 +456,7 @@ def _execute(job: dict, result_fd: int, isolation: str, max_processes: int) -> N
     # _DENY) and none can be planted, as the cache folder would be inside the program's own.
     sys.pycache_prefix = os.path.join(tmp, ".no-pycache")
     sys.addaudithook(_make_hook(tmp, tuple(sorted(roots)), violations))
-    _thread.start_new_thread(_worker, (job, prepared, box, (trusted, _SNAPSHOT[1], _guard_tools()), done))  # noqa: F821
+    _thread.start_new_thread(_worker, (job, prepared, box, (checks, _SNAPSHOT[1], _guard_tools()), done))  # noqa: F821
     try:  # only now: counted per user, the limit could otherwise stop the worker thread itself
         resource.setrlimit(resource.RLIMIT_NPROC, (max_processes, max_processes))
     except (ValueError, OSError):

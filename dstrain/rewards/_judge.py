@@ -35,13 +35,14 @@ naming them get the real ones; the fork server imports more (``_server._PRELOAD`
 
 def _type_snapshot() -> tuple:
     """(classes, modules): every class alive now (walked from ``object`` through
-    ``__subclasses__``) with the entries its own ``__dict__`` has for :data:`_DUNDERS`, and a
-    copy of every loaded module's namespace; objects are held, so their ids stay valid."""
+    ``__subclasses__``) with the entries its own ``__dict__`` has for :data:`_DUNDERS` (and,
+    for classes made in Python, a copy of that ``__dict__``), and a copy of every loaded
+    module's namespace; objects are held, so their ids stay valid."""
     import sys
 
     for name in _COMMON:
         __import__(name)
-    dict_of = type.__dict__["__dict__"].__get__
+    dict_of, flags_of = type.__dict__["__dict__"].__get__, type.__dict__["__flags__"].__get__
     subclasses = type.__dict__["__subclasses__"]
     snap, stack = {}, [object]
     while stack:
@@ -49,7 +50,7 @@ def _type_snapshot() -> tuple:
         if id(cls) in snap:
             continue
         d = dict_of(cls)
-        snap[id(cls)] = (cls, tuple(d.get(n) for n in _DUNDERS))
+        snap[id(cls)] = (cls, tuple(d.get(n) for n in _DUNDERS), dict(d) if flags_of(cls) & (1 << 9) else None)
         stack.extend(subclasses(cls))
     modules = {}
     for name, module in list(sys.modules.items()):
@@ -59,8 +60,9 @@ def _type_snapshot() -> tuple:
 
 
 def _make_trust(snapshot: dict):
-    """``trusted(value) -> bool`` for one run (see the module docstring). It never calls
-    code of the program: only C-level accessors, iterators and descriptors."""
+    """``(trusted(value) -> bool, overridden(obj, name) -> bool)`` for one run (see the module
+    docstring). They never call code of the program: only C-level accessors, iterators and
+    descriptors."""
     import collections
     import types
     import weakref
@@ -131,6 +133,34 @@ def _make_trust(snapshot: dict):
                         elements = view.__iter__
         return elements, tuple(members), dict_get
 
+    value_bases = (int, float, complex, str, bytes, list, tuple, dict, set, frozenset)
+    absent = object()
+
+    def overridden(obj, name: str) -> bool:
+        """Whether reading ``obj.name`` would reach code the program supplied in place of a
+        builtin's: a method of a class that existed before the program ran and was replaced
+        since, or a program-made subclass's own version of a method of the builtin value type
+        it derives from (a ``str`` whose ``startswith`` always says yes; new methods are fine)."""
+        tp = type(obj)
+        if id(tp) in plain:
+            return False
+        # a builtin value type ``tp`` descends from that has ``name`` (``str.startswith``)
+        lookalike = any(issubclass(tp, b) and any(name in dict_of(c) for c in mro_of(b)) for b in value_bases)
+        for cls in mro_of(tp):
+            d = dict_of(cls)
+            entry = snapshot.get(id(cls))
+            if entry is not None and entry[0] is cls:
+                if entry[2] is not None and d.get(name, absent) is not entry[2].get(name, absent):
+                    return True
+                if name in d:
+                    return False
+            else:
+                if any(type(k) is not str for k in d):
+                    return True
+                if name in d:
+                    return lookalike
+        return False
+
     def trusted(value, budget: int = 2_000_000) -> bool:
         stack, seen = [value], set()
         while stack:
@@ -161,7 +191,7 @@ def _make_trust(snapshot: dict):
                     stack.extend(dict_items(d))
         return True
 
-    return trusted
+    return trusted, overridden
 
 
 def _guard_tools() -> tuple:
@@ -172,18 +202,20 @@ def _guard_tools() -> tuple:
     return _thread._count, gc.disable, gc.callbacks
 
 
-def _make_guards(trusted, ns: dict, bad: list, builtins: dict, modules: dict, test_names: tuple, tools: tuple):
+def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dict, test_names: tuple, tools: tuple):
     """The functions a prepared test receives: ``value(v)`` (check a value a test operates
     on), ``call(fn, *args, **kw)`` (check the arguments unless ``fn`` is the program's own
     function or method), ``name(n)`` (a builtin or module name: see below) and
     ``attr(obj, n)`` (an attribute of a module loaded before the program is read as it was
-    then, so ``math.isclose = lambda *a, **k: True`` does not reach the test). A failed
+    then, so ``math.isclose = lambda *a, **k: True`` does not reach the test; a method the
+    program put in place of a library one fails: see ``overridden``). A failed
     check is recorded in ``bad`` (so that catching the exception does not help) and raises.
 
     ``name``: a builtin name means the real builtin, unless the program defines it and the
     test names none of the program's other globals (the tested function itself is called
     ``sum``); a module name means that module when the test reads an attribute of it
     (``math.isclose``), otherwise unless the program defined a function of that name."""
+    trusted, overridden = judge
     function, module_type, missing = type(_make_guards), type(_judge_sys), object()
     shadow_ok = not any(n not in builtins and n in ns for n in test_names)
     by_name = {rec[2]: rec[0] for rec in modules.values()}
@@ -208,6 +240,9 @@ def _make_guards(trusted, ns: dict, bad: list, builtins: dict, modules: dict, te
             rec = modules.get(id(obj))
             if rec is not None and rec[0] is obj and n in rec[1]:
                 return rec[1][n]
+        elif overridden(obj, n):
+            bad.append(f"{type(obj).__name__}.{n} is the program's, in place of the library's")
+            raise AssertionError(bad[-1])
         return getattr(obj, n)
 
     count, gc_disable, gc_callbacks = tools

@@ -81,6 +81,12 @@ ATTACKS = {
                              ["assert f(1)", "assert f(2) and True"]),
     "__sub__ returns zero": ("class Z:\n    def __sub__(self, o):\n        return 0\n    __rsub__ = __sub__\n"
                              "def f(x):\n    return Z()\n", ["assert abs(f(1) - 3) < 1e-9", "assert abs(3 - f(1)) < 1e-9"]),
+    "str lookalike whose startswith always agrees": ("class S(str):\n    def startswith(self, *a):\n        return True\n"
+                                                     "def f(x):\n    return S('')\n",
+                                                     ["assert f(1).startswith('3')", "assert f(2).startswith('5')"]),
+    "Counter.most_common patched": ("import collections\ncollections.Counter.most_common = lambda self, n=None: [(3, 1)]\n"
+                                    "def f(x):\n    return collections.Counter()\n",
+                                    ["assert f(1).most_common(1) == [(3, 1)]"]),
     "builtin set shadowed": ("def set(*a):\n    return 0\ndef f(x):\n    return 0\n", ["assert set(f(1)) == set([3])"]),
     "builtins patched during the test": ("import builtins\ndef f(x):\n    builtins.sorted = lambda *a: 0\n    return 0\n",
                                          ["assert f(1) == 0 and sorted([3]) == 0"]),
@@ -255,10 +261,15 @@ def test_legitimate_programs_still_pass(pool):
                "class Node:\n    def __init__(self, v):\n        self.v = v\n    def __lt__(self, o):\n"
                "        return self.v < o.v\n"
                "def smallest(nodes):\n    return min(nodes).v\n"
-               "def copy(x):\n    return list(x)\n")
+               "def copy(x):\n    return list(x)\n"
+               "class Solution:\n    def solve(self, x):\n        return 2 * x + 1\n"
+               "class Words(list):\n    def longest(self):\n        return max(self, key=len)\n"
+               "def words(s):\n    return Words(s.split())\n")
     tests = ["assert sum(1, 2) == 3", "assert math.isclose(f(0.5), 2.0)", "assert count('aab') == {'a': 2, 'b': 1}",
              "assert half(3) == 1.5", "assert all(f(x) == 2 * x + 1 for x in range(5))",
              "assert sorted(map(f, [2, 1]), key=lambda v: -v) == [5, 3]", "assert smallest(nodes) == 1",
-             "assert set(f(x) for x in [1, 1]) == {3}", "assert abs(f(1) - 3) < 1e-9", "assert copy((1, 2)) == [1, 2]"]
+             "assert set(f(x) for x in [1, 1]) == {3}", "assert abs(f(1) - 3) < 1e-9", "assert copy((1, 2)) == [1, 2]",
+             "assert Solution().solve(1) == 3", "assert words('a bb').longest() == 'bb'",
+             "assert count('aab').most_common(1) == [('a', 2)]", "assert 'x'.upper() == 'X'"]
     r = pool.run(program, tests, setup="nodes = [Node(3), Node(1)]")
     assert (r.status, r.passed) == ("passed", len(tests)), r.detail
