@@ -191,7 +191,7 @@ def _make_trust(snapshot: dict):
                     stack.extend(dict_items(d))
         return True
 
-    return trusted, overridden
+    return trusted, overridden, _operators()
 
 
 def _guard_tools() -> tuple:
@@ -215,7 +215,7 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
     test names none of the program's other globals (the tested function itself is called
     ``sum``); a module name means that module when the test reads an attribute of it
     (``math.isclose``), otherwise unless the program defined a function of that name."""
-    trusted, overridden = judge
+    trusted, overridden, operators = judge
     function, module_type, missing = type(_make_guards), type(_judge_sys), object()
     shadow_ok = not any(n not in builtins and n in ns for n in test_names)
     by_name = {rec[2]: rec[0] for rec in modules.values()}
@@ -272,10 +272,33 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
                 value(a)
         return fn(*args, **kw)
 
-    return value, call, name, attr
+    def operate(op, a, b):
+        """``a <op> b`` for one comparison or arithmetic operator, both operands checked only
+        once both exist (the program's code that computed ``b`` cannot change ``a`` after its check)."""
+        value(a)
+        value(b)
+        return value(operators[op](a, b))
+
+    return value, call, name, attr, operate
 
 
-_V, _CALL, _NAME, _ATTR = "_sbx_value_", "_sbx_call_", "_sbx_name_", "_sbx_attr_"
+def _operators() -> dict:
+    import operator
+
+    ops = {name: getattr(operator, name) for name in (
+        "eq", "ne", "lt", "le", "gt", "ge", "is_", "is_not", "add", "sub", "mul", "truediv", "floordiv",
+        "mod", "pow", "lshift", "rshift", "and_", "or_", "xor", "matmul")}
+    ops["in_"] = lambda a, b: a in b
+    ops["not_in"] = lambda a, b: a not in b
+    return ops
+
+
+_V, _CALL, _NAME, _ATTR, _OP = "_sbx_value_", "_sbx_call_", "_sbx_name_", "_sbx_attr_", "_sbx_op_"
+# AST operator class name -> key of _operators()
+_OP_NAMES = {"Eq": "eq", "NotEq": "ne", "Lt": "lt", "LtE": "le", "Gt": "gt", "GtE": "ge", "Is": "is_",
+             "IsNot": "is_not", "In": "in_", "NotIn": "not_in", "Add": "add", "Sub": "sub", "Mult": "mul",
+             "Div": "truediv", "FloorDiv": "floordiv", "Mod": "mod", "Pow": "pow", "LShift": "lshift",
+             "RShift": "rshift", "BitAnd": "and_", "BitOr": "or_", "BitXor": "xor", "MatMult": "matmul"}
 
 
 class _Guard:
@@ -302,6 +325,12 @@ class _Guard:
         return self.rewrite(node)
 
     @staticmethod
+    def operate(op: str, left, right):
+        import ast
+
+        return ast.Call(ast.Name(_OP, ast.Load()), [ast.Constant(_OP_NAMES[op]), left, right], [])
+
+    @staticmethod
     def wrap(expr):
         import ast
 
@@ -311,13 +340,15 @@ class _Guard:
         import ast
 
         w = self.wrap
-        if isinstance(node, ast.Compare):
+        if isinstance(node, ast.Compare) and len(node.ops) == 1:
+            return self.operate(type(node.ops[0]).__name__, node.left, node.comparators[0])
+        if isinstance(node, ast.BinOp):
+            return self.operate(type(node.op).__name__, node.left, node.right)
+        if isinstance(node, ast.Compare):  # a chain (a < b < c): each operand checked when evaluated
             node.left = w(node.left)
             node.comparators = [w(c) for c in node.comparators]
             return w(node)
-        if isinstance(node, ast.BinOp):
-            node.left, node.right = w(node.left), w(node.right)
-        elif isinstance(node, ast.UnaryOp):
+        if isinstance(node, ast.UnaryOp):
             node.operand = w(node.operand)
         elif isinstance(node, ast.BoolOp):
             node.values = [w(v) for v in node.values]
@@ -361,7 +392,7 @@ def _prepare_test(src: str):
     names = {n for n in sys.modules if "." not in n} | set(vars(builtins))
     guard = _Guard(frozenset(names - bound), frozenset(bound))
     body = [guard.visit(stmt) for stmt in tree.body] or [ast.Pass()]
-    args = ast.arguments(posonlyargs=[], args=[ast.arg(a) for a in (_V, _CALL, _NAME, _ATTR)], kwonlyargs=[],
+    args = ast.arguments(posonlyargs=[], args=[ast.arg(a) for a in (_V, _CALL, _NAME, _ATTR, _OP)], kwonlyargs=[],
                          kw_defaults=[], defaults=[])
     fn = ast.FunctionDef(name="_sbx_test_", args=args, body=body, decorator_list=[], returns=None)
     module = ast.fix_missing_locations(ast.Module([fn], []))

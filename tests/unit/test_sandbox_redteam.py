@@ -101,6 +101,10 @@ ATTACKS = {
     "function named math with an isclose attribute": ("def math():\n    pass\nmath.isclose = lambda *a, **k: True\n"
                                                       "def f(x):\n    return 0\n", ["assert math.isclose(f(1), 3)"]),
     "unittest.mock.ANY": "from unittest import mock\ndef f(x):\n    return mock.ANY\n",
+    "second call changes the first result after its check": (EVIL + "first = None\ndef f(x):\n    global first\n"
+                                                             "    if x == 1:\n        first = [0]\n        return first\n"
+                                                             "    first[0] = E()\n    return [0]\n",
+                                                             ["assert f(1) == f(2)"]),
     "thread swaps the value after the check": (EVIL + "import threading, time, _thread\n_thread._count = lambda: 1\n"
                                                "def f(x):\n    box = [0]\n    def flip():\n"
                                                "        end = time.time() + 0.3\n        while time.time() < end:\n"
