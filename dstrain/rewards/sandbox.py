@@ -162,7 +162,8 @@ class ExecResult:
     without reporting: a signal, ``os._exit``, a broken interpreter). ``passed``/``total``
     count tests; ``seconds`` is the wall time of the run; ``detail`` says why in one line.
     ``stdout``/``stderr`` are the (capped) captured streams; ``isolation`` lists the
-    kernel-level layers that were in force (e.g. ``"netns,pidns,nocaps,nonewprivs"``).
+    kernel-level layers that were in force (e.g.
+    ``"netns,pidns,mntns,rofs,nocaps,nonewprivs,procfs"``).
     """
 
     status: str
