@@ -144,6 +144,17 @@ def deepspeed_problems(cfg: dict, full_parse: bool = True) -> list[str]:
         if saved is None:
             os.environ.pop("DS_ACCELERATOR", None)
 
+    from deepspeed.utils import logger as ds_logger
+    level = ds_logger.level
+    ds_logger.setLevel("ERROR")  # its deprecation warnings go to stdout, which a dry run keeps for the command
+    try:
+        return _parse_problems(cfg, strict, full_parse)
+    finally:
+        ds_logger.setLevel(level)
+
+
+def _parse_problems(cfg: dict, strict: dict, full_parse: bool) -> list[str]:
+    from deepspeed.runtime.config import DeepSpeedConfig
     problems = []
     for key, model in strict.items():
         section = cfg.get(key)

@@ -344,8 +344,12 @@ def _fill_zero(cfg: dict, v: RunValues, problems: list[str]) -> None:
         if _is_auto(zo.get(key)):
             zo[key] = value
     stage = zo.get("stage", 0)
-    if _is_auto(stage):
-        return  # reported as a leftover "auto": the stage is the profile's own choice
+    if _is_auto(stage):  # a file's stage is its own choice; dstrain chooses only with its own profiles
+        zo["stage"] = None  # reported here, not again as a leftover "auto"
+        problems.append("zero_optimization.stage: \"auto\" is not filled from a DeepSpeed JSON (DeepSpeed "
+                        "would silently run stage 0); set 0, 1, 2 or 3, or drop --deepspeed.profile "
+                        "(deepspeed.profile=auto) to let dstrain choose the stage, offload and precision")
+        return
     if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage <= 3:
         problems.append(f"zero_optimization.stage: must be 0, 1, 2 or 3, file says {_fmt(stage)}")
         return

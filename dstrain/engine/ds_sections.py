@@ -30,6 +30,12 @@ STAGE3_ONLY = frozenset({
     "mics_shard_size", "mics_hierarchical_params_gather",
 })
 
+#: DeepSpeed's deprecated ZeRO keys and what it reads them as.
+DEPRECATED_ZERO_KEYS = {"cpu_offload": "offload_optimizer.device \"cpu\"",
+                        "cpu_offload_param": "offload_param.device \"cpu\"",
+                        "cpu_offload_use_pin_memory": "offload_*.pin_memory",
+                        "stage3_gather_fp16_weights_on_model_save": "gather_16bit_weights_on_model_save"}
+
 #: ZeRO++ switches that run DeepSpeed's CUDA quantizer kernel (no CPU implementation).
 ZERO_QUANTIZED = ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients")
 
@@ -86,6 +92,9 @@ def _zero_problems(cfg: dict, device_type: str, problems: list[str], notes: list
                         and k not in ("offload_optimizer", "cpu_offload"))
         if unused:
             notes.append(f"zero_optimization: stage 0 does not use {', '.join(unused)}")
+    for key, new in DEPRECATED_ZERO_KEYS.items():
+        if key in zo:
+            notes.append(f"zero_optimization.{key}: deprecated spelling, DeepSpeed reads it as {new}")
     quantized = sorted(k for k in ZERO_QUANTIZED if zo.get(k) is True)
     if stage == 3 and quantized and device_type == "cpu":
         them = "it" if len(quantized) == 1 else "them"

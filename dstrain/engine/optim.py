@@ -82,6 +82,8 @@ class OptimizerChoice:
 
 def _offloads_optimizer(ds_config: dict) -> bool:
     zero = ds_config.get("zero_optimization") or {}
+    if zero.get("cpu_offload") is True:  # DeepSpeed's deprecated spelling of offload_optimizer.device "cpu"
+        return True
     device = (zero.get("offload_optimizer") or {}).get("device", "none")
     return str(device).lower() not in ("none", "")
 

@@ -33,14 +33,18 @@ EXPECT: dict[str, str | None] = {
                                      "top-level \"gradient_clipping\" instead",
     "alignment_handbook_onebit_lamb.json": "optimizer.type: 'OneBitLamb' runs DeepSpeed's 1-bit LAMB CUDA kernel",
     "autotuning_section.json": "autotuning.enabled: dstrain does not run DeepSpeed's autotuner",
+    "bf16_immediate_grad_update.json": None,
     "checkpoint_tag_validation_universal.json": None,
     "cifar_adagrad_optimizer.json": None,
+    "comms_logger_prof_ops_zero2.json": None,
     "compression_training_section.json": "top-level key 'compression_training' is no longer supported",
     "debug_memory_breakdown_dump_state.json": None,
     "elasticity_section.json": "top-level key 'elasticity' is no longer supported",
     "examples_lr_range_test.json": None,
     "examples_onecycle_scheduler.json": None,
+    "flops_profiler_detailed_stdout.json": None,
     "hf_fp16_auto_cast_hysteresis.json": None,
+    "legacy_zero2_cpu_offload_flag.json": None,
     "legacy_curriculum_learning_top_level.json": "top-level key 'curriculum_learning' is no longer supported: use "
                                                  "data_efficiency.data_sampling.curriculum_learning instead",
     "lion_optimizer_no_offload.json": "optimizer.type: 'Lion' runs DeepSpeed's FusedLion CUDA kernel, which the CPU "
@@ -55,7 +59,11 @@ EXPECT: dict[str, str | None] = {
     "torch_optim_rmsprop_zero1_untested.json": "optimizer.type: ZeRO stage 1 accepts torch.optim.RMSprop only with "
                                                "\"zero_allow_untested_optimizer\": true",
     "torch_optim_sgd_momentum.json": None,
+    "zero1_cpu_offload_optimizer.json": None,
     "zero3_adamw_torch_adam_fast_init.json": None,
+    "zero3_legacy_gather_fp16_alias.json": None,
+    "zero_stage_auto_without_autotuning.json": "zero_optimization.stage: \"auto\" is not filled from a DeepSpeed "
+                                               "JSON (DeepSpeed would silently run stage 0); set 0, 1, 2 or 3",
     "zeropp_hpz_no_quantization.json": None,
     "zeropp_zero3_quantized_hpz.json": "zero_optimization.zero_quantized_gradients, zero_quantized_weights: ZeRO++ "
                                        "quantized communication runs DeepSpeed's quantizer kernel",
@@ -231,6 +239,10 @@ ONE_PROCESS = {
                                        "optimizer.params.nesterov": True, "zero_optimization.stage": 2,
                                        "zero_allow_untested_optimizer": True},
                                       "type 'SGD' is not Adam/AdamW"),
+    # DeepSpeed's old "cpu_offload": true is optimizer offload: DeepSpeed's CPU Adam, not a client AdamW it refuses
+    "legacy_zero2_cpu_offload_flag.json": ({"zero_optimization.cpu_offload": True, "optimizer.type": "AdamW",
+                                            "zero_optimization.stage": 2},
+                                           "optimizer offload runs DeepSpeed's CPU Adam"),
     # an unused key is named, not dropped in silence (dstrain train prints the notes itself)
     "seq_parallel_comm_dtype_bf16.json": ({"seq_parallel_communication_data_type": "bf16", "bf16.enabled": True},
                                           "dstrain: note: seq_parallel_communication_data_type: unused"),
