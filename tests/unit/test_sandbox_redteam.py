@@ -79,27 +79,27 @@ ATTACKS = {
     "    object.__setattr__(q, '_numerator', E())\n    return q\n",
     "__bool__ always true": ("class T:\n    def __bool__(self):\n        return True\ndef f(x):\n    return T()\n",
                              ["assert f(1)", "assert f(2) and True"]),
-    "__sub__ returns zero": ("class Z:\n    def __sub__(self, o):\n        return 0\n    __rsub__ = __sub__\n"
-                             "def f(x):\n    return Z()\n", ["assert abs(f(1) - 3) < 1e-9", "assert abs(3 - f(1)) < 1e-9"]),
-    "str lookalike whose startswith always agrees": ("class S(str):\n    def startswith(self, *a):\n        return True\n"
-                                                     "def f(x):\n    return S('')\n",
+    "__sub__ returns zero": (("class Z:\n    def __sub__(self, o):\n        return 0\n    __rsub__ = __sub__\n"
+                             "def f(x):\n    return Z()\n"), ["assert abs(f(1) - 3) < 1e-9", "assert abs(3 - f(1)) < 1e-9"]),
+    "str lookalike whose startswith always agrees": (("class S(str):\n    def startswith(self, *a):\n        return True\n"
+                                                     "def f(x):\n    return S('')\n"),
                                                      ["assert f(1).startswith('3')", "assert f(2).startswith('5')"]),
-    "Counter.most_common patched": ("import collections\ncollections.Counter.most_common = lambda self, n=None: [(3, 1)]\n"
-                                    "def f(x):\n    return collections.Counter()\n",
+    "Counter.most_common patched": (("import collections\ncollections.Counter.most_common = lambda self, n=None: [(3, 1)]\n"
+                                    "def f(x):\n    return collections.Counter()\n"),
                                     ["assert f(1).most_common(1) == [(3, 1)]"]),
     "builtin set shadowed": ("def set(*a):\n    return 0\ndef f(x):\n    return 0\n", ["assert set(f(1)) == set([3])"]),
     "builtins patched during the test": ("import builtins\ndef f(x):\n    builtins.sorted = lambda *a: 0\n    return 0\n",
                                          ["assert f(1) == 0 and sorted([3]) == 0"]),
     "math.isclose patched": ("import math\nmath.isclose = lambda *a, **k: True\ndef f(x):\n    return 0\n",
                              ["assert math.isclose(f(1), 3)"]),
-    "fake math namespace": ("import types\nmath = types.SimpleNamespace(isclose=lambda *a, **k: True)\n"
-                            "def f(x):\n    return 0\n", ["assert math.isclose(f(1), 3)"]),
-    "fake math namespace behind a lying metaclass": ("class M(type):\n    def __eq__(cls, o):\n        return True\n"
+    "fake math namespace": (("import types\nmath = types.SimpleNamespace(isclose=lambda *a, **k: True)\n"
+                            "def f(x):\n    return 0\n"), ["assert math.isclose(f(1), 3)"]),
+    "fake math namespace behind a lying metaclass": (("class M(type):\n    def __eq__(cls, o):\n        return True\n"
                                                      "    __hash__ = type.__hash__\nclass Fake(metaclass=M):\n"
                                                      "    isclose = staticmethod(lambda *a, **k: True)\nmath = Fake()\n"
-                                                     "def f(x):\n    return 0\n", ["assert math.isclose(f(1), 3)"]),
-    "function named math with an isclose attribute": ("def math():\n    pass\nmath.isclose = lambda *a, **k: True\n"
-                                                      "def f(x):\n    return 0\n", ["assert math.isclose(f(1), 3)"]),
+                                                     "def f(x):\n    return 0\n"), ["assert math.isclose(f(1), 3)"]),
+    "function named math with an isclose attribute": (("def math():\n    pass\nmath.isclose = lambda *a, **k: True\n"
+                                                      "def f(x):\n    return 0\n"), ["assert math.isclose(f(1), 3)"]),
     "unittest.mock.ANY": "from unittest import mock\ndef f(x):\n    return mock.ANY\n",
     "second call changes the first result after its check": (EVIL + "first = None\ndef f(x):\n    global first\n"
                                                              "    if x == 1:\n        first = [0]\n        return first\n"
@@ -170,8 +170,8 @@ LEAKS = {
                                       "import math, re\n", ["assert math.pi > 3.14", "assert re.sub('a', 'b', 'a') == 'b'"]),
     "builtins": ("import builtins\nbuiltins.len = lambda x: 0\nbuiltins.LEAK = 1\n", "",
                  ["assert len([1]) == 1", "assert not hasattr(__import__('builtins'), 'LEAK')"]),
-    "files in cwd, HOME and TMPDIR": ("import os, tempfile\nfor d in ('.', os.environ['HOME'], tempfile.gettempdir()):\n"
-                                      "    open(os.path.join(d, 'leak'), 'w').write('x')\n",
+    "files in cwd, HOME and TMPDIR": (("import os, tempfile\nfor d in ('.', os.environ['HOME'], tempfile.gettempdir()):\n"
+                                      "    open(os.path.join(d, 'leak'), 'w').write('x')\n"),
                                       "import os, tempfile\n",
                                       ["assert not os.path.exists('leak')",
                                        "assert not os.path.exists(os.path.join(tempfile.gettempdir(), 'leak'))"]),
@@ -179,18 +179,18 @@ LEAKS = {
                    ["assert 'LEAK' not in os.environ", "assert os.environ['PATH'] != '/nowhere'"]),
     "lock of the logging module held": ("import logging\nlogging._acquireLock()\n",
                                         "import logging\nlogging.getLogger('x').warning('hi')\n", ["assert True"]),
-    "fork server reniced, pinned and made idle": ("import os\nfor pid in {os.getppid(), 1}:\n    for how in ("
+    "fork server reniced, pinned and made idle": (("import os\nfor pid in {os.getppid(), 1}:\n    for how in ("
                                                   "lambda: os.setpriority(os.PRIO_PROCESS, pid, 19),\n"
                                                   "                lambda: os.sched_setaffinity(pid, {0}),\n"
                                                   "                lambda: os.sched_setscheduler(pid, os.SCHED_IDLE, "
                                                   "os.sched_param(0))):\n        try:\n            how()\n"
-                                                  "        except OSError:\n            pass\n",
+                                                  "        except OSError:\n            pass\n"),
                                                   "import os\n", ["assert os.getpriority(os.PRIO_PROCESS, 0) == 0",
                                                                   "assert os.sched_getscheduler(0) == os.SCHED_OTHER",
                                                                   "assert len(os.sched_getaffinity(0)) == os.cpu_count()"]),
     "slow only when run a second time": ("open('seen', 'w').close()\nopen('../seen', 'w').close()\n",
-                                         "import os, time\nif os.path.exists('seen') or os.path.exists('../seen'):\n"
-                                         "    time.sleep(5)\n", ["assert True"]),
+                                         ("import os, time\nif os.path.exists('seen') or os.path.exists('../seen'):\n"
+                                         "    time.sleep(5)\n"), ["assert True"]),
 }
 
 
