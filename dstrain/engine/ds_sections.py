@@ -27,8 +27,14 @@ STAGE3_ONLY = frozenset({
     "stage3_allgather_sequential", "allgather_sequential", "zero_hpz_partition_size", "zero_quantized_weights",
     "zero_quantized_nontrainable_weights", "zero_quantized_gradients", "memory_efficient_linear",
     "pipeline_loading_checkpoint", "override_module_apply", "log_trace_cache_warnings", "leaf_module",
-    "mics_shard_size", "mics_hierarchical_params_gather",
 })
+
+#: ZeRO keys DeepSpeed 0.19 removed (it raises on them at start-up), with what to do instead.
+REMOVED_ZERO_KEYS = {
+    "mics_shard_size": "MiCS sharding was removed from DeepSpeed (ZeRO-3 shards over all data-parallel ranks)",
+    "mics_hierarchical_params_gather": "MiCS sharding was removed from DeepSpeed",
+    "zeropp_loco_param": "LoCo-ZeRO++ was removed from DeepSpeed (zero_quantized_gradients runs without it)",
+}
 
 #: DeepSpeed's deprecated ZeRO keys and what it reads them as.
 DEPRECATED_ZERO_KEYS = {"cpu_offload": "offload_optimizer.device \"cpu\"",
@@ -92,6 +98,10 @@ def _zero_problems(cfg: dict, device_type: str, problems: list[str], notes: list
                         and k not in ("offload_optimizer", "cpu_offload"))
         if unused:
             notes.append(f"zero_optimization: stage 0 does not use {', '.join(unused)}")
+    removed = sorted(k for k in zo if k in REMOVED_ZERO_KEYS)
+    if removed:
+        problems.append(f"zero_optimization.{', '.join(removed)}: {REMOVED_ZERO_KEYS[removed[0]]}; remove "
+                        f"{'it' if len(removed) == 1 else 'them'}")
     for key, new in DEPRECATED_ZERO_KEYS.items():
         if key in zo:
             notes.append(f"zero_optimization.{key}: deprecated spelling, DeepSpeed reads it as {new}")

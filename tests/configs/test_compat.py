@@ -44,11 +44,15 @@ EXPECT: dict[str, str | None] = {
     "examples_onecycle_scheduler.json": None,
     "flops_profiler_detailed_stdout.json": None,
     "hf_fp16_auto_cast_hysteresis.json": None,
+    "hf_warmup_decay_linear_all_auto.json": None,
     "legacy_zero2_cpu_offload_flag.json": None,
     "legacy_curriculum_learning_top_level.json": "top-level key 'curriculum_learning' is no longer supported: use "
                                                  "data_efficiency.data_sampling.curriculum_learning instead",
     "lion_optimizer_no_offload.json": "optimizer.type: 'Lion' runs DeepSpeed's FusedLion CUDA kernel, which the CPU "
                                       "accelerator does not have; use \"AdamW\" (or offload the optimizer",
+    "megatron_prescale_gradients_zero1.json": None,
+    "mics_zero3_shard_size.json": "zero_optimization.mics_hierarchical_params_gather, mics_shard_size: MiCS "
+                                  "sharding was removed from DeepSpeed; remove them",
     "megatron_curriculum_data_efficiency.json": "data_efficiency.enabled: dstrain's samplers feed the data",
     "mixed_precision_typo_key.json": "unknown top-level key 'mixed_precision'",
     "seq_parallel_comm_dtype_bf16.json": None,
