@@ -77,12 +77,15 @@ def _launch(cfg: dict, result_fd: int) -> None:
         libc = None
     pid_ns = False
     if cfg["namespaces"] and libc is not None:
+        ids = os.geteuid(), os.getegid()
         for flags, label in ((CLONE_NEWNET | CLONE_NEWPID, "netns,pidns"),
                              (CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWPID, "userns,netns,pidns"),
                              (CLONE_NEWNET, "netns"), (CLONE_NEWUSER | CLONE_NEWNET, "userns,netns")):
             if libc.unshare(flags) == 0:
                 notes.append(label)
                 pid_ns = "pidns" in label
+                if flags & CLONE_NEWUSER:
+                    _map_own_ids(*ids)
                 break
     fresh_proc = False
     if cfg["namespaces"] and libc is not None:
@@ -131,6 +134,20 @@ def _launch(cfg: dict, result_fd: int) -> None:
         except InterruptedError:
             continue
     os._exit(128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))
+
+
+def _map_own_ids(uid: int, gid: int) -> None:
+    """In the new user namespace (an unprivileged trainer), map this process's own uid and gid
+    to themselves. Unmapped, it could create no file on the tmpfs mounted inside the namespace
+    (EOVERFLOW: its ids have no owner there), so no program could run. Mapped to themselves,
+    not to 0, the process keeps no capabilities in the namespace once it execs, so the
+    program cannot undo the read-only remounts. Left unmapped if the kernel refuses."""
+    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+        try:
+            with open(f"/proc/self/{name}", "w") as f:
+                f.write(text)
+        except OSError:
+            return
 
 
 def _private_mounts(libc, cfg: dict) -> str:
