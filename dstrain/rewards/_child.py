@@ -53,6 +53,15 @@ _DENY = frozenset({
 # by name or file name, however they are loaded.
 _DENY_MODULES = ("_posixsubprocess", "_ctypes", "_test", "_xx", "xx")
 _DENY_PREFIXES = ("socket.", "ctypes.", "_ctypes.", "sqlite3.", "winreg.", "msvcrt.")
+# Calls with no audit event that reach other processes of the same user or make special
+# files: removed from the modules before the program runs (:func:`_drop_unaudited`). With
+# PID and mount namespaces they reach nothing outside anyway; without them (an unprivileged
+# trainer with no user namespaces, a container that forbids unshare) ``pidfd_open`` +
+# ``pidfd_send_signal`` would signal the trainer, ``setpriority`` / ``sched_set*`` slow it, and
+# ``mknod`` / ``mkfifo`` create files outside the program's folder.
+_UNAUDITED = (("posix", ("pidfd_open", "mknod", "mkfifo", "setpriority", "sched_setaffinity",
+                         "sched_setscheduler", "sched_setparam")),
+              ("_signal", ("pidfd_send_signal",)))
 # Frame access: refused (so the nonce stays out of reach) but not counted, because the
 # standard library probes sys._getframe (namedtuple, enum) and copes with ValueError.
 _FRAME_ATTRS = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_back"})
@@ -426,6 +435,19 @@ def _run(result_fd: int, isolation: str, max_processes: int) -> None:
     _execute(job, result_fd, isolation, max_processes)
 
 
+def _drop_unaudited() -> None:
+    """Delete the :data:`_UNAUDITED` functions from their C modules and from the Python modules
+    that re-export them (``os``, ``signal``; a reload of those copies from the C module, which
+    no longer has them)."""
+    import sys
+
+    for core, names in _UNAUDITED:
+        for module in (sys.modules.get(core), sys.modules.get({"posix": "os", "_signal": "signal"}[core])):
+            for name in names:
+                if module is not None and name in vars(module):
+                    delattr(module, name)
+
+
 def _execute(job: dict, result_fd: int, isolation: str, max_processes: int) -> None:
     """Install the hook, run the worker, report with the nonce, leave with ``os._exit``.
 
@@ -472,6 +494,8 @@ def _execute(job: dict, result_fd: int, isolation: str, max_processes: int) -> N
     # Modules are compiled from source from now on: no .pyc is read (marshal is refused, see
     # _DENY) and none can be planted, as the cache folder would be inside the program's own.
     sys.pycache_prefix = os.path.join(tmp, ".no-pycache")
+    import signal  # noqa: F401  (loaded now, so that _drop_unaudited reaches its copy too)
+    _drop_unaudited()
     sys.addaudithook(_make_hook(tmp, tuple(sorted(roots)), violations))
     _thread.start_new_thread(_worker, (job, prepared, box, (checks, _SNAPSHOT[1], _guard_tools()), done))  # noqa: F821
     try:  # only now: counted per user, the limit could otherwise stop the worker thread itself

@@ -74,7 +74,11 @@ guarded); a program that patches a module it imported itself and the test then u
 modules loaded before the program ran are restored); stdlib classes with Python-level
 comparison methods first imported by the program (their instances then count as
 untrusted: a correct program returning one scores 0). Without namespaces (no root, no
-user namespaces) writes, network and process isolation rest on the audit hook alone.
+user namespaces) writes, network and process isolation rest on the audit hook alone, and on
+the removal, before the program runs, of the calls no audit event covers that reach other
+processes or make special files (``pidfd_open``/``pidfd_send_signal``, ``setpriority``,
+``sched_set*``, ``mknod``, ``mkfifo``). An unprivileged trainer's user namespace maps its own
+uid and gid, so the program's tmpfs folder takes files.
 """
 from __future__ import annotations
 

@@ -241,11 +241,11 @@ def test_nothing_leaks_to_the_next_program(pool, name):
 
 
 def test_nothing_can_be_planted_next_to_the_programs_folder(pool):
-    """``mknod`` has no audit event: in the fork server the folder holding the job folders is
-    read-only while a program runs, so the next job's folder cannot be taken (which would
-    cost a server restart)."""
+    """``mknod`` has no audit event: it is removed before the program runs (AttributeError),
+    and in the fork server the folder holding the job folders is read-only while a program
+    runs, so the next job's folder cannot be taken (which would cost a server restart)."""
     program = ("import os, stat\nmade = []\nfor name in ('../job2', '../job3', '../x'):\n    try:\n"
-               "        os.mknod(name, 0o600 | stat.S_IFREG)\n        made.append(name)\n    except OSError:\n"
+               "        os.mknod(name, 0o600 | stat.S_IFREG)\n        made.append(name)\n    except (OSError, AttributeError):\n"
                "        pass\nprint(made)\n")
     starts = [s.starts for s in pool.servers.servers] if pool.servers is not None else []
     r = pool.run(program, ["assert True"])
@@ -277,3 +277,41 @@ def test_legitimate_programs_still_pass(pool):
              "assert count('aab').most_common(1) == [('a', 2)]", "assert 'x'.upper() == 'X'"]
     r = pool.run(program, tests, setup="nodes = [Node(3), Node(1)]")
     assert (r.status, r.passed) == ("passed", len(tests)), r.detail
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_without_namespaces_other_processes_and_folders_stay_out_of_reach(mode, tmp_path):
+    """Where no namespace can be made (an unprivileged trainer without user namespaces, a
+    container that forbids unshare), calls with no audit event must still not reach a process
+    of the same user (here a sacrificial one) nor create files outside the program's folder."""
+    import subprocess
+    victim = subprocess.Popen(["sleep", "60"])
+    try:
+        nice = os.getpriority(os.PRIO_PROCESS, victim.pid)
+        program = textwrap.dedent(f"""
+            import os, signal
+            for call in (lambda: signal.pidfd_send_signal(os.pidfd_open({victim.pid}), signal.SIGKILL),
+                         lambda: os.setpriority(os.PRIO_PROCESS, {victim.pid}, 19),
+                         lambda: os.sched_setaffinity({victim.pid}, {{0}}),
+                         lambda: os.mkfifo({str(tmp_path / 'fifo')!r}),
+                         lambda: os.mknod({str(tmp_path / 'node')!r}, 0o600)):
+                try:
+                    call()
+                except Exception:
+                    pass
+            import importlib
+            importlib.reload(os)
+            print(hasattr(os, "pidfd_open"), hasattr(os, "mknod"))
+            """)
+        limits = dataclasses.replace(LIMITS, mode=mode, namespaces=False)
+        with SandboxPool(workers=1, limits=limits) as pool:
+            r = pool.run(program, ["assert True"])
+            assert r.stdout.split() == ["False", "False"], (r.status, r.detail, r.stdout)
+            assert victim.poll() is None
+            assert os.getpriority(os.PRIO_PROCESS, victim.pid) == nice
+            assert os.sched_getaffinity(victim.pid) == os.sched_getaffinity(0)
+            assert os.listdir(tmp_path) == []
+            still_works(pool)
+    finally:
+        victim.kill()
+        victim.wait()
