@@ -15,6 +15,8 @@ from __future__ import annotations
 import importlib.util
 import os
 
+from dstrain.engine.ds_config import describe_zero
+
 #: ZeRO keys read only at stage 3 (with DeepSpeed's aliases).
 STAGE3_ONLY = frozenset({
     "offload_param", "cpu_offload_param", "cpu_offload_use_pin_memory", "sub_group_size",
@@ -214,15 +216,6 @@ def _plain_section_keys(cfg: dict, problems: list[str]) -> None:
                 problems.append(f"{section}.{key}: unknown key{hint}; DeepSpeed would silently ignore it")
 
 
-def _torch_optimizer(name: str):
-    try:
-        import torch.optim
-    except ImportError:  # checked without torch: DeepSpeed's start-up says it then
-        return True
-    cls = getattr(torch.optim, name, None)
-    return cls if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) else None
-
-
 def _optimizer_problems(cfg: dict, device_type: str, problems: list[str]) -> None:
     """The optimizer block DeepSpeed would build: a type it can build here, params it accepts, ZeRO's vetting."""
     opt = cfg.get("optimizer")
@@ -230,8 +223,7 @@ def _optimizer_problems(cfg: dict, device_type: str, problems: list[str]) -> Non
         return
     name, kind = opt["type"], opt["type"].lower()
     zo = cfg.get("zero_optimization") if isinstance(cfg.get("zero_optimization"), dict) else {}
-    offload = str((zo.get("offload_optimizer") or {}).get("device", "none")).lower() in ("cpu", "nvme") \
-        if isinstance(zo.get("offload_optimizer"), dict) else False
+    offload = describe_zero(cfg)["offload_optimizer"]
     params = opt.get("params") if isinstance(opt.get("params"), dict) else {}
     if "max_grad_norm" in params:
         problems.append("optimizer.params.max_grad_norm: DeepSpeed refuses it; remove it and set the top-level "
@@ -245,17 +237,16 @@ def _optimizer_problems(cfg: dict, device_type: str, problems: list[str]) -> Non
         return
     if kind in DEEPSPEED_OPTIMIZER_TYPES or kind in CUDA_ONLY_OPTIMIZERS:
         return
-    cls = _torch_optimizer(name)
+    torch_classes = _torch_optimizers()
+    cls = torch_classes.get(name)
     if cls is None:
         import difflib
-        known = ["Adam", "AdamW", "Adagrad", "Lamb", "Lion", "AdamATan2"] + _torch_optimizer_names()
+        known = ["Adam", "AdamW", "Adagrad", "Lamb", "Lion", "AdamATan2"] + sorted(torch_classes)
         close = difflib.get_close_matches(name, known, n=1) or [k for k in known if k.lower() == kind]
         hint = f" (did you mean {close[0]!r}?" + (" names of torch.optim classes are case-sensitive)"
                                                   if close and close[0].lower() == kind else ")") if close else ""
         problems.append(f"optimizer.type: {name!r} is neither one of DeepSpeed's optimizers nor a torch.optim "
                         f"class{hint}; DeepSpeed would fail at start-up")
-        return
-    if cls is True:
         return
     import inspect
     accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
@@ -271,13 +262,11 @@ def _optimizer_problems(cfg: dict, device_type: str, problems: list[str]) -> Non
                         "\"AdamW\"")
 
 
-def _torch_optimizer_names() -> list[str]:
-    try:
-        import torch.optim
-    except ImportError:
-        return []
-    return sorted(n for n in dir(torch.optim) if isinstance(getattr(torch.optim, n), type)
-                  and issubclass(getattr(torch.optim, n), torch.optim.Optimizer) and n != "Optimizer")
+def _torch_optimizers() -> dict[str, type]:
+    """torch.optim's optimizer classes by name."""
+    import torch.optim
+    return {n: c for n, c in vars(torch.optim).items()
+            if isinstance(c, type) and issubclass(c, torch.optim.Optimizer) and n != "Optimizer"}
 
 
 def section_problems(cfg: dict, device_type: str) -> tuple[list[str], list[str]]:

@@ -81,11 +81,9 @@ class OptimizerChoice:
 
 
 def _offloads_optimizer(ds_config: dict) -> bool:
-    zero = ds_config.get("zero_optimization") or {}
-    if zero.get("cpu_offload") is True:  # DeepSpeed's deprecated spelling of offload_optimizer.device "cpu"
-        return True
-    device = (zero.get("offload_optimizer") or {}).get("device", "none")
-    return str(device).lower() not in ("none", "")
+    """offload_optimizer to a device, or DeepSpeed's deprecated ``cpu_offload: true``."""
+    from dstrain.engine.ds_config import describe_zero
+    return describe_zero(ds_config)["offload_optimizer"]
 
 
 def _run_block(values, optimizer_type: str = "adamw") -> dict:
