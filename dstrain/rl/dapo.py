@@ -134,13 +134,14 @@ class GroupFiller:
     def deficit(self) -> int:
         return self.needed - self.kept
 
-    def add(self, rewards: torch.Tensor, items: list) -> None:
+    def add(self, rewards: torch.Tensor, items: list) -> list[bool]:
+        """Take one round's groups; returns which of them were informative."""
         G = self.group_size
         if len(items) != rewards.numel():
             raise ValueError(f"GroupFiller.add got {rewards.numel()} rewards but {len(items)} items")
         self.rounds += 1
-        keep = informative_groups(rewards, G) if rewards.numel() else torch.zeros(0, dtype=torch.bool)
-        for g, ok in enumerate(keep.tolist()):
+        keep = informative_groups(rewards, G).tolist() if rewards.numel() else []
+        for g, ok in enumerate(keep):
             self.generated += 1
             rows = slice(g * G, (g + 1) * G)
             if ok and self.deficit > 0:
@@ -152,6 +153,7 @@ class GroupFiller:
                 self.dropped += 1
                 if len(self.filler_items) < self.needed * G:
                     self.filler_items.extend(items[rows])
+        return keep
 
     def next_count(self) -> int:
         """Groups to sample in the next round: the deficit divided by the fraction kept so

@@ -225,9 +225,9 @@ def dynamic_batch(tr, step: int) -> StepBatch:
         tokens += sum(len(c.completion_ids) for c in completions)
         if filler.rounds == 0:  # the step's regular prompts: comparable with plain GRPO's log
             log, _ = _round0_log(raw[:n], shaped[:n], completions[:n], statuses[:n], G)
-        filler.add(shaped, completions)
+        informative = filler.add(shaped, completions)
         if rest is not None and groups:
-            outcomes += zip(groups, dapo.informative_groups(shaped, G).tolist())
+            outcomes += zip(groups, informative)
             skip = skip | {g for g, ok in outcomes if not ok}  # dropped in this step: not drawn again
         if _max_all(float(filler.deficit > 0)) == 0 or filler.rounds >= task.dynamic_sampling_max_rounds:
             break
