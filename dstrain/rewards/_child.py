@@ -59,9 +59,10 @@ _DENY_PREFIXES = ("socket.", "ctypes.", "_ctypes.", "sqlite3.", "winreg.", "msvc
 # trainer with no user namespaces, a container that forbids unshare) ``pidfd_open`` +
 # ``pidfd_send_signal`` would signal the trainer, ``setpriority`` / ``sched_set*`` slow it, and
 # ``mknod`` / ``mkfifo`` create files outside the program's folder.
-_UNAUDITED = (("posix", ("pidfd_open", "mknod", "mkfifo", "setpriority", "sched_setaffinity",
-                         "sched_setscheduler", "sched_setparam")),
-              ("_signal", ("pidfd_send_signal",)))
+# (C module, the Python module that re-exports it, names)
+_UNAUDITED = (("posix", "os", ("pidfd_open", "mknod", "mkfifo", "setpriority", "sched_setaffinity",
+                               "sched_setscheduler", "sched_setparam")),
+              ("_signal", "signal", ("pidfd_send_signal",)))
 # Frame access: refused (so the nonce stays out of reach) but not counted, because the
 # standard library probes sys._getframe (namedtuple, enum) and copes with ValueError.
 _FRAME_ATTRS = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_back"})
@@ -441,8 +442,8 @@ def _drop_unaudited() -> None:
     no longer has them)."""
     import sys
 
-    for core, names in _UNAUDITED:
-        for module in (sys.modules.get(core), sys.modules.get({"posix": "os", "_signal": "signal"}[core])):
+    for core, facade, names in _UNAUDITED:
+        for module in (sys.modules.get(core), sys.modules.get(facade)):
             for name in names:
                 if module is not None and name in vars(module):
                     delattr(module, name)

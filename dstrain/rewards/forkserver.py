@@ -28,11 +28,11 @@ import time
 from pathlib import Path
 
 from dstrain.rewards import _child
+from dstrain.rewards.sandbox import _CHILD_SOURCE
 
 GRACE_S = 5.0
 """How long past a job's wall-clock limit a server may take to reply before it is replaced."""
 START_TIMEOUT_S = 60.0
-_CHILD_SOURCE = (Path(_child.__file__).parent / "_judge.py").read_text() + Path(_child.__file__).read_text()
 _SERVER_SOURCE = (Path(_child.__file__).parent / "_server.py").read_text()
 
 
