@@ -27,13 +27,11 @@ def peak_memory_bytes() -> int:
 
 def reduce_mean(values: Mapping[str, float]) -> dict[str, float]:
     """Average each value over all ranks (one all-reduce); identity without a process group."""
+    from dstrain.runtime import all_reduce
     keys = sorted(values)
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return {k: float(values[k]) for k in keys}
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    t /= dist.get_world_size()
+    t = all_reduce(torch.tensor([float(values[k]) for k in keys], dtype=torch.float64))
+    if dist.is_available() and dist.is_initialized():
+        t /= dist.get_world_size()
     return dict(zip(keys, t.tolist()))
 
 

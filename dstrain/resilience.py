@@ -60,12 +60,8 @@ class NonFiniteError(RuntimeError):
 def _first_bad_ranks(flags: list[bool], rank: int, world_size: int) -> list[int | None]:
     """For each flag: the lowest rank where it is set (every rank gets the same answer), or None."""
     import torch
-    import torch.distributed as dist
-    value = torch.tensor([rank if bad else world_size for bad in flags], dtype=torch.int64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        if dist.get_backend() == "nccl":
-            value = value.cuda()
-        dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    from dstrain.runtime import all_reduce
+    value = all_reduce(torch.tensor([rank if bad else world_size for bad in flags], dtype=torch.int64), "min")
     return [v if v < world_size else None for v in value.tolist()]
 
 

@@ -88,14 +88,47 @@ def broadcast_object(obj, src: int = 0):
     return box[0]
 
 
-def all_gather_1d(values: torch.Tensor) -> torch.Tensor:
-    """Every rank's equal-length 1-D tensor, concatenated in rank order."""
+def comm_device() -> torch.device:
+    """Where the default group's collectives take their tensors: this rank's GPU under NCCL
+    (which refuses host tensors), else the CPU."""
     import torch.distributed as dist
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _distributed() -> bool:
+    import torch.distributed as dist
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def all_reduce(values: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """``values`` reduced over every rank (``op``: sum, max or min), on ``values``' device; ``values``
+    itself without a process group. Host tensors (counts, flags, rewards) work under NCCL too: they
+    go to this rank's GPU for the collective and come back."""
+    import torch.distributed as dist
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    if op not in ops:
+        raise ValueError(f"all_reduce op must be one of {sorted(ops)}, got {op!r}")
+    if not _distributed():
         return values
-    parts = [torch.empty_like(values) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, values.contiguous())
-    return torch.cat(parts)
+    buf = values.to(comm_device()).contiguous()
+    if buf is values:
+        buf = buf.clone()
+    dist.all_reduce(buf, op=ops[op])
+    return buf.to(values.device)
+
+
+def all_gather_1d(values: torch.Tensor) -> torch.Tensor:
+    """Every rank's equal-length 1-D tensor, concatenated in rank order, on ``values``' device
+    (host tensors work under NCCL, as in :func:`all_reduce`)."""
+    import torch.distributed as dist
+    if not _distributed():
+        return values
+    buf = values.to(comm_device()).contiguous()
+    parts = [torch.empty_like(buf) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, buf)
+    return torch.cat(parts).to(values.device)
 
 
 def barrier() -> None:

@@ -45,11 +45,7 @@ from dstrain.trainers.rl_loop import RLLoop, batch_layout, sandbox_pool
 
 
 def _sum_all(value: float) -> float:
-    import torch.distributed as dist
-    t = torch.tensor([value], dtype=torch.float64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
-    return t.item()
+    return runtime.all_reduce(torch.tensor([value], dtype=torch.float64)).item()
 
 
 class GRPOTrainer(RLLoop):

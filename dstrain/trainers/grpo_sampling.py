@@ -67,11 +67,7 @@ class StepBatch:
 
 
 def _max_all(value: float) -> float:
-    import torch.distributed as dist
-    t = torch.tensor([value], dtype=torch.float64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+    return runtime.all_reduce(torch.tensor([value], dtype=torch.float64), "max").item()
 
 
 def shaped_rewards(raw: torch.Tensor, completions: list, task) -> torch.Tensor:
@@ -168,11 +164,7 @@ def round_size(task, filler: dapo.GroupFiller, estimate: float) -> int:
 
 
 def _sum_all(values: list[float]) -> list[float]:
-    import torch.distributed as dist
-    t = torch.tensor(values, dtype=torch.float64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
-    return t.tolist()
+    return runtime.all_reduce(torch.tensor(values, dtype=torch.float64)).tolist()
 
 
 def prompt_rest(tr) -> dapo.PromptRest | None:

@@ -198,9 +198,7 @@ def evaluate_pass_at_k(model, tokenizer, rl, tasks: list, task: PolicyTaskConfig
                 got = rewards[i * n:(i + 1) * n]
                 sums[2] += pass_at_k(n, sum(r == 1.0 for r in got), task.eval_k)
                 sums[3] += sum(got) / n
-    if world.world_size > 1:
-        import torch.distributed as dist
-        dist.all_reduce(sums)
+    sums = runtime.all_reduce(sums)
     count = max(sums[0].item(), 1.0)
     stats = {"pass@1": sums[1].item() / count, "tasks": sums[0].item()}
     if task.eval_k:

@@ -36,7 +36,7 @@ import torch
 from dstrain.rl import episode as ep
 from dstrain.rl import score_math as sm
 from dstrain.rl.polyak import polyak_update_
-from dstrain.runtime import all_gather_1d
+from dstrain.runtime import all_gather_1d, all_reduce
 from dstrain.trainers import policy_rl as prl
 from dstrain.trainers.score_warm import HINT_STOP, NO_HINT, answer_key, leaks_answer
 
@@ -283,10 +283,7 @@ class ScoreStep:
             sums += torch.tensor([len(mine), sum(c1), sum(c2), sum(not a and b for a, b in zip(c1, c2)),
                                   sum(a and not b for a, b in zip(c1, c2)),
                                   sum(leaks_answer(t, h.text) for t, h in zip(mine, hints))], dtype=torch.float64)
-        if world.world_size > 1:
-            import torch.distributed as dist
-            dist.all_reduce(sums)
-        return eval_stats(*sums.tolist())
+        return eval_stats(*all_reduce(sums).tolist())
 
 
 def eval_stats(tasks: float, t1_correct: float, t2_correct: float, i2c: float, c2i: float,
