@@ -54,13 +54,37 @@ class Task:
 # ---------------------------------------------------------------- local files and the hub
 
 def _read_records(path: Path) -> list[dict]:
+    """The records of a ``.json`` list or a ``.jsonl`` file (one object a line); ValueError naming the
+    file and line of the first one that is not a JSON object."""
     text = path.read_text(encoding="utf-8")
     if path.suffix == ".json":
-        data = json.loads(text)
-        if not isinstance(data, list):
-            raise ValueError(f"{path}: expected a JSON list of records")
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}: not valid JSON (line {err.lineno}: {err.msg})") from None
+        if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
+            raise ValueError(f"{path}: expected a JSON list of records (objects)")
         return data
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+    records = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{n}: not a valid JSON line ({err.msg}, column {err.colno})") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{n}: expected a JSON object, got {type(record).__name__}")
+        records.append(record)
+    return records
+
+
+def _fields(row: Mapping[str, Any], what: str, *names: str) -> None:
+    """ValueError naming the record and every field in ``names`` it lacks."""
+    missing = [n for n in names if n not in row]
+    if missing:
+        ident = row.get("task_id", row.get("question", "?"))
+        raise ValueError(f"{what} record {str(ident)[:60]!r} lacks field(s) {', '.join(missing)}")
 
 
 def _looks_like_path(source: str) -> bool:
@@ -86,6 +110,7 @@ def _mbpp_prompt(text: str, tests: Sequence[str]) -> str:
 
 
 def _mbpp_task(row: Mapping[str, Any]) -> Task:
+    _fields(row, "MBPP", "task_id", "test_list", "code")
     tests = tuple(t.replace("\r\n", "\n") for t in row["test_list"])
     setup = row.get("test_setup_code") or "\n".join(row.get("test_imports") or ())
     code = row["code"].replace("\r\n", "\n").strip("\n").rstrip()
@@ -133,6 +158,10 @@ def load_mbpp(source: str, split: str, few_shot: int = 0, max_reference_chars: i
     local = Path(source).expanduser().exists()
     rows = _records(source, split, lambda name: (name,))
     low, high = MBPP_SPLITS[split]
+    for r in rows:
+        _fields(r, "MBPP", "task_id")
+        if not isinstance(r["task_id"], int) and not str(r["task_id"]).isdigit():
+            raise ValueError(f"MBPP record task_id {r['task_id']!r} is not a number")
     tasks = sorted((_mbpp_task(r) for r in rows if low <= int(r["task_id"]) <= high),
                    key=lambda t: int(t.task_id.split("/")[1]))
     if few_shot > 0:
@@ -168,6 +197,7 @@ def load_gsm8k(source: str, split: str = "train") -> list[Task]:
     rows = _records(source, split, lambda name: ("openai/gsm8k" if name in GSM8K_HUB_NAMES else name, "main"))
     tasks = []
     for i, row in enumerate(rows):
+        _fields(row, f"GSM8K {source} row {i}:", "question", "answer")
         solution = _CALCULATOR.sub("", row["answer"]).strip()
         if "####" not in solution:
             raise ValueError(f"GSM8K {source} row {i}: answer has no '#### <final>' line")

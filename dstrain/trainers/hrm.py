@@ -44,12 +44,16 @@ def load_sudoku(task: HRMTaskConfig, seed: int):
         train = sudoku.generate_many(task.train_puzzles, task.blanks, seed, size=task.grid)
         held = sudoku.generate_many(task.eval_puzzles, task.blanks, seed + 1_000_003, size=task.grid)
         return (*train, *held)
-    if task.eval_file:
-        held = sudoku.read_puzzle_file(task.eval_file, limit=task.eval_puzzles)
-        train = sudoku.read_puzzle_file(task.train_file, limit=task.train_puzzles)
-    else:
-        held = sudoku.read_puzzle_file(task.train_file, limit=task.eval_puzzles)
-        train = sudoku.read_puzzle_file(task.train_file, limit=task.train_puzzles, skip=task.eval_puzzles)
+    try:
+        if task.eval_file:
+            held = sudoku.read_puzzle_file(task.eval_file, limit=task.eval_puzzles)
+            train = sudoku.read_puzzle_file(task.train_file, limit=task.train_puzzles)
+        else:
+            held = sudoku.read_puzzle_file(task.train_file, limit=task.eval_puzzles)
+            train = sudoku.read_puzzle_file(task.train_file, limit=task.train_puzzles, skip=task.eval_puzzles)
+    except (FileNotFoundError, ValueError) as err:  # a missing, empty or malformed puzzle file
+        raise ConfigError("run config", "task.train_file" if str(task.train_file) in str(err) else "task.eval_file",
+                          str(err)) from None
     return (*train, *held)
 
 

@@ -46,7 +46,7 @@ def load_task_sets(task: PolicyTaskConfig, seed: int) -> tuple[list, list]:
             spec.update(max_reference_chars=getattr(task, "mbpp_max_reference_chars", 0),
                         signature=getattr(task, "mbpp_signature", False))
         return T.load_tasks(spec)
-    except FileNotFoundError as err:
+    except (FileNotFoundError, ValueError) as err:  # a missing or malformed task file
         raise ConfigError("run config", "task.path", str(err)) from None
 
 

@@ -51,6 +51,23 @@ def test_file_source_needs_a_file():
         run_config_from_dict(data, "recipe")
 
 
+@pytest.mark.parametrize("text, key, message", [
+    (None, "task.train_file", "no such puzzle file"),
+    ("", "task.train_file", "no puzzles read"),
+    ("0001 12345 7.1\n", "task.train_file", r":1: no 81-character puzzle field"),
+])
+def test_a_bad_puzzle_file_is_a_config_error_naming_the_file(tmp_path, text, key, message):
+    """What `dstrain train` prints as one line (not a traceback): the key, the file and the line."""
+    from dstrain.trainers.hrm import load_sudoku
+    path = tmp_path / "puzzles.txt"
+    if text is not None:
+        path.write_text(text)
+    task = HRMTaskConfig(source="file", train_file=str(path))
+    with pytest.raises(ConfigError, match=message) as err:
+        load_sudoku(task, seed=0)
+    assert err.value.key == key and str(path) in str(err.value)
+
+
 def test_evaluate_rows_runs_every_puzzle_to_the_step_limit():
     from dstrain.trainers.hrm import evaluate_rows, summarise
     cfg = registry.make_model_config("hrm", "tiny", {"halt_max_steps": 3})

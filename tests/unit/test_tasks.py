@@ -121,6 +121,27 @@ def test_gsm8k_missing_file():
 
 # ---------------------------------------------------------------- generated tasks
 
+
+@pytest.mark.parametrize("name, text, match", [
+    ("cut.jsonl", '{"task_id": 601, "code": "x"}\n{"task_id": 602, "te', r"cut.jsonl:2: not a valid JSON line"),
+    ("list.jsonl", "[1, 2]\n", r"list.jsonl:1: expected a JSON object, got list"),
+    ("nocode.jsonl", '{"task_id": 700, "text": "t", "test_list": []}\n', r"MBPP record '700' lacks field\(s\) code"),
+    ("badid.jsonl", '{"task_id": "seven", "text": "t"}\n', r"task_id 'seven' is not a number"),
+    ("notlist.json", '{"task_id": 700}', r"notlist.json: expected a JSON list of records"),
+    ("broken.json", '[{"task_id": 700,', r"broken.json: not valid JSON \(line 1"),
+])
+def test_malformed_mbpp_files_name_file_line_and_field(tmp_path, name, text, match):
+    (tmp_path / name).write_text(text)
+    with pytest.raises(ValueError, match=match):
+        load_mbpp(str(tmp_path / name), "train")
+
+
+def test_gsm8k_row_without_answer_is_named(tmp_path):
+    path = tmp_path / "g.jsonl"
+    path.write_text(json.dumps({"question": "1+1?", "answer": "#### 2"}) + "\n" + json.dumps({"question": "2+2?"}))
+    with pytest.raises(ValueError, match=r"row 1: record '2\+2\?' lacks field\(s\) answer"):
+        load_gsm8k(str(path))
+
 def test_program_tasks_are_deterministic_distinct_and_well_formed():
     tasks = make_program_tasks(300, seed=3)
     assert tasks == make_program_tasks(300, seed=3)
