@@ -136,7 +136,12 @@ def load_documents(
             docs = _text_documents([str(path)], cache_dir, "paragraph")
         elif path.suffix == ".jsonl":
             _require_bytes([str(path)], corpus)
-            ds = _load_dataset("json", str(path), cache_dir)
+            try:
+                ds = _load_dataset("json", str(path), cache_dir)
+            except Exception as err:  # datasets wraps the JSON error in a generation error
+                cause = err.__cause__ or err.__context__ or err
+                raise ValueError(f"corpus file {str(path)!r} is not valid JSON lines: "
+                                 f"{type(cause).__name__}: {str(cause)[:200]}") from None
             if "text" not in ds.column_names:
                 raise ValueError(
                     f"corpus file {str(path)!r} has no 'text' field (columns: {ds.column_names})"

@@ -23,7 +23,7 @@ from dstrain import runtime
 from dstrain.trainers.common import (CheckpointSaver, RunGuards, StopFlag, decide_resume, fault, fault_hang,
                                      load_checkpoint, pin_plan, plan_and_record)
 from dstrain.resilience import NonFiniteError, torch_timeout_s
-from dstrain.config import RunConfig
+from dstrain.config import ConfigError, RunConfig
 from dstrain.data.corpus import ByteTokenizer, build_token_streams, load_documents
 from dstrain.data.sampler import WindowSampler, get_batch
 from dstrain.engine.factory import create_engine
@@ -33,11 +33,16 @@ from dstrain.metrics import RunLogger, Throughput, peak_memory_bytes, reduce_mea
 def load_token_streams(cfg: RunConfig, world: runtime.World) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank 0 reads (and lets ``datasets`` cache) the corpus first; the others then read the cache."""
     cache = str(Path(cfg.output.dir) / ".cache" / "datasets")
-    streams = None
+    streams, error = None, None
     if world.is_main:
-        docs = load_documents(cfg.data.corpus, cache_dir=cache, max_bytes=cfg.data.max_bytes)
-        streams = build_token_streams(docs, ByteTokenizer(), val_every=cfg.data.val_every)
-    runtime.barrier()
+        try:
+            docs = load_documents(cfg.data.corpus, cache_dir=cache, max_bytes=cfg.data.max_bytes)
+            streams = build_token_streams(docs, ByteTokenizer(), val_every=cfg.data.val_every)
+        except (FileNotFoundError, ValueError) as err:  # a missing, empty or malformed corpus
+            error = str(err)
+    error = runtime.broadcast_object(error)  # also the barrier: the others read rank 0's cache
+    if error is not None:
+        raise ConfigError("run config", "data.corpus", error)
     if not world.is_main:
         docs = load_documents(cfg.data.corpus, cache_dir=cache, max_bytes=cfg.data.max_bytes)
         streams = build_token_streams(docs, ByteTokenizer(), val_every=cfg.data.val_every)

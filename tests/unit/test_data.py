@@ -84,6 +84,25 @@ def test_missing_and_empty_corpora(tmp_path):
         load_documents(str(other))
 
 
+
+def test_cut_jsonl_names_the_file_and_the_parse_error(tmp_path):
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text('{"text": "a whole line"}\n{"text": "cut off')
+    with pytest.raises(ValueError, match=r"cut.jsonl' is not valid JSON lines: .*(JSON|json)"):
+        load_documents(str(cut), cache_dir=str(tmp_path / "cache"))
+
+
+def test_the_lm_trainer_turns_corpus_errors_into_one_config_error(tmp_path):
+    """What `dstrain train` prints as one line on every rank (rank 0 reads; the verdict is shared)."""
+    from dstrain.config import ConfigError, load_run_config
+    from dstrain.runtime import World
+    from dstrain.trainers.lm import load_token_streams
+    cfg = load_run_config(Path(__file__).resolve().parents[2] / "models/gpt/recipes/tiny.json",
+                          [f"--data.corpus={tmp_path / 'nope.jsonl'}", f"--output.dir={tmp_path / 'run'}"])
+    with pytest.raises(ConfigError, match="nope.jsonl' does not exist") as err:
+        load_token_streams(cfg, World(0, 1, 0, 1, torch.device("cpu")))
+    assert err.value.key == "data.corpus"
+
 # --- tokenizer and streams ---------------------------------------------------------
 def test_tokenizer_roundtrip_unicode():
     tok = ByteTokenizer()
