@@ -171,6 +171,9 @@ def choose_optimizer(ds_config: dict, requested: str, device_type: str, values,
         extra = sorted(set((block.get("params") or {})) - _MAPPED)
         if kind not in ("adam", "adamw"):
             keep, why = True, f"type {block.get('type')!r} is not Adam/AdamW, which dstrain builds itself"
+            if kind == "adagrad":  # see dstrain.optim.lazy_state
+                why += ("; dstrain hands DeepSpeed that same torch.optim.Adagrad, made to create the state of "
+                        "the parameters DeepSpeed swaps in")
         elif extra:
             keep, why = True, f"params {', '.join(extra)} have no torch.optim.AdamW counterpart"
     if keep:

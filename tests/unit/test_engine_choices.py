@@ -122,3 +122,32 @@ def test_auto_zero_sizes_scale_with_the_model_and_keep_numbers():
     assert out["zero_optimization"] == {"stage": 3, "reduce_bucket_size": 50_000_000,
                                         "stage3_prefetch_bucket_size": 7, "overlap_comm": True}
     assert template["zero_optimization"]["reduce_bucket_size"] == "auto"
+
+
+def test_replaced_parameters_get_the_state_their_optimizer_builds():
+    """DeepSpeed's 16-bit wrapper swaps an Adagrad's parameters for fp32 copies after construction:
+    the stale state goes and the copies get Adagrad's initial state (torch 2.11's Adagrad has no lazy
+    init and failed with KeyError 'sum'), so a step equals a fresh Adagrad's step on the copies."""
+    from types import SimpleNamespace
+
+    from dstrain.engine.factory import drop_stale_optimizer_state
+    from dstrain.optim.lazy_state import init_missing_state
+    torch.manual_seed(0)
+    half = [torch.nn.Parameter(torch.randn(3, 2).bfloat16()), torch.nn.Parameter(torch.randn(4).bfloat16())]
+    opt = torch.optim.Adagrad(half, lr=0.1, initial_accumulator_value=0.5, eps=1e-8)
+    copies = [torch.nn.Parameter(p.detach().float()) for p in half]
+    opt.param_groups[0]["params"] = copies
+    assert drop_stale_optimizer_state(SimpleNamespace(optimizer=SimpleNamespace(optimizer=opt))) == 2
+    assert set(opt.state) == set(copies)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in copies]
+    ref = torch.optim.Adagrad(twins, lr=0.1, initial_accumulator_value=0.5, eps=1e-8)
+    for ps in (copies, twins):
+        for p in ps:
+            p.grad = torch.ones_like(p)
+    opt.step()
+    ref.step()
+    assert all(torch.equal(a, b) for a, b in zip(copies, twins))
+    assert opt.state_dict()["state"][0]["sum"].tolist() == ref.state_dict()["state"][0]["sum"].tolist()
+    adam = torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))])
+    init_missing_state(adam)  # builds its state in step: nothing to add
+    assert len(adam.state) == 0
