@@ -70,3 +70,10 @@ def fault_hang(step: int) -> None:
     if _fires("DSTRAIN_FAULT_HANG_STEP", step):
         import time
         time.sleep(float(os.environ.get("DSTRAIN_FAULT_HANG_S", 3600)))
+
+
+def fault_raise(step: int) -> None:
+    """Test hook: ``DSTRAIN_FAULT_RAISE_STEP=n`` makes the fault rank raise a RuntimeError after step n:
+    an unexpected error inside a running job (a traceback), where :func:`fault` kills the process."""
+    if _fires("DSTRAIN_FAULT_RAISE_STEP", step):
+        raise RuntimeError(f"dstrain test fault: DSTRAIN_FAULT_RAISE_STEP={step}")

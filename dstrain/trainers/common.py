@@ -8,7 +8,7 @@ from typing import Callable
 
 from dstrain import checkpoint as ckpt
 from dstrain import runtime
-from dstrain.faults import fault, fault_hang  # noqa: F401  (fault_hang: the trainers import it from here)
+from dstrain.faults import fault, fault_hang, fault_raise  # noqa: F401  (fault_hang, fault_raise: the trainers import them from here)
 from dstrain.config import RunConfig, RunFolderError
 
 

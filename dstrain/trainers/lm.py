@@ -21,6 +21,7 @@ import torch
 
 from dstrain import runtime
 from dstrain.trainers.common import (CheckpointSaver, RunGuards, StopFlag, decide_resume, fault, fault_hang,
+                                     fault_raise,
                                      load_checkpoint, pin_plan, plan_and_record)
 from dstrain.resilience import NonFiniteError, torch_timeout_s
 from dstrain.config import ConfigError, RunConfig
@@ -202,6 +203,7 @@ class LMTrainer:
                     self.save(step)
                     last_saved = step
                 fault("DSTRAIN_FAULT_AFTER_STEP", step)
+                fault_raise(step)
             if not stopped and last_saved != step and step > self.start_step:
                 self.save(step)
             self.guards.phase("eval", step)

@@ -35,16 +35,15 @@ def test_refused_before_launch_starts_and_writes_nothing(tmp_path):
 
 
 def test_crash_inside_ranks_is_reported_once_and_releases_shared_memory(tmp_path):
-    corpus = tmp_path / "corpus.csv"  # an unsupported corpus file: rank 0 fails after the process group is up
-    corpus.write_text("a,b\n1,2\n")
-    port = find_free_port()
-    proc = launch([*overrides(tmp_path / "run", 3), f"--data.corpus={corpus}", "--master-port", str(port)],
-                  check=False, timeout=600)
+    port = find_free_port()  # rank 0 raises an unexpected error after step 1, rank 1 waits in a collective
+    proc = launch([*overrides(tmp_path / "run", 3), "--master-port", str(port)],
+                  env={"DSTRAIN_FAULT_RAISE_STEP": "1"}, check=False, timeout=600)
     text = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "deepspeed_shm_comm_op built successfully" in text  # the buffers existed
     assert text.count("Traceback") == 1, text[-6000:]  # rank 0's, not rank 1's collateral gloo error
-    assert "corpus" in text and "Connection closed" not in text and "Connection reset" not in text
+    assert "DSTRAIN_FAULT_RAISE_STEP=1" in text
+    assert "Connection closed" not in text and "Connection reset" not in text
     assert shm_buffers(port) == []
 
 
@@ -54,4 +53,19 @@ def test_killed_rank_releases_shared_memory(tmp_path):
                   env={"DSTRAIN_FAULT_AFTER_STEP": "1"}, check=False, timeout=600)
     assert proc.returncode != 0  # rank 0 died without any clean-up of its own (os._exit)
     assert "deepspeed_shm_comm_op built successfully" in proc.stdout + proc.stderr
+    assert shm_buffers(port) == []
+
+
+def test_bad_corpus_after_start_is_one_line_from_every_rank(tmp_path):
+    """A corpus rank 0 cannot read (found once the ranks run): its verdict is shared, every rank stops
+    with the same config error, one line is printed, and no traceback."""
+    corpus = tmp_path / "corpus.csv"
+    corpus.write_text("a,b\n1,2\n")
+    port = find_free_port()
+    proc = launch([*overrides(tmp_path / "run", 3), f"--data.corpus={corpus}", "--master-port", str(port)],
+                  check=False, timeout=600)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "Traceback" not in text, text[-6000:]
+    errors = [line for line in text.splitlines() if line.startswith("dstrain: error:")]
+    assert len(errors) == 1 and "data.corpus: unsupported corpus file" in errors[0], errors
     assert shm_buffers(port) == []
