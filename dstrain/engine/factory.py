@@ -21,6 +21,7 @@ from dstrain.engine import ds_config as dsc
 from dstrain.engine import hardware
 from dstrain.engine.optim import OptimizerChoice, apply_optimizer_type, choose_optimizer
 from dstrain.engine.zero_tuning import fill_zero_sizes
+from dstrain.optim.lazy_state import client_optimizer, drop_stale_optimizer_state
 from dstrain.engine.profiles import (Plan, choose_plan, choose_precision, format_plan)
 
 
@@ -518,7 +519,7 @@ def create_engine(build_model: Callable[[], torch.nn.Module],
     names = {id(p): n for n, p in model.named_parameters()}
     group_names = [[names[id(p)] for p in g["params"]] for g in groups]
     cuda_env.apply()  # DeepSpeed's op builders cannot parse e.g. TORCH_CUDA_ARCH_LIST=9.0a
-    client = client_optimizer(plan)
+    client = client_optimizer(plan.optimizer, plan.ds_config)
     ds_engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=groups, optimizer=client, lr_scheduler=scheduler,
         config=plan.ds_config, mpu=mpu)
@@ -543,40 +544,6 @@ def skip_lone_allreduce(ds_engine, plan: EnginePlan) -> bool:
     return False
 
 
-def client_optimizer(plan: EnginePlan):
-    """The optimizer callable ``deepspeed.initialize`` gets: the one dstrain builds (plan.txt names it),
-    or, where the JSON has DeepSpeed build a plain Adagrad, the same Adagrad made to create the state of
-    parameters DeepSpeed swaps in (DeepSpeed's own fails its first step on torch 2.11); else None."""
-    if plan.optimizer is not None and plan.optimizer.implementation != "deepspeed":
-        return plan.optimizer.factory()
-    from dstrain.optim.lazy_state import deepspeed_adagrad_client
-    return deepspeed_adagrad_client(plan.ds_config)
-
-
-def drop_stale_optimizer_state(ds_engine) -> int:
-    """Forget optimizer state kept for parameters the optimizer no longer holds; returns how many.
-
-    DeepSpeed's unfused 16-bit wrapper (bf16/fp16 without ZeRO, for optimizers other than
-    Adam/AdamW, e.g. Adagrad) swaps each group's parameters for fp32 copies after the
-    optimizer was built. Optimizers that create their state in the constructor (Adagrad's
-    sums) keep it for the replaced 16-bit tensors, and ``state_dict()`` then fails on them
-    (a KeyError at the first checkpoint). Copies still without state get what the optimizer's
-    constructor gives a parameter (:func:`dstrain.optim.lazy_state.init_missing_state`).
-    """
-    from dstrain.optim.lazy_state import init_missing_state
-    inner = getattr(getattr(ds_engine, "optimizer", None), "optimizer", None)
-    state = getattr(inner, "state", None)
-    if not isinstance(state, dict) or not hasattr(inner, "param_groups"):
-        return 0
-    held = {id(p) for group in inner.param_groups for p in group["params"]}
-    stale = [p for p in state if id(p) not in held]
-    for p in stale:
-        del state[p]
-    if stale:
-        init_missing_state(inner)
-    return len(stale)
-
-
 def _create_pipeline_engine(build_model, pipeline_parts, plan: EnginePlan, train: TrainConfig):
     """DeepSpeed's pipeline engine over this stage's layers (``plan.pipeline`` says the split)."""
     import deepspeed
@@ -590,7 +557,7 @@ def _create_pipeline_engine(build_model, pipeline_parts, plan: EnginePlan, train
     names = {id(p): n for n, p in module.named_parameters()}
     group_names = [[names[id(p)] for p in g["params"]] for g in groups]  # before ZeRO flattens the groups
     cuda_env.apply()
-    client = client_optimizer(plan)
+    client = client_optimizer(plan.optimizer, plan.ds_config)
     ds_engine, _, _, _ = deepspeed.initialize(
         model=module, model_parameters=groups, optimizer=client, lr_scheduler=scheduler, config=plan.ds_config)
     return PipelineEngine(ds_engine, plan, group_names)

@@ -51,3 +51,34 @@ def deepspeed_adagrad_client(ds_config: dict):
         return None
     params = dict(block.get("params") or {})
     return lambda groups: LazyStateAdagrad(groups, **params)
+
+
+def client_optimizer(choice, ds_config: dict):
+    """The optimizer callable ``deepspeed.initialize`` gets for an engine plan's optimizer ``choice``
+    (``dstrain.engine.optim.OptimizerChoice`` or None) and DeepSpeed JSON: the one dstrain builds (plan.txt
+    names it), or, where the JSON has DeepSpeed build a plain Adagrad, :func:`deepspeed_adagrad_client`;
+    else None (DeepSpeed builds the optimizer)."""
+    if choice is not None and choice.implementation != "deepspeed":
+        return choice.factory()
+    return deepspeed_adagrad_client(ds_config)
+
+
+def drop_stale_optimizer_state(ds_engine) -> int:
+    """Forget optimizer state kept for parameters the optimizer no longer holds; returns how many.
+
+    DeepSpeed's unfused 16-bit wrapper keeps the state an optimizer made in its constructor for
+    the replaced 16-bit tensors (Adagrad's sums), and ``state_dict()`` then fails on them (a
+    KeyError at the first checkpoint). Copies still without state get what the optimizer's
+    constructor gives a parameter (:func:`init_missing_state`).
+    """
+    inner = getattr(getattr(ds_engine, "optimizer", None), "optimizer", None)
+    state = getattr(inner, "state", None)
+    if not isinstance(state, dict) or not hasattr(inner, "param_groups"):
+        return 0
+    held = {id(p) for group in inner.param_groups for p in group["params"]}
+    stale = [p for p in state if id(p) not in held]
+    for p in stale:
+        del state[p]
+    if stale:
+        init_missing_state(inner)
+    return len(stale)

@@ -34,20 +34,21 @@ from dstrain.metrics import RunLogger, Throughput, peak_memory_bytes, reduce_mea
 def load_token_streams(cfg: RunConfig, world: runtime.World) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank 0 reads (and lets ``datasets`` cache) the corpus first; the others then read the cache."""
     cache = str(Path(cfg.output.dir) / ".cache" / "datasets")
+
+    def read():
+        docs = load_documents(cfg.data.corpus, cache_dir=cache, max_bytes=cfg.data.max_bytes)
+        return build_token_streams(docs, ByteTokenizer(), val_every=cfg.data.val_every)
+
     streams, error = None, None
     if world.is_main:
         try:
-            docs = load_documents(cfg.data.corpus, cache_dir=cache, max_bytes=cfg.data.max_bytes)
-            streams = build_token_streams(docs, ByteTokenizer(), val_every=cfg.data.val_every)
+            streams = read()
         except (FileNotFoundError, ValueError) as err:  # a missing, empty or malformed corpus
             error = str(err)
     error = runtime.broadcast_object(error)  # also the barrier: the others read rank 0's cache
     if error is not None:
         raise ConfigError("run config", "data.corpus", error)
-    if not world.is_main:
-        docs = load_documents(cfg.data.corpus, cache_dir=cache, max_bytes=cfg.data.max_bytes)
-        streams = build_token_streams(docs, ByteTokenizer(), val_every=cfg.data.val_every)
-    return streams
+    return streams if world.is_main else read()
 
 
 class LMTrainer:

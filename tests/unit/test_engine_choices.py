@@ -130,8 +130,7 @@ def test_replaced_parameters_get_the_state_their_optimizer_builds():
     init and failed with KeyError 'sum'), so a step equals a fresh Adagrad's step on the copies."""
     from types import SimpleNamespace
 
-    from dstrain.engine.factory import drop_stale_optimizer_state
-    from dstrain.optim.lazy_state import init_missing_state
+    from dstrain.optim.lazy_state import drop_stale_optimizer_state, init_missing_state
     torch.manual_seed(0)
     half = [torch.nn.Parameter(torch.randn(3, 2).bfloat16()), torch.nn.Parameter(torch.randn(4).bfloat16())]
     opt = torch.optim.Adagrad(half, lr=0.1, initial_accumulator_value=0.5, eps=1e-8)
