@@ -157,9 +157,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{size}: {r['dense_params']:,} params, batch {r['batch']}: {r['s_per_step'] * 1000:.1f} ms/step, "
               f"{r['segments_per_s']:.0f} segments/s, recipe ({r['recipe_segments']:,} segments) "
               f"~{r['projected_recipe_hours']:.2f} h", flush=True)
-    record = {"command": "python " + " ".join([str(Path(sys.argv[0]).relative_to(ROOT))
-                                                if Path(sys.argv[0]).is_absolute() else sys.argv[0],
-                                                *(argv if argv is not None else sys.argv[1:])]),
+    from dstrain.bench import _portable  # no paths of this machine in a results file
+    record = {"command": _portable("python " + " ".join([str(Path(sys.argv[0]).relative_to(ROOT))
+                                                         if Path(sys.argv[0]).is_absolute() else sys.argv[0],
+                                                         *(argv if argv is not None else sys.argv[1:])])),
               "options": {k: v for k, v in vars(args).items() if k not in ("out", "recipe")},
               "recipe": str(Path(args.recipe).resolve().relative_to(ROOT)), "machine": machine(device),
               "results": results}

@@ -8,6 +8,7 @@ strict mode, which reject unknown keys (DeepSpeed's default drops some silently)
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 from dstrain.config import TrainConfig
@@ -132,25 +133,47 @@ def deepspeed_problems(cfg: dict, full_parse: bool = True) -> list[str]:
     The pydantic sections are parsed with ``strict=True`` (DeepSpeed's default drops unknown
     keys silently); then the whole config goes through ``DeepSpeedConfig``, which sees a
     world of one rank outside a job: the batch identity (checked by dstrain with the real
-    world size) is given to it as one rank's share. The process's ``DS_ACCELERATOR`` is
-    left as it was.
+    world size) is given to it as one rank's share. DeepSpeed's accelerator choice is left
+    as it was (:func:`accelerator_untouched`).
     """
-    saved = os.environ.get("DS_ACCELERATOR")
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    try:
-        from deepspeed.runtime.config import DeepSpeedConfig
+    with accelerator_untouched():
         strict = _strict_sections()
+        from deepspeed.utils import logger as ds_logger
+        level = ds_logger.level
+        ds_logger.setLevel("ERROR")  # its deprecation warnings go to stdout, which a dry run keeps for the command
+        try:
+            return _parse_problems(cfg, strict, full_parse)
+        finally:
+            ds_logger.setLevel(level)
+
+
+@contextmanager
+def accelerator_untouched():
+    """Run DeepSpeed code (imports, config parsing) without fixing this process's accelerator.
+
+    DeepSpeed picks its accelerator once per process, on the first ``get_accelerator()``, and
+    keeps it in a module global; parsing a ZeRO-3 section calls it. A check run inside a
+    training process on a GPU machine must not leave the CPU accelerator there (the engine then
+    kept the model on the CPU and NCCL failed with "No backend type associated with device type
+    cpu"). On a machine without CUDA, ``DS_ACCELERATOR=cpu`` is set for the duration, as the
+    ranks get it; afterwards the variable and DeepSpeed's choice are what they were before.
+    """
+    import sys
+
+    import torch
+    saved = os.environ.get("DS_ACCELERATOR")
+    if saved is None and not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    module = sys.modules.get("deepspeed.accelerator.real_accelerator")
+    chosen = getattr(module, "ds_accelerator", None)
+    try:
+        yield
     finally:
         if saved is None:
             os.environ.pop("DS_ACCELERATOR", None)
-
-    from deepspeed.utils import logger as ds_logger
-    level = ds_logger.level
-    ds_logger.setLevel("ERROR")  # its deprecation warnings go to stdout, which a dry run keeps for the command
-    try:
-        return _parse_problems(cfg, strict, full_parse)
-    finally:
-        ds_logger.setLevel(level)
+        module = sys.modules.get("deepspeed.accelerator.real_accelerator")
+        if module is not None:
+            module.ds_accelerator = chosen
 
 
 def _parse_problems(cfg: dict, strict: dict, full_parse: bool) -> list[str]:

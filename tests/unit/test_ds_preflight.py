@@ -206,3 +206,31 @@ def test_plan_applies_the_launch_checks(tmp_path, capsys):
     assert code == 2 and captured.out == ""
     assert captured.err.strip() == (f"dstrain: error: {bogus}: zero_optimization.offload_param.device: Input should "
                                     "be 'none', 'cpu' or 'nvme', file says 'gpu'")
+
+
+_ACCELERATOR_PROBE = """
+import json, os, sys, torch
+os.environ.pop("DS_ACCELERATOR", None)
+torch.cuda.is_available = lambda: True  # the training process of a GPU machine, as DeepSpeed sees it
+from dstrain.engine.ds_check import deepspeed_problems
+cfg = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+       "bf16": {"enabled": True}, "zero_optimization": {"stage": 3, "overlap_comm": True}}
+problems = deepspeed_problems(cfg)
+from deepspeed.accelerator import real_accelerator
+print(json.dumps({"problems": problems, "env": os.environ.get("DS_ACCELERATOR"),
+                  "chosen": real_accelerator.ds_accelerator and real_accelerator.ds_accelerator._name}))
+"""
+
+
+def test_config_check_leaves_deepspeeds_accelerator_unchosen():
+    """Parsing a ZeRO-3 section calls DeepSpeed's get_accelerator(), which fixes the accelerator for the
+    process. The check runs inside each training rank: on an H200 it fixed the CPU accelerator, the engine
+    left the model on the CPU and NCCL failed ("No backend type associated with device type cpu")."""
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    proc = subprocess.run([sys.executable, "-c", _ACCELERATOR_PROBE], capture_output=True, text=True, env=env,
+                          timeout=300, cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out == {"problems": [], "env": None, "chosen": None}

@@ -165,7 +165,8 @@ def test_pool_close_stops_servers_and_removes_their_folders(tmp_path):
     with SandboxPool(workers=2, limits=limits) as p:
         p.run_many([("x = 1\n", ["assert x == 1"], "")] * 4)
         servers = p.servers.servers
-        assert 1 <= len(servers) <= 2 and all(s.alive for s in servers)
+        state = [(s.starts, s.isolation, s.proc and s.proc.returncode) for s in servers]
+        assert 1 <= len(servers) <= 2 and all(s.alive for s in servers), state  # (starts, isolation, exit)
         pids = [s.pid for s in servers]
     assert list(tmp_path.iterdir()) == []
     for pid in pids:
