@@ -320,6 +320,39 @@ def _parse_result(data: bytes, nonce: bytes) -> tuple | None:
         return None
 
 
+def unreachable_step(path: str, uid: int, gid: int) -> str | None:
+    """The first directory on the way to ``path`` (itself included) that user ``uid`` of group
+    ``gid``, with no other groups, may not enter; None when every one may be."""
+    here = "/"
+    for part in [""] + [p for p in os.path.realpath(path).split("/") if p]:
+        here = os.path.join(here, part)
+        st = os.stat(here)
+        bit = stat.S_IXUSR if st.st_uid == uid else stat.S_IXGRP if st.st_gid == gid else stat.S_IXOTH
+        if not st.st_mode & bit:
+            return here
+    return None
+
+
+def check_tmp_root(limits: SandboxLimits) -> None:
+    """Raise ValueError when programs would run as ``nobody`` (the trainer is root) in a
+    temporary folder that user cannot reach: every program would crash, and every reward be 0.
+
+    A server or program makes its folders under ``limits.tmp_root`` (default: ``TMPDIR`` or
+    /tmp) and uses them by absolute path, so each directory on the way must be searchable.
+    """
+    ids = _unprivileged_ids() if limits.drop_root else None
+    if ids is None:
+        return
+    root = limits.tmp_root or tempfile.gettempdir()
+    step = unreachable_step(root, *ids)
+    if step is not None:
+        mode = stat.S_IMODE(os.stat(step).st_mode)
+        raise ValueError(
+            f"sandboxed programs run as uid {ids[0]} (the trainer runs as root), and that user cannot enter "
+            f"{step} (mode {mode:o}) on the way to the sandbox's temporary folder {root}: point TMPDIR (or "
+            "SandboxLimits.tmp_root) at a folder every user can reach, such as /tmp")
+
+
 def run_program(program: str, tests: Sequence[str], setup: str = "",
                 limits: SandboxLimits | None = None, servers=None) -> ExecResult:
     """Runs ``program``, then ``setup``, then each test statement in a fresh sandboxed
@@ -331,6 +364,7 @@ def run_program(program: str, tests: Sequence[str], setup: str = "",
     by default a process-wide set shared by calls without a pool.
     """
     limits = limits or SandboxLimits()
+    check_tmp_root(limits)
     tests = [str(t) for t in tests]
     if (limits.mode or default_mode()) == "fork_server":
         return _run_forked(str(program), tests, str(setup or ""), limits, servers)
@@ -461,6 +495,7 @@ class SandboxPool:
         if mode is not None:
             self.limits = dataclasses.replace(self.limits, mode=mode)
         self.mode = self.limits.mode or default_mode()
+        check_tmp_root(self.limits)  # before any work: a bad folder would make every reward 0
         self.servers = None
         if self.mode == "fork_server":
             from dstrain.rewards.forkserver import ServerSet

@@ -336,7 +336,8 @@ def test_limits_are_validated():
         SandboxPool(workers=0)
 
 
-def test_no_processes_or_directories_are_left_behind(tmp_path):
+def test_no_processes_or_directories_are_left_behind(sandbox_tmp):
+    tmp_path = sandbox_tmp
     limits = in_mode(SandboxLimits(wall_seconds=WALL, memory_bytes=512 << 20, tmp_root=str(tmp_path)))
     with SandboxPool(workers=2, limits=limits) as pool:
         pool.run("while True:\n    pass\n", ["assert True"])
@@ -353,3 +354,24 @@ def test_root_child_has_no_capabilities():
     if "nocaps" not in r.isolation and "uid=" not in r.isolation:
         pytest.skip(f"this machine does not let the sandbox drop capabilities ({r.isolation})")
     assert r.status == "error" and "PermissionError" in r.detail, r.detail
+
+
+def test_a_temporary_folder_nobody_can_reach_is_refused_before_any_program_runs(sandbox_tmp, monkeypatch):
+    """As root, programs run as nobody in folders under tmp_root, entered by absolute path: behind a
+    folder only its owner may enter, every program crashed ("sandbox server lost") and every reward was 0."""
+    from dstrain.rewards import sandbox
+    private = sandbox_tmp / "private"
+    private.mkdir(mode=0o700)
+    (private / "inner").mkdir()
+    os.chmod(private, 0o700)
+    nobody = (65534, 65534) if os.geteuid() != 65534 else (65533, 65533)
+    assert sandbox.unreachable_step(str(private / "inner"), *nobody) == str(private.resolve())
+    assert sandbox.unreachable_step("/", *nobody) is None
+    monkeypatch.setattr(sandbox, "_unprivileged_ids", lambda: nobody)
+    with pytest.raises(ValueError, match=r"cannot enter .*private \(mode 700\).*TMPDIR"):
+        SandboxPool(workers=1, limits=in_mode(SandboxLimits(tmp_root=str(private / "inner"))))
+    with pytest.raises(ValueError, match="cannot enter"):
+        run_program("x = 1\n", ["assert x == 1"], limits=in_mode(SandboxLimits(tmp_root=str(private / "inner"))))
+    os.chmod(private, 0o711)
+    sandbox.check_tmp_root(SandboxLimits(tmp_root=str(private / "inner")))  # reachable now: no error
+    sandbox.check_tmp_root(SandboxLimits(tmp_root=str(private / "inner"), drop_root=False))

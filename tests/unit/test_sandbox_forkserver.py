@@ -160,7 +160,8 @@ def test_a_server_stuck_before_a_job_is_replaced_and_the_job_runs(monkeypatch):
         assert server.starts == 2 and server.alive
 
 
-def test_pool_close_stops_servers_and_removes_their_folders(tmp_path):
+def test_pool_close_stops_servers_and_removes_their_folders(sandbox_tmp):
+    tmp_path = sandbox_tmp
     limits = SandboxLimits(wall_seconds=2.0, memory_bytes=512 << 20, tmp_root=str(tmp_path), mode="fork_server")
     with SandboxPool(workers=2, limits=limits) as p:
         p.run_many([("x = 1\n", ["assert x == 1"], "")] * 4)
