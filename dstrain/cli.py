@@ -172,11 +172,14 @@ def cmd_launch(args, overrides) -> int:
     except (ValueError, OSError) as err:
         print(f"dstrain: error: {err}", file=sys.stderr)
         return EXIT_CONFIG
-    if not args.resume:
-        problem = _check_before_launch(cfg, args, env.get("DS_ACCELERATOR") or launcher.detect_accelerator())
-        if problem:
-            print(f"dstrain: error: {problem}", file=sys.stderr)
-            return EXIT_CONFIG
+    accelerator = env.get("DS_ACCELERATOR") or launcher.detect_accelerator()
+    problem = launch_check.gpu_shortfall(launcher.spec_from_args(args, []), hosts.remote, accelerator,
+                                         torchrun=args.launcher == "torchrun")
+    if problem is None and not args.resume:
+        problem = _check_before_launch(cfg, args, accelerator)
+    if problem:
+        print(f"dstrain: error: {problem}", file=sys.stderr)
+        return EXIT_CONFIG
     for line in _adopted_lines(adopted):
         print(line, file=sys.stderr)
     print(launcher.format_command(argv, launcher.env_delta(env)), flush=True)

@@ -67,6 +67,30 @@ def check_hosts_for_launch(spec: launcher.LaunchSpec, reach: bool, torchrun: boo
     return check
 
 
+def gpu_shortfall(spec: launcher.LaunchSpec, remote: bool, accelerator: str, torchrun: bool = False,
+                  gpu_count: Callable[[], int] | None = None) -> str | None:
+    """A local CUDA launch that asks for more ranks than this machine shows GPUs: the problem, or None.
+
+    DeepSpeed's launcher hands ranks 0..nproc-1 their device ids without counting the devices
+    (rank 1 of ``--nproc 2`` on a one-GPU machine dies with "invalid device ordinal"), and
+    torchrun does the same. Not judged with include/exclude filters (the user picked the
+    devices), for ranks on other hosts, or where no GPU is visible here (the accelerator was
+    named by hand: the ranks report what they find). ``gpu_count`` defaults to
+    ``torch.cuda.device_count()``, which honours CUDA_VISIBLE_DEVICES.
+    """
+    if accelerator != "cuda" or remote or spec.include or spec.exclude:
+        return None
+    if gpu_count is None:
+        import torch
+        gpu_count = torch.cuda.device_count
+    count = gpu_count()
+    sizes = launcher.launch_world_size(spec, torchrun=torchrun)
+    if not count or sizes is None or sizes[1] <= count:
+        return None
+    return (f"{sizes[1]} ranks on this machine but it shows {count} GPU(s) (CUDA_VISIBLE_DEVICES included): "
+            f"launch with --nproc {count} or fewer, or --accelerator cpu for CPU ranks")
+
+
 def launch_summary(check: HostCheck, argv: Sequence[str], env: Mapping[str, str], master_port: int,
                    env_file: str | None, env_lines: str, torchrun: bool = False) -> list[str]:
     """Lines for ``--dry-run``: hosts, master address and why, ports, environment on other hosts."""

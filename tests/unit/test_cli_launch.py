@@ -64,7 +64,8 @@ def test_dry_run_prints_deepspeed_command(capsys, no_child):
 
 
 def test_resume_follows_the_overrides_and_options_may_follow_the_recipe(capsys, no_child):
-    code, out, _ = launch(capsys, RECIPE, OVERRIDES[0], "--resume", "--nproc", "2", OVERRIDES[1], "--dry-run")
+    code, out, _ = launch(capsys, RECIPE, OVERRIDES[0], "--resume", "--nproc", "2", OVERRIDES[1], "--dry-run",
+                          "--accelerator", "cpu")
     assert code == 0
     assert words(out)[-4:] == [RECIPE, OVERRIDES[0], OVERRIDES[1], "--resume"]
 
@@ -387,3 +388,25 @@ def test_train_refuses_before_the_trainer_starts(capsys, monkeypatch, tmp_path):
         assert code == 2 and ("deepspeed.precision: fp16 does not run on the CPU accelerator" in err) == printed
         assert printed or err == ""
     assert not (tmp_path / "run").exists()
+
+
+def test_more_local_ranks_than_gpus_is_refused_before_launch(capsys, no_child, monkeypatch):
+    """DeepSpeed's launcher gives rank 1 of --nproc 2 device 1 on a one-GPU machine ("invalid device
+    ordinal" inside the rank); dstrain names the problem before anything starts."""
+    import torch
+
+    from dstrain import launch_check
+    monkeypatch.setattr(launcher, "detect_accelerator", lambda: "cuda")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for extra in ([], ["--launcher", "torchrun"]):
+        code, out, err = launch(capsys, "--dry-run", "--nproc", "2", "--accelerator", "cuda", *extra, RECIPE)
+        assert code == cli.EXIT_CONFIG and out == ""
+        assert err.strip() == ("dstrain: error: 2 ranks on this machine but it shows 1 GPU(s) (CUDA_VISIBLE_DEVICES "
+                               "included): launch with --nproc 1 or fewer, or --accelerator cpu for CPU ranks")
+    spec = launcher.LaunchSpec(recipe=RECIPE, nproc=2)
+    assert launch_check.gpu_shortfall(spec, False, "cuda", gpu_count=lambda: 2) is None
+    assert launch_check.gpu_shortfall(spec, False, "cpu", gpu_count=lambda: 1) is None
+    assert launch_check.gpu_shortfall(spec, True, "cuda", gpu_count=lambda: 1) is None  # ranks elsewhere
+    assert launch_check.gpu_shortfall(spec, False, "cuda", gpu_count=lambda: 0) is None  # named by hand
+    picked = launcher.LaunchSpec(recipe=RECIPE, nproc=2, include="localhost:0")
+    assert launch_check.gpu_shortfall(picked, False, "cuda", gpu_count=lambda: 1) is None
