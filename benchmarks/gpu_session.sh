@@ -77,8 +77,9 @@ run_part() {
             --plain once --timeout 200 --out "$out/throughput_gpu_gpt_large.json"
         step attention 90 $timed python benchmarks/attention.py --device cuda --lengths 8192,32768,131072 \
             --repeats 3 --out "$out"
-        step gpu-tests 200 $timed python -m pytest -q -p no:cacheprovider \
-            "tests/gpu/test_gpu.py::test_gpu_training_learns[zero3]" tests/gpu/test_engine_gpu.py -k "learns or compile"
+        step gpu-tests 260 $timed python -m pytest -q -p no:cacheprovider \
+            "tests/gpu/test_gpu.py::test_gpu_training_learns[zero3]" tests/gpu/test_engine_gpu.py \
+            tests/gpu/test_trainers_gpu.py -k "learns or compile or trainer"
         step hrm-eager 60 $timed python benchmarks/hrm_speed.py --sizes sudoku --batch 384 --precision bf16 \
             --device cuda --steps 6 --out "$out/hrm_speed_gpu_sudoku.json"
         wait "$unit"
