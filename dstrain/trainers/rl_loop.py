@@ -33,9 +33,14 @@ def batch_layout(train, num_generations: int, world_size: int, what: str = "comp
 def sandbox_pool(task):
     """The pool of sandboxed code runners the task section asks for."""
     from dstrain.rewards import SandboxLimits, SandboxPool
-    return SandboxPool(task.sandbox_workers, SandboxLimits(
-        cpu_seconds=task.sandbox_cpu_s, wall_seconds=task.sandbox_wall_s,
-        memory_bytes=task.sandbox_memory_mb << 20, mode=getattr(task, "sandbox_mode", "")))
+    from dstrain.rewards.sandbox import check_tmp_root
+    limits = SandboxLimits(cpu_seconds=task.sandbox_cpu_s, wall_seconds=task.sandbox_wall_s,
+                           memory_bytes=task.sandbox_memory_mb << 20, mode=getattr(task, "sandbox_mode", ""))
+    try:
+        check_tmp_root(limits)
+    except ValueError as err:  # one line, as other run problems (every reward would be 0 otherwise)
+        raise ConfigError("environment", "TMPDIR", str(err)) from None
+    return SandboxPool(task.sandbox_workers, limits)
 
 
 def window_mean(window: list[dict]) -> dict[str, float]:

@@ -372,6 +372,15 @@ def test_a_temporary_folder_nobody_can_reach_is_refused_before_any_program_runs(
         SandboxPool(workers=1, limits=in_mode(SandboxLimits(tmp_root=str(private / "inner"))))
     with pytest.raises(ValueError, match="cannot enter"):
         run_program("x = 1\n", ["assert x == 1"], limits=in_mode(SandboxLimits(tmp_root=str(private / "inner"))))
+    import tempfile
+    import types
+
+    from dstrain.config import ConfigError
+    from dstrain.trainers.rl_loop import sandbox_pool
+    monkeypatch.setattr(tempfile, "tempdir", str(private / "inner"))  # as TMPDIR pointing there
+    task = types.SimpleNamespace(sandbox_workers=1, sandbox_cpu_s=5, sandbox_wall_s=5.0, sandbox_memory_mb=512)
+    with pytest.raises(ConfigError, match="TMPDIR"):  # the RL trainers: one line, before the first step
+        sandbox_pool(task)
     os.chmod(private, 0o711)
     sandbox.check_tmp_root(SandboxLimits(tmp_root=str(private / "inner")))  # reachable now: no error
     sandbox.check_tmp_root(SandboxLimits(tmp_root=str(private / "inner"), drop_root=False))
