@@ -6,7 +6,7 @@
 #   bash benchmarks/gpu_session.sh tests      [OUT]   # tests/gpu, then tests/unit with CUDA visible
 #   bash benchmarks/gpu_session.sh engine     [OUT]   # GPT large: plain eager / compiled / zero0..3
 #   bash benchmarks/gpu_session.sh attention  [OUT]   # dilated vs dense 8k..1M; dilated LM at 32k and 1M
-#   bash benchmarks/gpu_session.sh hrm        [OUT]   # HRM sudoku size at batch 384, eager and compiled
+#   bash benchmarks/gpu_session.sh hrm        [OUT]   # HRM sudoku size at batch 384: eager, compiled, CUDA graphs
 #   bash benchmarks/gpu_session.sh all        [OUT]   # the four, one after the other (about 35 min)
 #   bash benchmarks/gpu_session.sh quick      [OUT]   # about 7 min: GPT large zero0/zero2 against both plain
 #        loops, attention 8k..128k, ZeRO-0..3 and compile on/off tests, HRM eager; tests/unit with CUDA
@@ -65,6 +65,8 @@ run_part() {
             --device cuda --out "$out/hrm_speed_gpu_sudoku.json"
         step hrm-compiled 300 python benchmarks/hrm_speed.py --sizes sudoku --batch 384 --precision bf16 \
             --device cuda --compile --out "$out/hrm_speed_gpu_sudoku_compile.json"
+        step hrm-cuda-graphs 300 python benchmarks/hrm_speed.py --sizes sudoku --batch 384 --precision bf16 \
+            --device cuda --compile --compile-mode reduce-overhead --out "$out/hrm_speed_gpu_sudoku_graphs.json"
         ;;
     quick)
         local timed="" other=""  # CPU sets, where taskset works

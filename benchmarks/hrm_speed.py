@@ -14,7 +14,7 @@ sparse sign-SGD update of the shared puzzle embedding.
 Puzzles are generated beforehand and held on the device.
 
 Options that change the loop: ``--compile`` (``torch.compile(model, dynamic=False)``, as
-``train.compile`` does inside the engine), ``--precision bf16`` (autocast, as the
+``train.compile`` does inside the engine; ``--compile-mode reduce-overhead`` as ``train.compile_mode``), ``--precision bf16`` (autocast, as the
 factory's bf16 on GPUs), ``--sync-every-step`` (read the loss and metrics on the host
 every step, as the trainer did before: on a GPU each read waits for the device).
 
@@ -55,7 +55,8 @@ def time_size(size: str, args, device: torch.device) -> dict:
     torch.manual_seed(0)
     model = registry.get_spec("hrm").build(cfg).to(device).train()
     dense = sum(p.numel() for p in model.parameters())
-    step_fn = torch.compile(model, dynamic=False) if args.compile else model
+    mode = {} if args.compile_mode == "default" else {"mode": args.compile_mode}
+    step_fn = torch.compile(model, dynamic=False, **mode) if args.compile else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1,
                             foreach=True)
     table = SparseEmbedding(1, cfg.puzzle_emb_len * cfg.hidden_size, device=device)
@@ -132,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--compile-mode", default="default", choices=("default", "reduce-overhead", "max-autotune",
+                                                                       "max-autotune-no-cudagraphs"),
+                        help="torch.compile mode with --compile (reduce-overhead: CUDA graphs)")
     parser.add_argument("--sync-every-step", action="store_true")
     parser.add_argument("--recipe", default=str(ROOT / "models" / "hrm" / "recipes" / "sudoku_extreme.json"))
     parser.add_argument("--grid", type=int, default=9, choices=(4, 6, 9), help="side of the generated puzzles")

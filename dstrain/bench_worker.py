@@ -31,8 +31,8 @@ def _rss_now() -> int:
 def _plain_step_fn(model, cfg, precision, device, world, compiled: bool = False):
     """The reference: torch DDP (world > 1), torch AdamW over dstrain's param groups, clipping.
 
-    ``compiled``: the strongest plain loop: ``torch.compile`` on the model and AdamW's
-    fused kernel on CUDA (foreach on CPU).
+    ``compiled``: the strongest plain loop: ``torch.compile`` on the model (in the run's
+    ``train.compile_mode``, as the engine compiles) and AdamW's fused kernel on CUDA (foreach on CPU).
     """
     import torch
     from dstrain.engine.factory import param_groups, scheduler_factory
@@ -40,7 +40,8 @@ def _plain_step_fn(model, cfg, precision, device, world, compiled: bool = False)
     ddp = world > 1
     groups = param_groups(model, t.weight_decay)
     if compiled:
-        model = torch.compile(model, dynamic=False)
+        mode = {} if t.compile_mode == "default" else {"mode": t.compile_mode}
+        model = torch.compile(model, dynamic=False, **mode)
     if ddp:
         ids = [device.index] if device.type == "cuda" else None
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
@@ -72,7 +73,7 @@ def _plain_step_fn(model, cfg, precision, device, world, compiled: bool = False)
     model.train()
     return step, f"torch.optim.{type(opt).__name__} (foreach={opt.defaults.get('foreach')}, " \
                  f"fused={opt.defaults.get('fused')})" + (" + DDP" if ddp else "") + \
-        (" + torch.compile" if compiled else "")
+        (f" + torch.compile ({t.compile_mode})" if compiled else "")
 
 
 def _dstrain_step_fn(engine):

@@ -23,6 +23,10 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+"""torch.compile modes ``train.compile_mode`` accepts."""
+
+
 class ConfigError(ValueError):
     """A run config problem; ``str(err)`` is one line naming the source and the key."""
 
@@ -89,6 +93,9 @@ class TrainConfig:
     eval_batches: int = 4
     compile: Any = "auto"
     """torch.compile the model inside the DeepSpeed engine: auto (on for CUDA, off on CPU) | true | false."""
+    compile_mode: str = "default"
+    """torch.compile's mode when compiling: default | reduce-overhead (CUDA graphs: fewer launches, for
+    small or recurrent steps) | max-autotune | max-autotune-no-cudagraphs (slower compiles, tuned kernels)."""
     optimizer: str = "auto"
     """Optimizer implementation: auto | torch_fused | torch_foreach | deepspeed. auto: PyTorch's fused AdamW
     on CUDA, its foreach AdamW on CPU, DeepSpeed's CPU Adam under optimizer offload (see dstrain.engine.optim)."""
@@ -400,6 +407,8 @@ def validate(cfg: RunConfig, source: str) -> None:
            f"must be auto, true or false, got {json.dumps(ds.activation_checkpointing)}")
     _check(t.compile in ("auto", True, False), source, "train.compile",
            f"must be auto, true or false, got {json.dumps(t.compile)}")
+    _check(t.compile_mode in COMPILE_MODES, source, "train.compile_mode",
+           f"must be one of {', '.join(COMPILE_MODES)}, got {json.dumps(t.compile_mode)}")
     _check(t.optimizer in ("auto", "torch_fused", "torch_foreach", "deepspeed"), source, "train.optimizer",
            f"must be auto, torch_fused, torch_foreach or deepspeed, got {t.optimizer!r}")
     _check(t.optimizer_type in ("adamw", "adam_atan2"), source, "train.optimizer_type",

@@ -44,6 +44,8 @@ class EnginePlan:
     """Which optimizer implementation runs (None: DeepSpeed builds what ``ds_config`` names)."""
     compile: bool = False
     """``torch.compile`` the model inside the engine (``train.compile``)."""
+    compile_mode: str = "default"
+    """``train.compile_mode``: torch.compile's ``mode`` ("default" passes none)."""
     pipeline: Any = None
     """``dstrain.parallel.pipeline.PipelineSetup`` when ``parallel.pp > 1`` (the stage split), else None."""
 
@@ -141,7 +143,8 @@ def plan_engine(cfg: RunConfig, world_size: int, hw=None, hw_notes: str = "",
     explanation = "\n".join(x for x in (hw_notes, auto_note, layout, table, stage_text, why,
                                         f"precision {precision}, activation checkpointing "
                                         f"{'on' if ckpt else 'off'}, torch.compile {'on' if compile_ else 'off'}"
-                                        f" (train.compile={cfg.train.compile})",
+                                        f" (train.compile={cfg.train.compile}"
+                                        f"{', mode ' + cfg.train.compile_mode if compile_ else ''})",
                                         amp_note, optimizer.description,
                                         "learning-rate schedule: the DeepSpeed JSON's scheduler block"
                                         if "scheduler" in resolved else "learning-rate schedule: dstrain's "
@@ -153,7 +156,7 @@ def plan_engine(cfg: RunConfig, world_size: int, hw=None, hw_notes: str = "",
     return EnginePlan(profile=profile, ds_config=resolved, precision=precision,
                       activation_checkpointing=ckpt, explanation=explanation, plan=plan,
                       shard_at_build=shard and pipe is None, optimizer=optimizer, compile=compile_,
-                      pipeline=pipe)
+                      compile_mode=cfg.train.compile_mode, pipeline=pipe)
 
 
 def _auto_pp(spec, mcfg, cfg, stats, hw, acts, world_size) -> tuple[int, str]:
@@ -526,7 +529,7 @@ def create_engine(build_model: Callable[[], torch.nn.Module],
     skip_lone_allreduce(ds_engine, plan)
     drop_stale_optimizer_state(ds_engine)
     if plan.compile:
-        compile_engine(ds_engine)
+        compile_engine(ds_engine, plan.compile_mode)
     return Engine(ds_engine, plan, group_names, parallel)
 
 
@@ -563,10 +566,10 @@ def _create_pipeline_engine(build_model, pipeline_parts, plan: EnginePlan, train
     return PipelineEngine(ds_engine, plan, group_names)
 
 
-def compile_engine(ds_engine) -> None:
-    """``torch.compile`` the model inside the DeepSpeed engine (static shapes).
+def compile_engine(ds_engine, mode: str = "default") -> None:
+    """``torch.compile`` the model inside the DeepSpeed engine (static shapes, ``mode`` unless "default").
 
     Through DeepSpeed's own ``engine.compile``, which compiles the module in place and
     keeps ZeRO's hooks working (ZeRO-3's parameter hooks run as graph breaks).
     """
-    ds_engine.compile(compile_kwargs={"dynamic": False})
+    ds_engine.compile(compile_kwargs={"dynamic": False, **({} if mode == "default" else {"mode": mode})})

@@ -150,3 +150,26 @@ def test_replaced_parameters_get_the_state_their_optimizer_builds():
     adam = torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))])
     init_missing_state(adam)  # builds its state in step: nothing to add
     assert len(adam.state) == 0
+
+
+def test_compile_mode_reaches_torch_compile_and_the_plan(tmp_path):
+    """``train.compile_mode`` (reduce-overhead: CUDA graphs) goes to DeepSpeed's engine.compile as torch.compile's
+    mode, and plan.txt says it; "default" passes no mode; anything else is a config error."""
+    from types import SimpleNamespace
+
+    from dstrain.config import ConfigError, load_run_config
+    from dstrain.engine.factory import compile_engine, plan_engine
+    from dstrain.engine.profiles import Hardware
+    hw = Hardware("cuda", 80 * 10**9, 256 * 10**9, 8, True, True, "test GPU")
+    cfg = load_run_config("models/gpt/recipes/tiny.json", [f"--output.dir={tmp_path}",
+                                                           "--train.compile_mode=reduce-overhead"])
+    plan = plan_engine(cfg, 1, hw=hw)
+    assert plan.compile and plan.compile_mode == "reduce-overhead"
+    assert "torch.compile on (train.compile=auto, mode reduce-overhead)" in plan.explanation
+    seen = []
+    engine = SimpleNamespace(compile=lambda compile_kwargs: seen.append(compile_kwargs))
+    compile_engine(engine, plan.compile_mode)
+    compile_engine(engine)
+    assert seen == [{"dynamic": False, "mode": "reduce-overhead"}, {"dynamic": False}]
+    with pytest.raises(ConfigError, match="train.compile_mode: must be one of default, reduce-overhead"):
+        load_run_config("models/gpt/recipes/tiny.json", [f"--output.dir={tmp_path}", "--train.compile_mode=fast"])
