@@ -68,7 +68,7 @@ class HRMTaskConfig:
         if isinstance(self.grid, bool) or self.grid not in clues:
             raise ValueError(f"task.grid must be 4, 6 or 9, got {self.grid!r}")
         if self.source == "file" and self.grid != 9:
-            raise ValueError(f"task.grid must be 9 when task.source is file (puzzle files hold 9x9 grids)")
+            raise ValueError("task.grid must be 9 when task.source is file (puzzle files hold 9x9 grids)")
         most = self.grid ** 2 - clues[self.grid]
         if not 0 <= self.blanks <= most:
             raise ValueError(f"task.blanks must be within [0, {most}] (a unique {self.grid}x{self.grid} Sudoku "

@@ -1,7 +1,6 @@
 """``dstrain launch --launcher torchrun`` across two pretend hosts: one torchrun agent per host, started
 over ssh with the same hostfile, c10d rendezvous at the first host's address; losses equal a plain
 single-process run on the same global batch."""
-import os
 import shlex
 import subprocess
 import sys
