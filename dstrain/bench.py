@@ -423,12 +423,32 @@ def run_benchmark(opts: BenchOptions, argv: list[str]) -> int:
     return 1 if failed else 0
 
 
+def gpu_shortfall(opts: BenchOptions, gpu_count=None) -> str | None:
+    """More ranks asked for than this machine shows GPUs (rank 1 would die on a device that does not
+    exist): the problem, or None. CPU runs (``DS_ACCELERATOR=cpu`` or no GPU) are not judged."""
+    from dstrain import launcher
+    if os.environ.get("DS_ACCELERATOR", "") == "cpu" or launcher.detect_accelerator() != "cuda":
+        return None
+    if gpu_count is None:
+        import torch
+        gpu_count = torch.cuda.device_count
+    count, most = gpu_count(), max([opts.nproc, *(opts.scaling or [])])
+    if not count or most <= count:
+        return None
+    return (f"{most} ranks asked for (--nproc{', --scaling' if opts.scaling else ''}; --nproc defaults to 2) but "
+            f"this machine shows {count} GPU(s): use --nproc {count}, or DS_ACCELERATOR=cpu for CPU ranks")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     opts = parse_args(argv)
     if opts.worker:
         from dstrain.bench_worker import run_worker
         return run_worker(opts)
+    problem = gpu_shortfall(opts)
+    if problem:
+        print(f"dstrain bench: error: {problem}", file=sys.stderr)
+        return 2
     from dstrain.config import ConfigError
     from dstrain.engine.ds_config import DSConfigError
     try:

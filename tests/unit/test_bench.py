@@ -179,3 +179,23 @@ def test_compiled_baseline_runs_once_first_and_is_compared_with_every_profile():
     assert out["zero2"]["speedup_vs_compiled"] == pytest.approx(0.5)
     assert out["zero0"]["ratio"] == pytest.approx(0.64)  # against the eager plain loop, as before
     assert "vs compiled" in bench.format_table({"profiles": out})
+
+
+def test_more_ranks_than_gpus_is_refused_before_any_job(monkeypatch, capsys):
+    """`--nproc` defaults to 2: on a one-GPU machine rank 1 of every job died on a device that does not exist."""
+    import torch
+
+    from dstrain import launcher
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    monkeypatch.setattr(launcher, "detect_accelerator", lambda: "cuda")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert bench.main(["models/gpt/recipes/tiny.json"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == ("dstrain bench: error: 2 ranks asked for (--nproc; --nproc defaults to 2) but this machine "
+                           "shows 1 GPU(s): use --nproc 1, or DS_ACCELERATOR=cpu for CPU ranks")
+    opts = bench.parse_args(["r.json", "--nproc", "1", "--scaling", "1,4"])
+    assert "4 ranks asked for (--nproc, --scaling" in bench.gpu_shortfall(opts, gpu_count=lambda: 2)
+    assert bench.gpu_shortfall(bench.parse_args(["r.json", "--nproc", "2"]), gpu_count=lambda: 2) is None
+    assert bench.gpu_shortfall(bench.parse_args(["r.json"]), gpu_count=lambda: 0) is None  # no GPU seen here
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    assert bench.gpu_shortfall(bench.parse_args(["r.json", "--nproc", "8"]), gpu_count=lambda: 1) is None
