@@ -234,3 +234,11 @@ def test_config_check_leaves_deepspeeds_accelerator_unchosen():
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out == {"problems": [], "env": None, "chosen": None}
+
+
+def test_config_check_keeps_an_accelerator_already_chosen():
+    from deepspeed.accelerator import get_accelerator, real_accelerator
+    chosen = get_accelerator()
+    assert deepspeed_problems({"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2,
+                               "zero_optimization": {"stage": 3}}) == []
+    assert real_accelerator.ds_accelerator is chosen
