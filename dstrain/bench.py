@@ -426,14 +426,12 @@ def run_benchmark(opts: BenchOptions, argv: list[str]) -> int:
 def gpu_shortfall(opts: BenchOptions, gpu_count=None) -> str | None:
     """More ranks asked for than this machine shows GPUs (rank 1 would die on a device that does not
     exist): the problem, or None. CPU runs (``DS_ACCELERATOR=cpu`` or no GPU) are not judged."""
-    from dstrain import launcher
+    from dstrain import launch_check, launcher
     if os.environ.get("DS_ACCELERATOR", "") == "cpu" or launcher.detect_accelerator() != "cuda":
         return None
-    if gpu_count is None:
-        import torch
-        gpu_count = torch.cuda.device_count
-    count, most = gpu_count(), max([opts.nproc, *(opts.scaling or [])])
-    if not count or most <= count:
+    most = max([opts.nproc, *(opts.scaling or [])])
+    count = launch_check.gpus_short_of(most, gpu_count)
+    if count is None:
         return None
     return (f"{most} ranks asked for (--nproc{', --scaling' if opts.scaling else ''}; --nproc defaults to 2) but "
             f"this machine shows {count} GPU(s): use --nproc {count}, or DS_ACCELERATOR=cpu for CPU ranks")

@@ -80,15 +80,22 @@ def gpu_shortfall(spec: launcher.LaunchSpec, remote: bool, accelerator: str, tor
     """
     if accelerator != "cuda" or remote or spec.include or spec.exclude:
         return None
+    sizes = launcher.launch_world_size(spec, torchrun=torchrun)
+    count = None if sizes is None else gpus_short_of(sizes[1], gpu_count)
+    if count is None:
+        return None
+    return (f"{sizes[1]} ranks on this machine but it shows {count} GPU(s) (CUDA_VISIBLE_DEVICES included): "
+            f"launch with --nproc {count} or fewer, or --accelerator cpu for CPU ranks")
+
+
+def gpus_short_of(ranks: int, gpu_count: Callable[[], int] | None = None) -> int | None:
+    """The GPUs this machine shows (``gpu_count``, default ``torch.cuda.device_count``) when they are
+    fewer than ``ranks``; None when there are enough, or none at all (nothing to judge by)."""
     if gpu_count is None:
         import torch
         gpu_count = torch.cuda.device_count
     count = gpu_count()
-    sizes = launcher.launch_world_size(spec, torchrun=torchrun)
-    if not count or sizes is None or sizes[1] <= count:
-        return None
-    return (f"{sizes[1]} ranks on this machine but it shows {count} GPU(s) (CUDA_VISIBLE_DEVICES included): "
-            f"launch with --nproc {count} or fewer, or --accelerator cpu for CPU ranks")
+    return count if 0 < count < ranks else None
 
 
 def launch_summary(check: HostCheck, argv: Sequence[str], env: Mapping[str, str], master_port: int,
