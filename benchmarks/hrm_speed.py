@@ -39,6 +39,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from dstrain.config import COMPILE_MODES, compile_kwargs  # noqa: E402
 from dstrain.data import sudoku  # noqa: E402
 from dstrain.optim.sparse_sign_sgd import SparseEmbedding, SparseSignSGD  # noqa: E402
 from models import registry  # noqa: E402
@@ -55,8 +56,7 @@ def time_size(size: str, args, device: torch.device) -> dict:
     torch.manual_seed(0)
     model = registry.get_spec("hrm").build(cfg).to(device).train()
     dense = sum(p.numel() for p in model.parameters())
-    mode = {} if args.compile_mode == "default" else {"mode": args.compile_mode}
-    step_fn = torch.compile(model, dynamic=False, **mode) if args.compile else model
+    step_fn = torch.compile(model, **compile_kwargs(args.compile_mode)) if args.compile else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1,
                             foreach=True)
     table = SparseEmbedding(1, cfg.puzzle_emb_len * cfg.hidden_size, device=device)
@@ -133,8 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--compile", action="store_true")
-    parser.add_argument("--compile-mode", default="default", choices=("default", "reduce-overhead", "max-autotune",
-                                                                       "max-autotune-no-cudagraphs"),
+    parser.add_argument("--compile-mode", default="default", choices=COMPILE_MODES,
                         help="torch.compile mode with --compile (reduce-overhead: CUDA graphs)")
     parser.add_argument("--sync-every-step", action="store_true")
     parser.add_argument("--recipe", default=str(ROOT / "models" / "hrm" / "recipes" / "sudoku_extreme.json"))

@@ -40,8 +40,8 @@ def _plain_step_fn(model, cfg, precision, device, world, compiled: bool = False)
     ddp = world > 1
     groups = param_groups(model, t.weight_decay)
     if compiled:
-        mode = {} if t.compile_mode == "default" else {"mode": t.compile_mode}
-        model = torch.compile(model, dynamic=False, **mode)
+        from dstrain.config import compile_kwargs
+        model = torch.compile(model, **compile_kwargs(t.compile_mode))
     if ddp:
         ids = [device.index] if device.type == "cuda" else None
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)

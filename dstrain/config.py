@@ -27,6 +27,12 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 """torch.compile modes ``train.compile_mode`` accepts."""
 
 
+def compile_kwargs(mode: str) -> dict:
+    """torch.compile's keyword arguments for ``train.compile_mode``: static shapes, and ``mode``
+    unless it is "default" (then torch.compile's own default)."""
+    return {"dynamic": False, **({} if mode == "default" else {"mode": mode})}
+
+
 class ConfigError(ValueError):
     """A run config problem; ``str(err)`` is one line naming the source and the key."""
 

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from dstrain.config import RunConfig, TrainConfig
+from dstrain.config import RunConfig, TrainConfig, compile_kwargs
 from dstrain.comms import comms_sections
 from dstrain.engine import cuda_env
 from dstrain.engine import ds_config as dsc
@@ -572,4 +572,4 @@ def compile_engine(ds_engine, mode: str = "default") -> None:
     Through DeepSpeed's own ``engine.compile``, which compiles the module in place and
     keeps ZeRO's hooks working (ZeRO-3's parameter hooks run as graph breaks).
     """
-    ds_engine.compile(compile_kwargs={"dynamic": False, **({} if mode == "default" else {"mode": mode})})
+    ds_engine.compile(compile_kwargs=compile_kwargs(mode))
