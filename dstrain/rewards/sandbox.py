@@ -320,6 +320,10 @@ def _parse_result(data: bytes, nonce: bytes) -> tuple | None:
         return None
 
 
+class SandboxFolderError(ValueError):
+    """The sandbox's temporary folder is out of reach of the user programs run as (:func:`check_tmp_root`)."""
+
+
 def unreachable_step(path: str, uid: int, gid: int) -> str | None:
     """The first directory on the way to ``path`` (itself included) that user ``uid`` of group
     ``gid``, with no other groups, may not enter; None when every one may be."""
@@ -334,7 +338,7 @@ def unreachable_step(path: str, uid: int, gid: int) -> str | None:
 
 
 def check_tmp_root(limits: SandboxLimits) -> None:
-    """Raise ValueError when programs would run as ``nobody`` (the trainer is root) in a
+    """Raise :class:`SandboxFolderError` when programs would run as ``nobody`` (the trainer is root) in a
     temporary folder that user cannot reach: every program would crash, and every reward be 0.
 
     A server or program makes its folders under ``limits.tmp_root`` (default: ``TMPDIR`` or
@@ -347,7 +351,7 @@ def check_tmp_root(limits: SandboxLimits) -> None:
     step = unreachable_step(root, *ids)
     if step is not None:
         mode = stat.S_IMODE(os.stat(step).st_mode)
-        raise ValueError(
+        raise SandboxFolderError(
             f"sandboxed programs run as uid {ids[0]} (the trainer runs as root), and that user cannot enter "
             f"{step} (mode {mode:o}) on the way to the sandbox's temporary folder {root}: point TMPDIR (or "
             "SandboxLimits.tmp_root) at a folder every user can reach, such as /tmp")

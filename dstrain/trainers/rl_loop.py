@@ -33,14 +33,13 @@ def batch_layout(train, num_generations: int, world_size: int, what: str = "comp
 def sandbox_pool(task):
     """The pool of sandboxed code runners the task section asks for."""
     from dstrain.rewards import SandboxLimits, SandboxPool
-    from dstrain.rewards.sandbox import check_tmp_root
+    from dstrain.rewards.sandbox import SandboxFolderError
     limits = SandboxLimits(cpu_seconds=task.sandbox_cpu_s, wall_seconds=task.sandbox_wall_s,
                            memory_bytes=task.sandbox_memory_mb << 20, mode=getattr(task, "sandbox_mode", ""))
     try:
-        check_tmp_root(limits)
-    except ValueError as err:  # one line, as other run problems (every reward would be 0 otherwise)
+        return SandboxPool(task.sandbox_workers, limits)  # checks the folder before any program runs
+    except SandboxFolderError as err:  # one line, as other run problems (every reward would be 0 otherwise)
         raise ConfigError("environment", "TMPDIR", str(err)) from None
-    return SandboxPool(task.sandbox_workers, limits)
 
 
 def window_mean(window: list[dict]) -> dict[str, float]:
