@@ -39,50 +39,64 @@ GROUP_ELEMENTS = 1 << 26
 
 
 class _Selection:
-    """The positions one branch covers in a ``[1, H, s*w, C]`` slice (C = head dim, or 1 for lse)."""
+    """The positions one branch ``(w, r)`` covers in segments ``[a, e)`` of batch row ``bi`` of a
+    ``[B, H, N, C]`` tensor (C = head dim, or 1 for lse).
+
+    For ``r == 1`` and for the diagonal layout (heads ``a * r + c`` use offset ``c``) the
+    positions are one strided view made by a single ``as_strided`` from the tensor's own
+    strides: no reshape/diagonal/permute chain, whose per-op dispatch cost dominated a
+    call at GPU speed. Other layouts (heads not aligned with the rate) index heads and offsets.
+    """
 
     def __init__(self, h: int, w: int, r: int, head_offset: int):
         self.h, self.w, self.r = h, w, r
         self.diagonal = r > 1 and h % r == 0 and head_offset % r == 0
-        self.heads = torch.arange(h)
-        self.offs = (self.heads + head_offset) % r
+        self.head_offset = head_offset
+
+    def _heads_offs(self, device):  # the indexed layout's head and offset indices
+        heads = torch.arange(self.h, device=device)
+        return heads, (heads + self.head_offset) % self.r
+
+    def _strided(self, x, bi: int, a: int, e: int):
+        """``[s, H, m, C]`` (``r == 1``) or ``[s, m, H/r, r, C]`` (diagonal): a view of ``x``."""
+        sb, sh, sn, sc = x.stride()
+        s, w, r = e - a, self.w, self.r
+        base = x.storage_offset() + bi * sb + a * w * sn
+        if r == 1:
+            return x.as_strided((s, self.h, w, x.shape[-1]), (w * sn, sh, sn, sc), base)
+        # element [i, j, A, c, :] is head A * r + c at position (a + i) * w + j * r + c
+        return x.as_strided((s, w // r, self.h // r, r, x.shape[-1]), (w * sn, r * sn, r * sh, sh + sn, sc), base)
 
     def _six(self, x):  # [1, H, s*w, C] -> [1, H, s, m, r, C]
         s = x.shape[2] // self.w
         return x.reshape(1, self.h, s, self.w // self.r, self.r, x.shape[-1])
 
-    def _diag(self, x6):  # [1, H, s, m, r, C] -> [1, H/r, s, m, C, r] (a view)
-        _, h, s, m, r, c = x6.shape
-        return torch.diagonal(x6.reshape(1, h // r, r, s, m, r, c), dim1=2, dim2=5)
-
     def _indexed(self, x6):  # [1, H, s, m, r, C] -> [s, m, H, r, C] (a view, to index heads and offsets)
         return x6[0].permute(1, 2, 0, 3, 4)
 
-    def read(self, x):
+    def read(self, x, bi: int, a: int, e: int):
         """``[s, H, m, C]``: a view when ``r == 1``; else a copy laid out ``[s, m, H, C]`` in memory
         (sequence-major, what the flash kernels take without further copies)."""
-        x6 = self._six(x)
-        s, m, c = x6.shape[2], x6.shape[3], x6.shape[-1]
         if self.r == 1:
-            return x6[0, :, :, :, 0].transpose(0, 1)
-        if self.diagonal:  # [H/r, s, m, C, r] -> [s, m, H/r, r, C]; head a * r + c has offset c
-            return self._diag(x6)[0].permute(1, 2, 0, 4, 3).reshape(s, m, self.h, c).transpose(1, 2)
-        heads, offs = self.heads.to(x.device), self.offs.to(x.device)
-        return self._indexed(x6)[:, :, heads, offs].transpose(1, 2)
+            return self._strided(x, bi, a, e)
+        if self.diagonal:
+            v = self._strided(x, bi, a, e)
+            return v.reshape(v.shape[0], v.shape[1], self.h, v.shape[-1]).transpose(1, 2)
+        heads, offs = self._heads_offs(x.device)
+        return self._indexed(self._six(_slice(x, bi, a, e, self.w)))[:, :, heads, offs].transpose(1, 2)
 
-    def update(self, x, y, op: str = "copy", weight=None):
+    def update(self, x, bi: int, a: int, e: int, y, op: str = "copy", weight=None):
         """In place at the covered positions of ``x``: store (copy), add, or ``lerp`` towards
         ``y [s, H, m, C]`` with ``weight [s, H, m]`` (``x += weight * (y - x)``)."""
-        x6 = self._six(x)
-        s, m = x6.shape[2], x6.shape[3]
         indexed = self.r > 1 and not self.diagonal
         if self.r == 1:
-            dst, fit = x6[0, :, :, :, 0].transpose(0, 1), (lambda t: t)
-        elif self.diagonal:  # [H/r, s, m, C, r] view; map [s, H, m, C] onto it
-            dst = self._diag(x6)[0]
-            fit = lambda t: t.reshape(s, self.h // self.r, self.r, m, t.shape[-1]).permute(1, 0, 3, 4, 2)  # noqa
+            dst, fit = self._strided(x, bi, a, e), (lambda t: t)
+        elif self.diagonal:  # [s, m, H/r, r, C] view; map [s, H, m, C] onto it
+            dst = self._strided(x, bi, a, e)
+            fit = lambda t: t.unflatten(1, (self.h // self.r, self.r)).permute(0, 3, 1, 2, 4)  # noqa: E731
         else:  # heads not aligned with the rate: read-modify-write through indexing ([s, m, H, C])
-            heads, offs = self.heads.to(x.device), self.offs.to(x.device)
+            x6 = self._six(_slice(x, bi, a, e, self.w))
+            heads, offs = self._heads_offs(x.device)
             dst, fit = self._indexed(x6)[:, :, heads, offs], (lambda t: t.transpose(1, 2))
         if op == "copy":
             dst.copy_(fit(y))
@@ -130,17 +144,16 @@ class DilatedAttention(torch.autograd.Function):
             sel = _Selection(h, w, r, head_offset)
             for bi in range(b):
                 for a, e in _groups(n, w, h, d):
-                    qs, ks, vs = (sel.read(_slice(t, bi, a, e, w)) for t in (q, k, v))
+                    qs, ks, vs = (sel.read(t, bi, a, e) for t in (q, k, v))
                     o_b, l_b = flash_forward(qs, ks, vs, causal, scale, fused)
-                    o_c, l_c = _slice(out, bi, a, e, w), _slice(lse, bi, a, e, w)
                     if i == 0:
-                        sel.update(o_c, o_b)
-                        sel.update(l_c, l_b.unsqueeze(-1))
+                        sel.update(out, bi, a, e, o_b)
+                        sel.update(lse, bi, a, e, l_b.unsqueeze(-1))
                         continue
-                    old_l = sel.read(l_c)[..., 0]
+                    old_l = sel.read(lse, bi, a, e)[..., 0]
                     new_l = torch.logaddexp(old_l, l_b.to(lse_dtype))
-                    sel.update(o_c, o_b, "lerp", torch.exp(l_b - new_l))
-                    sel.update(l_c, new_l.unsqueeze(-1))
+                    sel.update(out, bi, a, e, o_b, "lerp", torch.exp(l_b - new_l))
+                    sel.update(lse, bi, a, e, new_l.unsqueeze(-1))
         lse = lse.squeeze(-1)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.set_materialize_grads(False)
@@ -162,13 +175,13 @@ class DilatedAttention(torch.autograd.Function):
             sel = _Selection(h, w, r, ctx.head_offset)
             for bi in range(b):
                 for a, e in _groups(n, w, h, d):
-                    cut = lambda t: sel.read(_slice(t, bi, a, e, w))  # noqa: E731
+                    cut = lambda t: sel.read(t, bi, a, e)  # noqa: E731
                     args = (cut(dout), cut(q), cut(k), cut(v), cut(out))
                     if dlse4 is not None:  # extra head columns carry the lse gradient
                         args = lse_grad_columns(*args[1:4], args[0], args[4], cut(dlse4)[..., 0])
                     grads = flash_backward(*args, cut(lse4)[..., 0], ctx.causal, ctx.scale, ctx.fused)
                     for g_full, g in zip((dq, dk, dv), grads):
-                        sel.update(_slice(g_full, bi, a, e, w), g[..., :d], "copy" if i == 0 else "add")
+                        sel.update(g_full, bi, a, e, g[..., :d], "copy" if i == 0 else "add")
         return dq, dk, dv, None, None, None, None, None
 
 
