@@ -233,9 +233,12 @@ def role_plan(policy_plan, cfg: RunConfig, world, profile: str, lr: float):
                                 device_type=world.device.type)
         plan = runtime.broadcast_object(other)
     ds = copy.deepcopy(plan.ds_config)
-    if "optimizer" in ds:
+    if "optimizer" in ds:  # DeepSpeed builds the optimizer from the file
         ds["optimizer"].setdefault("params", {})["lr"] = lr
-    return dataclasses.replace(plan, ds_config=ds, shard_at_build=False)
+    optimizer = plan.optimizer  # dstrain builds torch's AdamW from these numbers (the block is gone)
+    if optimizer is not None:
+        optimizer = dataclasses.replace(optimizer, params={**optimizer.params, "lr": lr})
+    return dataclasses.replace(plan, ds_config=ds, optimizer=optimizer, shard_at_build=False)
 
 
 def value_parallelize(model, activation_checkpointing: bool = False, **parallel):

@@ -1,13 +1,14 @@
 """The engine on a real GPU: every ZeRO stage learns in bf16, compile on/off agree, resume after a crash,
 export, and the factory's memory estimate against torch.cuda.max_memory_allocated."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.gpu import child_env
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 ROOT = Path(__file__).resolve().parents[2]
@@ -20,7 +21,7 @@ def _launch(out: Path, *extra: str, env: dict | None = None, check: bool = True)
         [sys.executable, "-m", "dstrain.cli", "launch", "--nproc", "1", RECIPE, f"--train.steps={STEPS}",
          "--train.log_every=10", f"--checkpoint.every={EVERY}", f"--output.dir={out}", "--output.progress=false",
          *extra],
-        cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, capture_output=True, text=True,
+        cwd=ROOT, env=child_env(env), capture_output=True, text=True,
         timeout=600)
     if check:
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -99,7 +100,7 @@ def test_memory_estimate_within_ten_percent(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "dstrain.cli", "launch", "--nproc", "1", RECIPE, *extra,
          f"--output.dir={tmp_path}", "--output.progress=false"],
-        cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True, timeout=600)
+        cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     measured = max(r["train/memory_gb"] for r in rows if "train/memory_gb" in r) * 1e9

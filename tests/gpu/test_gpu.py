@@ -1,12 +1,13 @@
 """GPU checks: run where CUDA exists (a lent H100/H200), skipped elsewhere."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.gpu import child_env
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -28,7 +29,7 @@ def test_gpu_training_learns(profile, tmp_path):
         [sys.executable, "-m", "dstrain.cli", "launch", "--nproc", str(nproc),
          "models/gpt/recipes/tiny.json", "--train.steps=60", "--train.log_every=10",
          f"--deepspeed.profile={profile}", f"--output.dir={tmp_path}", "--output.progress=false"],
-        cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True, timeout=600)
+        cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = [json.loads(l)["train/loss"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()
               if "train/loss" in l]

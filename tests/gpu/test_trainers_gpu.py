@@ -3,13 +3,14 @@ logs finite numbers. (On CPU the same runs are tests/dist; these catch what only
 device placement, NCCL collectives on host tensors, the sandbox run as root.)"""
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.gpu import child_env
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,7 +32,7 @@ def launch(recipe: str, extra: list[str], out: Path, steps: int, env: dict | Non
     return subprocess.run(
         [sys.executable, "-m", "dstrain.cli", "launch", "--nproc", "1", recipe, *extra, f"--train.steps={steps}",
          f"--output.dir={out}", "--output.progress=false"],
-        cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, capture_output=True, text=True,
+        cwd=ROOT, env=child_env(env), capture_output=True, text=True,
         timeout=600)
 
 

@@ -1,13 +1,10 @@
 """Tests for dstrain.engine.ds_config: shipped profiles, "auto" filling and rejection messages."""
 import copy
 import json
-import os
 import re
 from pathlib import Path
 
 import pytest
-
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from dstrain.engine.ds_config import (DEEPSPEED_NATIVE_AUTO, KNOWN_TOP_LEVEL_KEYS, REMOVED_TOP_LEVEL_KEYS,
                                       DSConfigError, RunValues, describe_zero, ds_configs_dir, fill_ds_config,
@@ -24,6 +21,13 @@ SHIPPED = {
     "zero3_offload_optimizer": (3, True, False),
     "zero3_offload": (3, True, True),
 }
+
+
+@pytest.fixture(autouse=True)
+def _cpu_accelerator(monkeypatch):
+    """DeepSpeed's config parsing sees a CPU accelerator here; set per test (a module-level setting
+    would stay in the environment of every run launched later in the same pytest session)."""
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
 
 
 def values(**over) -> RunValues:

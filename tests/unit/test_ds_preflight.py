@@ -7,8 +7,6 @@ from pathlib import Path
 
 import pytest
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
 from dstrain import cli
 from dstrain.config import ConfigError, load_run_config
 from dstrain.engine.ds_check import check_ds_file, deepspeed_problems, values_from_file
@@ -18,6 +16,13 @@ from dstrain.engine.ds_sections import section_problems
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "models" / "gpt" / "recipes" / "tiny.json"
+
+
+@pytest.fixture(autouse=True)
+def _cpu_accelerator(monkeypatch):
+    """DeepSpeed's config parsing sees a CPU accelerator here; set per test (a module-level setting
+    would stay in the environment of every run launched later in the same pytest session)."""
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
 
 
 def run_cfg(tmp_path, ds: dict | str, *overrides: str):

@@ -394,3 +394,22 @@ def test_task_guidance_frozen_implies_a_frozen_guidance_placement():
     assert p.guidance.frozen and p.kind("guidance") == "module (frozen)"
     with pytest.raises(ConfigError, match="guidance is trained, so it needs a DeepSpeed engine"):
         load_run_config(RECIPE, ["--placement.guidance.engine=false"])
+
+
+@pytest.mark.parametrize("optimizer", ["auto", "deepspeed"])
+def test_role_plans_carry_their_own_learning_rate(quick_hardware, optimizer):
+    """critic_lr / value_lr / guidance_lr reach the optimizer whether dstrain builds torch's AdamW
+    (the JSON's optimizer block is consumed into the plan) or DeepSpeed builds it from the JSON."""
+    from dstrain.engine.factory import plan_engine
+    from dstrain.optim.lazy_state import client_optimizer
+    cfg = load_run_config(RECIPE, [f"--train.optimizer={optimizer}"])
+    plan = plan_engine(cfg, 1, ranks_per_node=1, device_type="cpu")
+    world = SimpleNamespace(is_main=True, world_size=1, local_world_size=1, device=torch.device("cpu"))
+    role = sc.role_plan(plan, cfg, world, plan.profile, 3e-3)
+    if optimizer == "deepspeed":
+        assert client_optimizer(role.optimizer, role.ds_config) is None
+        assert role.ds_config["optimizer"]["params"]["lr"] == 3e-3
+    else:
+        opt = client_optimizer(role.optimizer, role.ds_config)([torch.nn.Parameter(torch.zeros(2))])
+        assert [g["lr"] for g in opt.param_groups] == [3e-3]
+    assert client_optimizer(plan.optimizer, plan.ds_config) is None or plan.optimizer.params["lr"] == cfg.train.lr
