@@ -131,8 +131,7 @@ def plan_engine(cfg: RunConfig, world_size: int, hw=None, hw_notes: str = "",
     resolved, section_notes = user_sections(resolved, cfg.output.dir, source)
     resolved, comm_notes = comms_sections(resolved, cfg.output.comms, ds.comm_dtype, source)
     section_notes += comm_notes
-    compile_ = cfg.train.compile if isinstance(cfg.train.compile, bool) else hw.device_type == "cuda"
-    compile_ = compile_ and pipe is None  # the pipeline engine runs its layers uncompiled
+    compile_, compile_why = _compile_choice(cfg, hw.device_type, pipe is not None)
     table = format_plan(plan, stats, hw, dims.replica_size, cfg.train.micro_batch)
     layout = (f"parallel layout: dp {dims.dp} x tp {dims.tp} x sp {dims.sp} = {world_size} ranks; model states "
               f"planned for the full model partitioned over dp x sp = {dims.replica_size}, activations "
@@ -143,7 +142,7 @@ def plan_engine(cfg: RunConfig, world_size: int, hw=None, hw_notes: str = "",
     explanation = "\n".join(x for x in (hw_notes, auto_note, layout, table, stage_text, why,
                                         f"precision {precision}, activation checkpointing "
                                         f"{'on' if ckpt else 'off'}, torch.compile {'on' if compile_ else 'off'}"
-                                        f" (train.compile={cfg.train.compile}"
+                                        f" (train.compile={cfg.train.compile}{compile_why}"
                                         f"{', mode ' + cfg.train.compile_mode if compile_ else ''})",
                                         amp_note, optimizer.description,
                                         "learning-rate schedule: the DeepSpeed JSON's scheduler block"
@@ -531,6 +530,20 @@ def create_engine(build_model: Callable[[], torch.nn.Module],
     if plan.compile:
         compile_engine(ds_engine, plan.compile_mode)
     return Engine(ds_engine, plan, group_names, parallel)
+
+
+def _compile_choice(cfg: RunConfig, device_type: str, pipeline: bool) -> tuple[bool, str]:
+    """``(compile, why)``: ``train.compile`` if set; auto compiles on CUDA, except for trainers whose
+    shapes change every step (``trainers.VARIABLE_SHAPES``). The pipeline engine runs uncompiled."""
+    from dstrain.trainers import VARIABLE_SHAPES
+    if pipeline:
+        return False, ": the pipeline engine runs its layers uncompiled"
+    if isinstance(cfg.train.compile, bool):
+        return cfg.train.compile, ""
+    if device_type == "cuda" and cfg.trainer in VARIABLE_SHAPES:
+        return False, (f": the {cfg.trainer} trainer's sequence widths change every step, and static-shape "
+                       "compilation would compile again for each")
+    return device_type == "cuda", ""
 
 
 def skip_lone_allreduce(ds_engine, plan: EnginePlan) -> bool:

@@ -18,6 +18,11 @@ TRAINERS: dict[str, tuple[str, str | None]] = {
     "score": ("dstrain.trainers.score", "dstrain.trainers.score_config:ScoreTaskConfig"),
 }
 
+#: Trainers whose model inputs change shape from step to step (sampled completions of any length):
+#: ``train.compile=auto`` leaves their models uncompiled, since torch.compile with static shapes
+#: would compile again for each new sequence width.
+VARIABLE_SHAPES = frozenset({"grpo", "score"})
+
 
 def available() -> list[str]:
     return sorted(TRAINERS)

@@ -173,3 +173,17 @@ def test_compile_mode_reaches_torch_compile_and_the_plan(tmp_path):
     assert seen == [{"dynamic": False, "mode": "reduce-overhead"}, {"dynamic": False}]
     with pytest.raises(ConfigError, match="train.compile_mode: must be one of default, reduce-overhead"):
         load_run_config("models/gpt/recipes/tiny.json", [f"--output.dir={tmp_path}", "--train.compile_mode=fast"])
+
+
+@pytest.mark.parametrize("recipe", ["models/policy/recipes/grpo_debug.json", "models/policy/recipes/score_debug.json"])
+def test_auto_compile_leaves_variable_shape_trainers_eager(tmp_path, recipe):
+    """RL batches are padded to each step's longest completion: with static shapes torch.compile would
+    compile again at every new width, so train.compile=auto does not compile them (true still does)."""
+    from dstrain.config import load_run_config
+    from dstrain.engine.factory import plan_engine
+    from dstrain.engine.profiles import Hardware
+    hw = Hardware("cuda", 80 * 10**9, 256 * 10**9, 8, True, True, "test GPU")
+    plan = plan_engine(load_run_config(recipe, [f"--output.dir={tmp_path}"]), 1, hw=hw)
+    assert not plan.compile and "sequence widths change every step" in plan.explanation
+    forced = plan_engine(load_run_config(recipe, [f"--output.dir={tmp_path}", "--train.compile=true"]), 1, hw=hw)
+    assert forced.compile and "torch.compile on (train.compile=True" in forced.explanation
