@@ -93,9 +93,10 @@ def plan_engine(cfg: RunConfig, world_size: int, hw=None, hw_notes: str = "",
                                                 device_type=device_type)
     # Sequence parallelism: one rank holds seq_len / sp tokens. ZeRO partitions over the
     # ranks that hold the same tensor shard (dp x sp); the batch identity counts dp only.
+    seq = cfg.data.seq_len // dims.sp
     acts = hardware.trace_activations(
-        build, lambda: spec.inputs_for_trace(mcfg, 1, cfg.data.seq_len // dims.sp),
-        lambda m, flag: spec.parallelize(m, activation_checkpointing=flag))
+        build, lambda: spec.inputs_for_trace(mcfg, 1, seq), lambda m, flag: spec.parallelize(m, activation_checkpointing=flag),
+        (lambda: spec.inputs_for_trace(mcfg, 2, seq)) if hw.device_type == "cuda" else None)
     ds = cfg.deepspeed
     pipe, stage_text, auto_note = None, "", ""
     if par.pp == "auto":
@@ -207,7 +208,8 @@ def _plan_or_suggest_pp(spec, mcfg, cfg, stats, hw, acts, dims, world_size):
                           margin=ds.margin, layer_acts=layer_activations(spec, mcfg, cfg.data.seq_len))
     try:
         plan = choose_plan(stats, hw, acts, dims.replica_size, t.micro_batch, precision=ds.precision,
-                           activation_checkpointing=ds.activation_checkpointing, margin=ds.margin)
+                           activation_checkpointing=ds.activation_checkpointing, margin=ds.margin,
+                           mixed_precision=ds.mixed_precision, grad_accum=t.grad_accum)
     except PlanError as err:
         pp = pp_that_fits() if pipelinable else None
         if pp is None:

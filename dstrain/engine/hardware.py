@@ -160,13 +160,19 @@ def _saved_bytes(model: torch.nn.Module, make_batch: Callable[[], tuple]) -> int
 
 
 def trace_activations(build: Callable[[], torch.nn.Module], make_inputs: Callable[[], tuple],
-                      set_checkpointing: Callable[[torch.nn.Module, bool], None]) -> Activations:
+                      set_checkpointing: Callable[[torch.nn.Module, bool], None],
+                      make_inputs_2: Callable[[], tuple] | None = None) -> Activations:
     """Activation bytes of one forward on ``make_inputs()`` (micro-batch 1), fp32, with and without checkpointing.
 
     Runs the real model under ``FakeTensorMode``: CPU kernels are chosen as for a
     real run, but no memory is allocated and nothing is computed. Attention is one
     autograd function per call (``dstrain.ops``) that saves q, k, v, its output and
     lse whichever kernel runs, so this trace is also the CUDA path's saved memory.
+
+    With ``make_inputs_2`` (micro-batch 2) the model is also traced under bf16
+    ``torch.autocast`` at micro-batches 1 and 2 (fake CPU tensors take CPU autocast,
+    which keeps the same ops in fp32 as CUDA's: norms, softmax, the loss): the
+    difference is the per-sample bytes, the rest the fixed bytes (the bf16 weight copies).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -177,8 +183,18 @@ def trace_activations(build: Callable[[], torch.nn.Module], make_inputs: Callabl
         plain = _saved_bytes(model, make_inputs)
         set_checkpointing(model, True)
         ckpt = _saved_bytes(model, make_inputs)
+        autocast = None
+        if make_inputs_2 is not None:
+            pairs = []
+            for flag in (False, True):
+                set_checkpointing(model, flag)
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    one, two = _saved_bytes(model, make_inputs), _saved_bytes(model, make_inputs_2)
+                pairs.append((two - one, max(0, 2 * one - two)))
+            (per, fixed), (per_ckpt, fixed_ckpt) = pairs
+            autocast = (per, per_ckpt, fixed, fixed_ckpt)
         set_checkpointing(model, False)
-    return Activations(per_sample=plain, per_sample_checkpointed=ckpt)
+    return Activations(per_sample=plain, per_sample_checkpointed=ckpt, autocast=autocast)
 
 
 # Dense peak of common GPUs (FLOP/s) for MFU, by substring of the device name.

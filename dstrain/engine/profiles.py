@@ -62,10 +62,26 @@ class Hardware:
 
 @dataclass(frozen=True)
 class Activations:
-    """Activation bytes at micro-batch 1 measured in fp32, without and with activation checkpointing."""
+    """Activation bytes at micro-batch 1 measured in fp32, without and with activation checkpointing.
+
+    ``autocast`` (when traced): ``(per_sample, per_sample_checkpointed, fixed, fixed_checkpointed)``
+    under bf16 autocast over fp32 weights. Autocast keeps fp32 where it computes in fp32 (the
+    residual stream, norms, the loss), so it is not half of the fp32 trace; ``fixed`` is what does
+    not grow with the batch: the bf16 copies of the weights that the matmuls save.
+    """
 
     per_sample: int
     per_sample_checkpointed: int
+    autocast: tuple[int, int, int, int] | None = None
+
+
+def autocast_runs(profile: str, precision: str, device_type: str, mixed_precision: str = "auto") -> bool:
+    """Whether a run of ``profile`` trains with torch.autocast over fp32 weights (the factory's
+    ``mixed_precision`` rule for a profile that leaves bf16 to it): bf16 at ZeRO-0 on CUDA, or
+    wherever ``deepspeed.mixed_precision=autocast`` asks for it."""
+    if _PRECISION_ALIASES.get(precision, precision) != "bf16" or mixed_precision == "deepspeed":
+        return False
+    return mixed_precision == "autocast" or (profile == "zero0" and device_type == "cuda")
 
 
 @dataclass(frozen=True)
@@ -196,11 +212,21 @@ def model_state_bytes(profile: str, stats: ModelStats, world_size: int, precisio
     return int(round(device)), int(round(host))
 
 
-def _estimate(profile, ckpt, stats, hw, acts, world_size, micro_batch, precision, margin) -> ProfileEstimate:
+def _estimate(profile, ckpt, stats, hw, acts, world_size, micro_batch, precision, margin,
+              mixed_precision: str = "auto", grad_accum: int = 1) -> ProfileEstimate:
     device, host = model_state_bytes(profile, stats, world_size, precision, hw.ranks_per_node)
-    per_sample = acts.per_sample_checkpointed if ckpt else acts.per_sample
-    act = int(round(per_sample * micro_batch * (1.0 if precision == "fp32" else 0.5)))
-    device_total = device + act
+    device_total = None
+    if acts.autocast is not None and autocast_runs(profile, precision, hw.device_type, mixed_precision):
+        per_sample, fixed = acts.autocast[1::2] if ckpt else acts.autocast[0::2]
+        act = per_sample * micro_batch + fixed
+        if profile == "zero0" and grad_accum == 1:
+            # torch's optimizer frees the fp32 gradients (4P) at each step: they are made in the backward
+            # as the activations are freed, so the peak is the larger of the two moments
+            device_total = max(device, device - 4 * stats.params + act)
+    else:
+        per_sample = acts.per_sample_checkpointed if ckpt else acts.per_sample
+        act = int(round(per_sample * micro_batch * (1.0 if precision == "fp32" else 0.5)))
+    device_total = device + act if device_total is None else device_total
     if hw.device_type == "cpu" and host:
         # device and host are the same RAM: this rank's share of the offloaded states counts too
         device_total += int(round(host / min(hw.ranks_per_node, world_size)))
@@ -219,7 +245,7 @@ def _label(e: ProfileEstimate) -> str:
 
 def choose_plan(stats: ModelStats, hw: Hardware, acts: Activations, world_size: int, micro_batch: int,
                 precision: str = "auto", activation_checkpointing: str | bool = "auto", margin: float = 0.85,
-                profiles=PROFILE_ORDER) -> Plan:
+                profiles=PROFILE_ORDER, mixed_precision: str = "auto", grad_accum: int = 1) -> Plan:
     """Walk the profiles in order and take the first that fits ``margin`` x the memory budgets.
 
     Fits means model states + activations x micro_batch <= margin x device_memory, and host
@@ -251,7 +277,8 @@ def choose_plan(stats: ModelStats, hw: Hardware, acts: Activations, world_size: 
     tried: list[ProfileEstimate] = []
     for names, ckpt in passes:
         for name in names:
-            est = _estimate(name, ckpt, stats, hw, acts, world_size, micro_batch, prec, margin)
+            est = _estimate(name, ckpt, stats, hw, acts, world_size, micro_batch, prec, margin, mixed_precision,
+                            grad_accum)
             tried.append(est)
             if est.fits:
                 return Plan(name, prec, ckpt, tuple(tried), _reason(est, tried[:-1], activation_checkpointing, hw),
@@ -330,6 +357,9 @@ def format_plan(plan: Plan, stats: ModelStats, hw: Hardware, world_size: int, mi
     widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
     for r in rows:
         lines.append("  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1])
+    if any(e.device_total < e.model_states + e.activations for e in plan.estimates):
+        lines.append("(device total below model states + activations: bf16 autocast at ZeRO-0 with one micro-batch "
+                     "a step frees the fp32 gradients at each step, so they never coexist with the activations)")
     return "\n".join(lines)
 
 

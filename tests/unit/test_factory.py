@@ -124,3 +124,65 @@ def test_schedule_matches_reference_formula():
     for k in range(60):
         assert cfg.train.lr * f(k) == pytest.approx(lr_at(cfg, k), rel=1e-12)
     assert f(0) > 0 and f(4) == 1.0 and f(50) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("name, size, args, seq", [("gpt", "tiny", {"n_layer": 3, "n_embd": 128, "block_size": 256}, 256),
+                                                   ("dilated_lm", "debug", {}, 128)])
+def test_autocast_activation_estimate_matches_a_real_autocast_forward(name, size, args, seq):
+    """The planner's bf16-autocast activations (fake-tensor traces at micro-batches 1 and 2, split into
+    per-sample and fixed bytes) against the bytes a real autocast forward saves at micro-batch 3, and
+    against the fp32 rule it replaces on GPUs at ZeRO-0 (half the fp32 trace: too little)."""
+    spec = registry.get_spec(name)
+    mcfg = registry.make_model_config(name, size, args)
+    acts = hardware.trace_activations(lambda: spec.build(mcfg), lambda: spec.inputs_for_trace(mcfg, 1, seq),
+                                      lambda m, f: spec.parallelize(m, activation_checkpointing=f),
+                                      lambda: spec.inputs_for_trace(mcfg, 2, seq))
+    per_sample, per_sample_ckpt, fixed, fixed_ckpt = acts.autocast
+    torch.manual_seed(0)
+    model = spec.build(mcfg).train()
+    ids = torch.randint(0, mcfg.vocab_size, (3, seq))
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(ids, ids)
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    measured = sum(v for k, v in storages.items() if k not in params)
+    loss.backward()
+    assert 3 * per_sample + fixed == pytest.approx(measured, rel=0.01)
+    assert fixed > 0 and per_sample > 0.5 * acts.per_sample  # weight copies; fp32 kept where autocast keeps it
+    assert 0 < per_sample_ckpt < per_sample and fixed_ckpt >= 0
+
+
+def test_gpu_zero0_plans_autocast_activations(tmp_path):
+    """On a GPU the chosen ZeRO-0 runs bf16 as autocast: its estimate uses the autocast trace; ZeRO-2
+    (DeepSpeed's 16-bit weights) keeps half the fp32 trace; the CPU plan traces no autocast at all."""
+    from dstrain.engine.factory import plan_engine
+    from dstrain.engine.profiles import Hardware
+    hw = Hardware("cuda", 80 * 10**9, 256 * 10**9, 8, True, True, "test GPU")
+    cfg = load_run_config(TINY, [f"--output.dir={tmp_path}", "--train.micro_batch=4"])
+    plan = plan_engine(cfg, 1, hw=hw)
+    est = {e.profile: e for e in plan.plan.estimates}
+    assert plan.profile == "zero0" and list(est) == ["zero0"]
+    spec = registry.get_spec("gpt")
+    mcfg = registry.make_model_config("gpt", cfg.model.size, cfg.model.args)
+    acts = hardware.trace_activations(lambda: spec.build(mcfg), lambda: spec.inputs_for_trace(mcfg, 1, cfg.data.seq_len),
+                                      lambda m, f: spec.parallelize(m, activation_checkpointing=f),
+                                      lambda: spec.inputs_for_trace(mcfg, 2, cfg.data.seq_len))
+    zero0 = est["zero0"]
+    assert zero0.activations == 4 * acts.autocast[0] + acts.autocast[2]
+    params = hardware.model_stats(lambda: spec.build(mcfg)).params  # fp32 gradients freed at each step
+    assert zero0.device_total == max(zero0.model_states, zero0.model_states - 4 * params + zero0.activations)
+    accum = plan_engine(load_run_config(TINY, [f"--output.dir={tmp_path}", "--train.micro_batch=4",
+                                               "--train.grad_accum=2"]), 1, hw=hw).plan.estimates[0]
+    assert accum.device_total == accum.model_states + accum.activations  # kept between micro-batches
+    zero2 = plan_engine(load_run_config(TINY, [f"--output.dir={tmp_path}", "--train.micro_batch=4",
+                                               "--deepspeed.profile=zero2"]), 1, hw=hw)
+    assert zero2.plan.estimates[0].activations == est["zero0"].activations  # the table is the auto walk's
+    from dstrain.engine.profiles import _estimate, autocast_runs
+    assert not autocast_runs("zero2", "bf16", "cuda") and autocast_runs("zero2", "bf16", "cuda", "autocast")
+    assert _estimate("zero2", False, hardware.ModelStats(10, 1, 0, 0), hw, acts, 1, 4, "bf16", 0.85).activations \
+        == int(round(4 * acts.per_sample * 0.5))
