@@ -8,9 +8,10 @@
 #   bash benchmarks/gpu_session.sh attention  [OUT]   # dilated vs dense 8k..1M; dilated LM at 32k and 1M
 #   bash benchmarks/gpu_session.sh hrm        [OUT]   # HRM sudoku size at batch 384: eager, compiled, CUDA graphs
 #   bash benchmarks/gpu_session.sh all        [OUT]   # the four, one after the other (about 35 min)
-#   bash benchmarks/gpu_session.sh quick      [OUT]   # at most 9.5 min (one device call): GPT large zero0/zero2
-#        against both plain loops, attention 8k..128k, ZeRO-3 and the GRPO/SCoRe/HRM GPU tests, HRM eager;
-#        tests/unit with CUDA visible beside them on the other cores (xdist -n 6; the timed steps keep 0-7)
+#   bash benchmarks/gpu_session.sh quick      [OUT]   # at most 9.5 min (one device call): the GPU tests that
+#        have never run on a GPU (GRPO/SCoRe/HRM trainers, the memory estimate, dilated attention) and ZeRO-3,
+#        attention 8k..128k, HRM eager and compiled; tests/unit with CUDA visible beside them on the other
+#        cores (xdist -n 6; the timed steps keep 0-7). GPT large throughput is the engine part.
 #
 # A failing step is logged and the part goes on with the next one; the exit status is the number
 # of steps that failed. The JSON files name the device, the versions and the command themselves.
@@ -74,15 +75,15 @@ run_part() {
         ( OMP_NUM_THREADS=1 timeout 360 $other python -m pytest -q -p no:cacheprovider -n 6 tests/unit \
             >"$out/unit_cuda_visible.log" 2>&1; echo "unit tests exit $?" >>"$out/unit_cuda_visible.log" ) &
         local unit=$!
-        step gpt-large 220 $timed python benchmarks/throughput.py models/gpt/recipes/tiny.json --model.size=large \
-            --data.seq_len=1024 --train.micro_batch=16 --nproc 1 --steps 8 --warmup 3 --profiles zero0,zero2 \
-            --plain once --timeout 200 --out "$out/throughput_gpu_gpt_large.json"
+        step gpu-tests 300 $timed python -m pytest -q -p no:cacheprovider tests/gpu/test_trainers_gpu.py \
+            tests/gpu/test_engine_gpu.py::test_memory_estimate_within_ten_percent tests/gpu/test_dilated_gpu.py \
+            "tests/gpu/test_gpu.py::test_gpu_training_learns[zero3]"
         step attention 70 $timed python benchmarks/attention.py --device cuda --lengths 8192,32768,131072 \
             --repeats 3 --out "$out"
-        step gpu-tests 220 $timed python -m pytest -q -p no:cacheprovider \
-            "tests/gpu/test_gpu.py::test_gpu_training_learns[zero3]" tests/gpu/test_trainers_gpu.py
         step hrm-eager 50 $timed python benchmarks/hrm_speed.py --sizes sudoku --batch 384 --precision bf16 \
             --device cuda --steps 6 --out "$out/hrm_speed_gpu_sudoku.json"
+        step hrm-compiled 140 $timed python benchmarks/hrm_speed.py --sizes sudoku --batch 384 --precision bf16 \
+            --device cuda --steps 6 --compile --out "$out/hrm_speed_gpu_sudoku_compile.json"
         wait "$unit"
         tail -3 "$out/unit_cuda_visible.log" | tee -a "$log"
         grep -q "unit tests exit 0" "$out/unit_cuda_visible.log" || failed=$((failed + 1))
