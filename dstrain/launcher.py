@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Collection, Mapping, Sequence
 
-from dstrain.hostfile import HostfileError, parse_hostfile, select_hosts
+from dstrain.hostfile import parse_hostfile, select_hosts
 from dstrain.launch_common import (  # noqa: F401  (re-exported)
     ACCELERATORS,
     DEFAULT_MASTER_PORT,
@@ -254,13 +254,43 @@ def _count_filtered_slots(include: str | None, exclude: str | None, pool: int) -
     return max(1, picked if include else pool - picked)
 
 
+def nvidia_smi_uuids() -> dict[str, int]:
+    """``{GPU UUID: index}`` as ``nvidia-smi`` numbers the devices ({} without nvidia-smi)."""
+    import subprocess
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    rows = [line.split(",") for line in out.splitlines() if line.count(",") == 1]
+    return {uuid.strip(): int(index) for index, uuid in rows if index.strip().isdigit()}
+
+
+def _numeric_ids(ids: list[str]) -> list[str] | None:
+    """GPU UUIDs (or unique UUID prefixes, as CUDA accepts them) as device indices; None if any has none."""
+    table = nvidia_smi_uuids() if any(not d.isdigit() for d in ids) else {}
+    out = []
+    for d in ids:
+        if d.isdigit():
+            out.append(d)
+            continue
+        hits = {i for uuid, i in table.items() if uuid.startswith(d)}
+        if len(hits) != 1:
+            return None
+        out.append(str(hits.pop()))
+    return out
+
+
 def _first_visible_ids(visible: str, count: int) -> str:
     ids = [d.strip() for d in visible.split(",") if d.strip()]
-    if not all(d.isdigit() for d in ids):
+    numeric = _numeric_ids(ids)
+    if numeric is None:
         raise ValueError(
-            f"CUDA_VISIBLE_DEVICES={visible!r}: DeepSpeed's launcher takes numeric device ids only; "
+            f"CUDA_VISIBLE_DEVICES={visible!r}: DeepSpeed's launcher takes numeric device ids only and "
+            "nvidia-smi does not list these as GPU UUIDs (MIG devices cannot be named by index); "
             "use numeric ids, unset it, or launch with torchrun"
         )
+    ids = numeric
     if count > len(ids):
         raise ValueError(f"nproc={count} but CUDA_VISIBLE_DEVICES={visible!r} exposes only {len(ids)} device(s)")
     return ",".join(ids[:count])

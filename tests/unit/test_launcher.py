@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 import socket
 import subprocess
@@ -120,6 +121,25 @@ def test_cuda_visible_devices_become_include(python):
         ds(LaunchSpec("r.json"), python, {"CUDA_VISIBLE_DEVICES": "GPU-1a2b"}, detect=cuda)
     argv, _ = ds(LaunchSpec("r.json", nproc=2), python, base, detect=cpu)  # CPU ignores it
     assert argv[1:3] == ["--num_gpus", "2"]
+
+
+def test_gpu_uuids_become_the_indices_nvidia_smi_gives(python, monkeypatch, tmp_path):
+    """DeepSpeed's launcher takes numeric ids only; UUIDs (whole, or unique prefixes as CUDA accepts)
+    are translated through nvidia-smi; MIG or unknown ids are refused with one line."""
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\n[ \"$1\" = --query-gpu=index,uuid ] || exit 3\n"
+                   "echo '0, GPU-aaaa1111-0000'\necho '1, GPU-bbbb2222-0000'\necho '2, GPU-bbbb3333-0000'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    assert launcher.nvidia_smi_uuids() == {"GPU-aaaa1111-0000": 0, "GPU-bbbb2222-0000": 1, "GPU-bbbb3333-0000": 2}
+    visible = {"CUDA_VISIBLE_DEVICES": "GPU-bbbb3333-0000,GPU-aaaa"}
+    argv, _ = ds(LaunchSpec("r.json", nproc=2), python, visible, detect=cuda)
+    assert argv[argv.index("--include") + 1] == "localhost:2,0"
+    for bad in ("GPU-bbbb", "MIG-aaaa1111-0000/1/0", "GPU-cccc"):  # ambiguous prefix, MIG, unknown
+        with pytest.raises(ValueError, match="numeric device ids only"):
+            ds(LaunchSpec("r.json"), python, {"CUDA_VISIBLE_DEVICES": bad}, detect=cuda)
+    monkeypatch.setenv("PATH", str(tmp_path / "none"))
+    assert launcher.nvidia_smi_uuids() == {}
 
 
 @pytest.mark.parametrize("host", ["localhost", "127.0.0.1", "thisbox"])
