@@ -104,10 +104,12 @@ def mark_complete(root: str | Path, tag: str, run_config: dict, ds_config: dict,
 
 
 def rng_state() -> dict:
+    """This rank's generators. CUDA: only this rank's device (each rank sees every GPU of the launch,
+    and a run resumed on fewer GPUs could not restore the states of devices it no longer sees)."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(),
              "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda_device"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -115,8 +117,14 @@ def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if not torch.cuda.is_available():
+        return
+    if "cuda_device" in state:
+        torch.cuda.set_rng_state(state["cuda_device"])
+    elif "cuda" in state:  # older checkpoints: every visible device's state; take this rank's device's
+        device = torch.cuda.current_device()
+        if device < len(state["cuda"]):
+            torch.cuda.set_rng_state(state["cuda"][device])
 
 
 def save_rng(root: str | Path, tag: str, rank: int) -> None:

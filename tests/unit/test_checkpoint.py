@@ -133,3 +133,47 @@ def test_sampler_gives_the_same_global_batch_on_any_world_size(split):
         taken = torch.cat([sampler.local_batch_indices(step, micro, accum, r, world).flatten()
                            for r in range(world)])
         assert sorted(taken.tolist()) == sorted(sampler.global_indices(step, 8).tolist())
+
+
+class _FakeCuda:
+    """torch.cuda's RNG calls for a rank on ``device`` of a launch that shows ``count`` GPUs."""
+
+    def __init__(self, count: int, device: int):
+        self.count, self.device, self.states = count, device, {i: torch.tensor([i], dtype=torch.uint8) for i in range(count)}
+
+    def install(self, monkeypatch):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: self.device)
+        monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": self.states[self.device].clone())
+        monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [self.states[i].clone() for i in range(self.count)])
+
+        def set_state(state, device="cuda"):
+            self.states[self.device] = state.clone()
+
+        def set_all(states):  # torch's: one state per index; an index past the visible devices fails
+            for i, state in enumerate(states):
+                if i >= self.count:
+                    raise IndexError("list index out of range")
+                self.states[i] = state.clone()
+        monkeypatch.setattr(torch.cuda, "set_rng_state", set_state)
+        monkeypatch.setattr(torch.cuda, "set_rng_state_all", set_all)
+
+
+def test_cuda_rng_of_this_rank_only_so_fewer_gpus_can_resume(monkeypatch):
+    """Saved on local rank 5 of an 8-GPU launch, restored on local rank 1 of a 4-GPU one (a resharded resume):
+    this rank's device state goes to this rank's device; restoring all eight would fail."""
+    saver = _FakeCuda(8, 5)
+    saver.states[5] = torch.tensor([55], dtype=torch.uint8)
+    saver.install(monkeypatch)
+    state = ckpt.rng_state()
+    assert torch.equal(state["cuda_device"], torch.tensor([55], dtype=torch.uint8)) and "cuda" not in state
+    loader = _FakeCuda(4, 1)
+    loader.install(monkeypatch)
+    ckpt.set_rng_state(state)
+    assert torch.equal(loader.states[1], torch.tensor([55], dtype=torch.uint8))
+    old = {**state, "cuda": [torch.tensor([i + 100], dtype=torch.uint8) for i in range(8)]}
+    del old["cuda_device"]  # a checkpoint written before: every visible device's state
+    ckpt.set_rng_state(old)
+    assert torch.equal(loader.states[1], torch.tensor([101], dtype=torch.uint8))
+    _FakeCuda(1, 3).install(monkeypatch)
+    ckpt.set_rng_state({**old, "cuda": old["cuda"][:2]})  # nothing saved for this device: left as it is
