@@ -162,10 +162,14 @@ class SequenceParallelDilatedCore(nn.Module):
         group: the sequence-parallel process group; ``sp_groups``: every sp group's
             global ranks (to build the segment groups of the exchange mode, collectively).
         mode: auto | exchange | ulysses.
+        segment_groups: a dict shared by the model's cores, so that the exchange mode's segment
+            groups are built once per model rather than once per layer (under NCCL each is a
+            communicator with its own buffers).
     """
 
     def __init__(self, branches, causal: bool, group, sp_groups: list[list[int]], mode: str = "auto",
-                 head_offset: int = 0, sparse_block: int = 0, sparse_keep: float = 1.0):
+                 head_offset: int = 0, sparse_block: int = 0, sparse_keep: float = 1.0,
+                 segment_groups: dict | None = None):
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"sequence-parallel mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -174,7 +178,7 @@ class SequenceParallelDilatedCore(nn.Module):
         self.sparse_block, self.sparse_keep = sparse_block, sparse_keep
         self.sp, self.sp_rank = dist.get_world_size(group), dist.get_rank(group)
         self.last_mode: str | None = None
-        self._segment_groups: dict[int, object] = {}
+        self._segment_groups: dict[int, object] = {} if segment_groups is None else segment_groups
 
     def _segment_group(self, g: int):
         """The group of the ``g`` consecutive sp ranks sharing our segment (built once, by every rank)."""

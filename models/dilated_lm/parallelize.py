@@ -43,11 +43,12 @@ def apply_sequence_parallel(model: DilatedLM, state: ParallelState, mode: str = 
     from dstrain.parallel.sequence import SequenceParallelDilatedCore
     cfg = model.config
     sp_groups = state.dims.sp_groups()
+    segment_groups: dict = {}  # one set of segment groups for every layer
     for block in model.blocks:
         core = block.attn.core
         block.attn.core = SequenceParallelDilatedCore(
             core.branches, cfg.causal, state.sp_group, sp_groups, mode=mode, head_offset=core.head_offset,
-            sparse_block=cfg.sparse_block, sparse_keep=cfg.sparse_keep)
+            sparse_block=cfg.sparse_block, sparse_keep=cfg.sparse_keep, segment_groups=segment_groups)
     model.seq_shard = (state.sp_rank, state.dims.sp)
 
 

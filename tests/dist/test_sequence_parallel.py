@@ -65,3 +65,41 @@ def test_sequence_parallel_matches_single_process():
             assert mode == case[3]
     auto = [mode for case, (mode, _) in zip(CASES, results) if case[3] == "auto"]
     assert auto == ["exchange"]  # auto: 2 (2-1)/4 = 0.5 units of traffic < Ulysses' 2
+
+
+def _segment_groups_built(rank, world):
+    import torch
+    import torch.distributed as dist
+    from dstrain.parallel import dims
+    from models import registry
+    from models.dilated_lm.model import DilatedLM
+    from models.dilated_lm.parallelize import apply_sequence_parallel
+
+    state = dims.init_parallel(sp=world)
+    cfg = registry.make_model_config("dilated_lm", "debug", {"n_layer": 3})
+    torch.manual_seed(0)
+    model = DilatedLM(cfg)
+    apply_sequence_parallel(model, state, mode="exchange")
+    made = []
+    real = dist.new_group
+
+    def counting(*args, **kwargs):
+        made.append(args[0] if args else kwargs.get("ranks"))
+        return real(*args, **kwargs)
+
+    dist.new_group = counting
+    try:
+        ids = torch.zeros(1, 128 // world, dtype=torch.long)
+        model(ids, ids).backward()
+    finally:
+        dist.new_group = real
+    return {"layers": len(model.blocks), "new_groups": made, "segments": list(cfg.segment_lengths)}
+
+
+def test_exchange_segment_groups_are_built_once_per_model():
+    """4 sequence-parallel ranks, 32 tokens each: the 64-token segments span 2 ranks, so the exchange
+    mode needs groups {0,1} and {2,3}; the model's three layers share them (under NCCL each group is a
+    communicator with its own buffers: one set per layer cost memory the planner does not count)."""
+    got = spawn.run(_segment_groups_built, 4)
+    assert got["layers"] == 3 and 64 in got["segments"]
+    assert got["new_groups"] == [[0, 1], [2, 3]]
