@@ -460,6 +460,9 @@ def _validate_parallel(cfg: RunConfig, source: str) -> None:
            f"got tp = {par.tp}, sp = {par.sp} (set both to 1)")
     _check(par.pp in (1, "auto") or cfg.trainer == "lm", source, "parallel.pp",
            f"pipeline parallelism runs the supervised LM trainer only, not trainer {cfg.trainer!r}")
+    _check(cfg.deepspeed.zero_init is not True or par.tp * par.sp == 1, source, "deepspeed.zero_init",
+           f"true builds the model partitioned (deepspeed.zero.Init), which tensor and sequence parallelism "
+           f"cannot split afterwards; got tp = {par.tp}, sp = {par.sp} (use zero_init auto or false)")
     _check(par.pp_partition in ("parameters", "uniform", "cost"), source, "parallel.pp_partition",
            f"must be parameters, uniform or cost, got {par.pp_partition!r}")
     ro = cfg.rollout

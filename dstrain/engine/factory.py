@@ -150,9 +150,10 @@ def plan_engine(cfg: RunConfig, world_size: int, hw=None, hw_notes: str = "",
                                         if "scheduler" in resolved else "learning-rate schedule: dstrain's "
                                         "warm-up + cosine (the JSON has no scheduler block)",
                                         *section_notes) if x)
-    # A full fp32 copy of the model on every local rank at once must leave half the RAM free.
+    # A full fp32 copy of the model on every local rank at once must leave half the RAM free; tensor and
+    # sequence parallelism split full weights after the build (and zero.Init would count tp x sp as dp).
     shard = (4 * stats.params * hw.ranks_per_node > 0.5 * hw.host_memory
-             if ds.zero_init == "auto" else ds.zero_init)
+             if ds.zero_init == "auto" else ds.zero_init) and dims.tp * dims.sp == 1
     return EnginePlan(profile=profile, ds_config=resolved, precision=precision,
                       activation_checkpointing=ckpt, explanation=explanation, plan=plan,
                       shard_at_build=shard and pipe is None, optimizer=optimizer, compile=compile_,

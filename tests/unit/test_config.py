@@ -52,6 +52,8 @@ def test_overrides_win_over_file_and_are_typed(tmp_path):
     ({"model": {"size": "huge"}}, [], "file", "model.size", "tiny"),
     ({"model": {"args": {"n_head": 3}}}, [], "file", "model.args", "divisible"),
     ({"data": {"seq_len": 4096}}, [], "file", "data.seq_len", "block_size"),
+    ({"deepspeed": {"zero_init": True}, "parallel": {"sp": 2}}, [], "file", "deepspeed.zero_init",
+     "tensor and sequence parallelism"),
     ({}, ["--train.lr=abc"], "command line", "train.lr", "expected a number"),
     ({}, ["--train.nope=1"], "command line", "train.nope", "unknown key"),
     ({}, ["--nosection=1"], "command line", "nosection", "section"),

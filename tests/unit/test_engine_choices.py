@@ -187,3 +187,17 @@ def test_auto_compile_leaves_variable_shape_trainers_eager(tmp_path, recipe):
     assert not plan.compile and "sequence widths change every step" in plan.explanation
     forced = plan_engine(load_run_config(recipe, [f"--output.dir={tmp_path}", "--train.compile=true"]), 1, hw=hw)
     assert forced.compile and "torch.compile on (train.compile=True" in forced.explanation
+
+
+def test_zero_init_auto_stays_off_under_tensor_parallelism(tmp_path):
+    """zero_init auto builds under zero.Init when full copies would crowd the host, but never with tp or sp
+    > 1: their layers split full weights after the build (a 2-rank tp run died on a [0]-shaped shard)."""
+    from dstrain.config import load_run_config
+    from dstrain.engine.factory import plan_engine
+    from dstrain.engine.profiles import Hardware
+    hw = Hardware("cpu", 64 * 10**9, 10**6, 2, False, False, "cpu with little host memory")
+    recipe = "models/dilated_lm/recipes/debug.json"
+    base = [f"--output.dir={tmp_path}", "--deepspeed.profile=zero3", "--deepspeed.precision=fp32"]
+    assert plan_engine(load_run_config(recipe, [*base, "--parallel.sp=1"]), 2, hw=hw).shard_at_build
+    for layout in (["--parallel.sp=1", "--parallel.tp=2"], ["--parallel.sp=2"]):
+        assert not plan_engine(load_run_config(recipe, [*base, *layout]), 2, hw=hw).shard_at_build
