@@ -400,7 +400,9 @@ class Engine:
 
     def step(self) -> bool:
         """The optimizer step at an accumulation boundary (else DeepSpeed only counts the micro-step).
-        Returns whether an update was taken: False off the boundary and when the guard skipped it."""
+        Returns whether an update was taken: False off the boundary, when the guard skipped it and when
+        DeepSpeed's fp16 loss scaler did (callers with their own updates, e.g. HRM's puzzle embeddings
+        and EMA, follow this)."""
         boundary = self.ds.is_gradient_accumulation_boundary()
         if self._own_norm and boundary:
             self._norm = self._grad_norm()
@@ -411,12 +413,15 @@ class Engine:
             grads_bad = self._grads.take() if self._grads is not None else False
             skip = self.guard.check(losses, self.ds.global_steps + 1, grads_bad, self.name)
         self._phase("step")
+        overflows = getattr(self.ds, "skipped_steps", 0)
         if skip:
             from dstrain.resilience import update_skipped
             with update_skipped(self.ds):
                 self.ds.step()
         else:
             self.ds.step()
+        # fp16: DeepSpeed's loss scaler skips an update whose gradients overflowed (and counts it)
+        skip = skip or getattr(self.ds, "skipped_steps", 0) > overflows
         if boundary:
             self.last_step_taken = not skip
             self.updates += not skip

@@ -201,3 +201,21 @@ def test_zero_init_auto_stays_off_under_tensor_parallelism(tmp_path):
     assert plan_engine(load_run_config(recipe, [*base, "--parallel.sp=1"]), 2, hw=hw).shard_at_build
     for layout in (["--parallel.sp=1", "--parallel.tp=2"], ["--parallel.sp=2"]):
         assert not plan_engine(load_run_config(recipe, [*base, *layout]), 2, hw=hw).shard_at_build
+
+
+def test_step_reports_an_update_deepspeeds_loss_scaler_skipped():
+    """fp16: DeepSpeed skips an update whose gradients overflowed (skipped_steps + 1); Engine.step says so,
+    so HRM's puzzle-embedding update and EMA skip it too rather than writing inf/NaN into the table."""
+    from types import SimpleNamespace
+
+    from dstrain.engine.factory import Engine
+    overflow = [False, True, False]
+
+    def ds_step():
+        ds.global_steps += 1
+        ds.skipped_steps += overflow[ds.global_steps - 1]
+
+    ds = SimpleNamespace(skipped_steps=0, global_steps=0, step=ds_step, is_gradient_accumulation_boundary=lambda: True)
+    engine = Engine(ds, SimpleNamespace(zero={"stage": 0}, precision="fp16"))
+    assert [engine.step() for _ in overflow] == [True, False, True]
+    assert engine.updates == 2 and engine.last_step_taken
