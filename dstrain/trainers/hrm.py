@@ -320,8 +320,14 @@ def evaluate_rows(model, halt_max_steps: int, inputs: np.ndarray, labels: np.nda
     model.eval()
     mine = np.arange(rank, len(inputs), world_size)
     sums: dict[str, float] = {}
-    for lo in range(0, len(mine), batch):
+    # Every rank runs as many batches as the rank with the most rows (rank 0): under ZeRO-3 each
+    # forward gathers the parameters with all ranks, so a rank that stopped early would hang the rest.
+    rounds = -(-(-(-len(inputs) // world_size)) // batch)
+    for lo in range(0, rounds * batch, batch):
         idx = mine[lo:lo + batch]
+        counted = len(idx) > 0
+        if not counted:  # a batch for the others' sake: one row, its metrics dropped
+            idx = np.zeros(1, dtype=np.int64)
         x = torch.from_numpy(inputs[idx]).to(device)
         y = torch.from_numpy(labels[idx]).to(device)
         emb = None if puzzle_emb is None else puzzle_emb.to(device).expand(len(idx), -1)
@@ -329,6 +335,8 @@ def evaluate_rows(model, halt_max_steps: int, inputs: np.ndarray, labels: np.nda
         for _ in range(halt_max_steps):
             loss, out = model(x, y, emb, z_H, z_L, steps, None)
             z_H, z_L, steps = out["z_H"], out["z_L"], out["steps"]
+        if not counted:
+            continue
         for k, v in out["metrics"].items():
             sums[k] = sums.get(k, 0.0) + float(v)
         sums["loss_sum"] = sums.get("loss_sum", 0.0) + float(loss) * len(idx)

@@ -89,3 +89,31 @@ def test_grid_size_bounds_blanks_and_needs_generated_puzzles():
     data["task"].update(source="file", train_file="puzzles.txt", grid=6)
     with pytest.raises(ConfigError, match="grid must be 9 when task.source is file"):
         run_config_from_dict(data, "recipe")
+
+
+def test_evaluate_rows_runs_as_many_batches_on_every_rank():
+    """7 puzzles on 3 ranks, batch 2: rank 0 holds 3 rows (2 batches), ranks 1 and 2 hold 2 (1 batch). Under
+    ZeRO-3 every forward is a collective, so each rank runs 2 batches; the extra one's metrics are dropped."""
+    from dstrain.trainers.hrm import evaluate_rows
+    cfg = registry.make_model_config("hrm", "tiny", {"halt_max_steps": 2})
+    torch.manual_seed(0)
+    model = registry.get_spec("hrm").build(cfg)
+    inputs, labels = sudoku.encode(*sudoku.generate_many(7, 4, seed=0), mask_givens=True)
+    calls = []
+    forward = model.forward
+
+    def counted(*args, **kwargs):
+        calls.append(len(args[0]))
+        return forward(*args, **kwargs)
+
+    model.forward = counted
+    per_rank = []
+    for rank in range(3):
+        calls.clear()
+        stats = evaluate_rows(model, 2, inputs, labels, batch=2, rank=rank, world_size=3)
+        per_rank.append(list(calls))
+        assert stats["steps"] == 2.0
+    assert per_rank == [[2, 2, 1, 1]] * 3  # 2 batches x 2 segments on every rank (rows per forward)
+    alone = evaluate_rows(model, 2, inputs[1::3], labels[1::3], batch=2)
+    again = evaluate_rows(model, 2, inputs, labels, batch=2, rank=1, world_size=3)
+    assert alone == again  # the extra batch changes nothing that is reported
