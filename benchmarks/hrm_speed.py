@@ -39,9 +39,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dstrain.config import COMPILE_MODES, compile_kwargs  # noqa: E402
+from dstrain.config import COMPILE_MODES, compile_kwargs, records_cuda_graphs  # noqa: E402
 from dstrain.data import sudoku  # noqa: E402
 from dstrain.optim.sparse_sign_sgd import SparseEmbedding, SparseSignSGD  # noqa: E402
+from dstrain.trainers.hrm import own_outputs  # noqa: E402
 from models import registry  # noqa: E402
 
 
@@ -57,6 +58,7 @@ def time_size(size: str, args, device: torch.device) -> dict:
     model = registry.get_spec("hrm").build(cfg).to(device).train()
     dense = sum(p.numel() for p in model.parameters())
     step_fn = torch.compile(model, **compile_kwargs(args.compile_mode)) if args.compile else model
+    graphs = args.compile and records_cuda_graphs(args.compile_mode)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1,
                             foreach=True)
     table = SparseEmbedding(1, cfg.puzzle_emb_len * cfg.hidden_size, device=device)
@@ -87,6 +89,7 @@ def time_size(size: str, args, device: torch.device) -> dict:
             y = torch.where(reset[:, None], new_y, y)
         with autocast:
             loss, out = step_fn(x, y, table.lookup(ids), z_H, z_L, steps, reset)
+        out = own_outputs(out, graphs)  # CUDA graphs: the next replay overwrites the carry
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -96,7 +99,8 @@ def time_size(size: str, args, device: torch.device) -> dict:
         if args.sync_every_step:
             _ = float(loss.item()), {k: float(v) for k, v in metrics.items()}
         else:
-            sums = metrics if sums is None else {k: sums[k] + v for k, v in metrics.items()}
+            sums = ({k: v.clone() for k, v in metrics.items()} if sums is None
+                    else {k: sums[k] + v for k, v in metrics.items()})
     sync()
     seconds = time.perf_counter() - start
     per_step = seconds / args.steps

@@ -33,6 +33,13 @@ def compile_kwargs(mode: str) -> dict:
     return {"dynamic": False, **({} if mode == "default" else {"mode": mode})}
 
 
+def records_cuda_graphs(mode: str) -> bool:
+    """Whether torch.compile's ``mode`` replays CUDA graphs, whose outputs live in the graphs' memory
+    pool and are overwritten by the next run: a caller keeping an output (a recurrent carry, a loss
+    read later) must copy it first."""
+    return mode in ("reduce-overhead", "max-autotune")
+
+
 class ConfigError(ValueError):
     """A run config problem; ``str(err)`` is one line naming the source and the key."""
 
