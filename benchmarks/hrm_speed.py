@@ -39,10 +39,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dstrain.config import COMPILE_MODES, compile_kwargs, records_cuda_graphs  # noqa: E402
+from dstrain.config import COMPILE_MODES, compile_kwargs, copy_graph_outputs, records_cuda_graphs  # noqa: E402
 from dstrain.data import sudoku  # noqa: E402
 from dstrain.optim.sparse_sign_sgd import SparseEmbedding, SparseSignSGD  # noqa: E402
-from dstrain.trainers.hrm import own_outputs  # noqa: E402
 from models import registry  # noqa: E402
 
 
@@ -89,7 +88,8 @@ def time_size(size: str, args, device: torch.device) -> dict:
             y = torch.where(reset[:, None], new_y, y)
         with autocast:
             loss, out = step_fn(x, y, table.lookup(ids), z_H, z_L, steps, reset)
-        out = own_outputs(out, graphs)  # CUDA graphs: the next replay overwrites the carry
+        if graphs:  # the next replay overwrites the carry the next step reads
+            out = copy_graph_outputs(out)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -40,6 +40,14 @@ def records_cuda_graphs(mode: str) -> bool:
     return mode in ("reduce-overhead", "max-autotune")
 
 
+def copy_graph_outputs(out):
+    """``out`` (a tensor, or tuples, lists and dicts of them) with every tensor copied: what a caller
+    keeps of a CUDA-graph replay's outputs (:func:`records_cuda_graphs`)."""
+    import torch
+    from torch.utils._pytree import tree_map
+    return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, out)
+
+
 class ConfigError(ValueError):
     """A run config problem; ``str(err)`` is one line naming the source and the key."""
 

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from dstrain.config import RunConfig, TrainConfig, compile_kwargs
+from dstrain.config import RunConfig, TrainConfig, compile_kwargs, copy_graph_outputs, records_cuda_graphs
 from dstrain.comms import comms_sections
 from dstrain.engine import cuda_env
 from dstrain.engine import ds_config as dsc
@@ -364,6 +364,7 @@ class Engine:
         """Optimizer updates taken (skipped ones not counted)."""
         self.last_step_taken = True
         """Whether the last optimizer step's update was taken (False: skipped under train.nonfinite=skip)."""
+        self._graphs = bool(getattr(plan, "compile", False)) and records_cuda_graphs(getattr(plan, "compile_mode", ""))
 
     def watch(self, guard=None, watchdog=None, name: str = "") -> None:
         """Attach the run's non-finite policy (``resilience.NonFiniteGuard``: checked in every ``step`` at a
@@ -380,7 +381,9 @@ class Engine:
 
     def __call__(self, *args, **kwargs):
         self._phase("forward")
-        return self.ds(*args, **kwargs)
+        out = self.ds(*args, **kwargs)
+        # CUDA graphs: the next replay overwrites these (a recurrent carry, a loss logged later)
+        return copy_graph_outputs(out) if self._graphs else out
 
     @property
     def module(self) -> torch.nn.Module:

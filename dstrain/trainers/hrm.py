@@ -25,7 +25,7 @@ from dstrain import runtime
 from dstrain.resilience import NonFiniteError, torch_timeout_s
 from dstrain.trainers.common import (CheckpointSaver, RunGuards, StopFlag, decide_resume, fault, load_checkpoint,
                                      pin_plan, plan_and_record)
-from dstrain.config import ConfigError, RunConfig, records_cuda_graphs
+from dstrain.config import ConfigError, RunConfig
 from dstrain.data import sudoku
 from dstrain.engine.factory import create_engine
 from dstrain.metrics import RunLogger, reduce_mean
@@ -109,8 +109,6 @@ class HRMTrainer:
         self.eval_inputs, self.eval_labels = sudoku.encode(ep, es, self.task.mask_givens)
 
         self.plan = plan_and_record(cfg, self.world, self.out)
-        self.graphs = self.plan.compile and records_cuda_graphs(self.plan.compile_mode)
-        """Whether the compiled model replays CUDA graphs (its carry is copied out each step)."""
 
         runtime.seed_everything(cfg.train.seed)
         self.engine = create_engine(lambda: self.spec.build(self.model_cfg), self.spec.parallelize,
@@ -203,7 +201,6 @@ class HRMTrainer:
         carry = self.carry or {}
         loss, out = self.engine(rows["inputs"], rows["labels"], emb,
                                 carry.get("z_H"), carry.get("z_L"), carry.get("steps"), rows["reset"])
-        out = own_outputs(out, self.graphs)
         self.engine.backward(loss)
         lr_factor = self.engine.lr / self.cfg.train.lr if self.cfg.train.lr > 0 else 1.0
         taken = self.engine.step()  # False: skipped under train.nonfinite=skip (the table is left too)
@@ -214,8 +211,7 @@ class HRMTrainer:
         self.carry = {"z_H": out["z_H"], "z_L": out["z_L"], "steps": out["steps"],
                       "halted": out["halted"], "inputs": rows["inputs"], "labels": rows["labels"],
                       "groups": rows["groups"]}
-        loss = loss.detach()
-        return (loss.clone() if self.graphs else loss), out["metrics"]
+        return loss.detach(), out["metrics"]
 
     @torch.no_grad()
     def evaluate(self, inputs: np.ndarray | None = None, labels: np.ndarray | None = None) -> dict:
@@ -224,7 +220,7 @@ class HRMTrainer:
         labels = self.eval_labels if labels is None else labels
         emb = None if self.puzzle_emb is None else self.puzzle_emb.weight[0]  # held-out puzzles: id 0
         args = (self.model_cfg.halt_max_steps, inputs, labels, self.local_batch, self.world.rank,
-                self.world.world_size, self.device, emb, self.graphs)
+                self.world.world_size, self.device, emb)
         if self.ema is None:
             return evaluate_rows(self.engine, *args)
         with self.ema.applied(self.engine.module):
@@ -312,25 +308,14 @@ class HRMTrainer:
         return summary
 
 
-def own_outputs(out: dict, graphs: bool) -> dict:
-    """HRM's forward outputs, the carry (``z_H``, ``z_L``, ``steps``, ``halted``) copied out of the CUDA
-    graphs' memory pool when ``graphs`` (:func:`dstrain.config.records_cuda_graphs`): the next replay
-    would overwrite what the next segment reads."""
-    if not graphs:
-        return out
-    return {k: (v.clone() if k in ("z_H", "z_L", "steps", "halted") and torch.is_tensor(v) else v)
-            for k, v in out.items()}
-
-
 @torch.no_grad()
 def evaluate_rows(model, halt_max_steps: int, inputs: np.ndarray, labels: np.ndarray, batch: int,
-                  rank: int = 0, world_size: int = 1, device="cpu", puzzle_emb=None, graphs: bool = False) -> dict:
+                  rank: int = 0, world_size: int = 1, device="cpu", puzzle_emb=None) -> dict:
     """Run rows ``rank::world_size`` of ``(inputs, labels)`` for ``halt_max_steps`` segments each.
 
     ``model`` is the engine (or a bare HRM); ``puzzle_emb`` one row ``[dim]`` used for every
     puzzle (default zeros: the shared identifier's start). Metrics are reduced over ranks;
-    ``loss`` is that of the last segment. ``graphs``: the model replays CUDA graphs (each call's
-    carry is copied before the next call).
+    ``loss`` is that of the last segment.
     """
     model.eval()
     mine = np.arange(rank, len(inputs), world_size)
@@ -349,7 +334,6 @@ def evaluate_rows(model, halt_max_steps: int, inputs: np.ndarray, labels: np.nda
         z_H = z_L = steps = None
         for _ in range(halt_max_steps):
             loss, out = model(x, y, emb, z_H, z_L, steps, None)
-            out = own_outputs(out, graphs)
             z_H, z_L, steps = out["z_H"], out["z_L"], out["steps"]
         if not counted:
             continue

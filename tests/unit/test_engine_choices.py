@@ -219,3 +219,20 @@ def test_step_reports_an_update_deepspeeds_loss_scaler_skipped():
     engine = Engine(ds, SimpleNamespace(zero={"stage": 0}, precision="fp16"))
     assert [engine.step() for _ in overflow] == [True, False, True]
     assert engine.updates == 2 and engine.last_step_taken
+
+
+@pytest.mark.parametrize("mode, copied", [("reduce-overhead", True), ("max-autotune", True), ("default", False),
+                                          ("max-autotune-no-cudagraphs", False)])
+def test_engine_copies_outputs_out_of_cuda_graph_memory(mode, copied):
+    """Under CUDA graphs a replay's outputs are overwritten by the next replay; a recurrent carry (HRM's z_H,
+    read by the next segment) or a loss logged at the end of the step must be copies."""
+    from types import SimpleNamespace
+
+    from dstrain.engine.factory import Engine
+    carry, loss = torch.ones(2, 3), torch.ones((), requires_grad=True) * 2
+    engine = Engine(lambda *a: (loss, {"z_H": carry, "metrics": {"n": 4}}),
+                    SimpleNamespace(zero={"stage": 0}, precision="bf16", compile=True, compile_mode=mode))
+    got_loss, out = engine()
+    assert (out["z_H"].data_ptr() != carry.data_ptr()) == copied and torch.equal(out["z_H"], carry)
+    assert (got_loss is not loss) == copied and out["metrics"] == {"n": 4}
+    got_loss.backward()  # the copy stays in the autograd graph
