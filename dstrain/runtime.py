@@ -41,6 +41,16 @@ def use_cpu_accelerator_if_no_gpu() -> None:
         os.environ["DS_ACCELERATOR"] = "cpu"
 
 
+_TIMEOUT = None
+"""The collective timeout the process group was started with (None: torch's default)."""
+
+
+def group_timeout():
+    """Timeout for process groups made after the default one (``dist.new_group``): the run's
+    ``train.collective_timeout_s`` rather than torch's default (10 minutes under NCCL)."""
+    return _TIMEOUT
+
+
 def init_distributed(timeout_s: float | None = None) -> World:
     """Start the process group (NCCL on GPUs, gloo on CPU) and return this rank's place.
 
@@ -51,12 +61,13 @@ def init_distributed(timeout_s: float | None = None) -> World:
     import deepspeed
     import torch.distributed as dist
 
+    global _TIMEOUT
     cuda = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
     if not dist.is_initialized():
         kwargs = {}
         if timeout_s is not None:
             from datetime import timedelta
-            kwargs["timeout"] = timedelta(seconds=timeout_s)
+            kwargs["timeout"] = _TIMEOUT = timedelta(seconds=timeout_s)
         deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", auto_mpi_discovery=False, **kwargs)
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))

@@ -183,9 +183,11 @@ _STATE: ParallelState | None = None
 def _new_groups(all_ranks: list[list[int]], rank: int, backend=None):
     """Create every group (collective: all ranks call this in the same order); return ours."""
     import torch.distributed as dist
+
+    from dstrain.runtime import group_timeout
     mine = None
     for ranks in all_ranks:
-        group = dist.new_group(ranks, backend=backend)
+        group = dist.new_group(ranks, backend=backend, timeout=group_timeout())
         if rank in ranks:
             mine = group
     return mine

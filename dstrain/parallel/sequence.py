@@ -32,6 +32,7 @@ from torch import nn
 
 from dstrain.ops.attention import attention_with_lse, merge_attention
 from dstrain.ops.dilated import Branch, dilated_attention, gather_dilated, scatter_dilated
+from dstrain.runtime import group_timeout
 
 MODES = ("auto", "exchange", "ulysses")
 
@@ -189,7 +190,7 @@ class SequenceParallelDilatedCore(nn.Module):
             mine = None
             for ranks in self.sp_groups:
                 for i in range(0, len(ranks), g):
-                    grp = dist.new_group(ranks[i:i + g])
+                    grp = dist.new_group(ranks[i:i + g], timeout=group_timeout())
                     if me in ranks[i:i + g]:
                         mine = grp
             self._segment_groups[g] = mine

@@ -94,3 +94,30 @@ def test_groups_agree_with_deepspeed_topology(dp, pp, tp):
         assert (coord.pipe, coord.data) == (d.stage_of(r), d.coords(r)[0])
     assert sorted(topo.get_axis_comm_lists("pipe")) == sorted(d.pipe_groups())
     assert sorted(topo.get_axis_comm_lists("data")) == sorted(d.dp_groups())
+
+
+def test_sub_groups_take_the_runs_collective_timeout(monkeypatch):
+    """Groups made after the default one get train.collective_timeout_s (the timeout init_distributed started
+    the default group with), not torch's default (10 minutes under NCCL)."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from dstrain import runtime
+    from dstrain.parallel import dims
+    made = []
+    monkeypatch.setattr(dist, "new_group", lambda ranks, **kw: made.append((ranks, kw)) or SimpleNamespace(ranks=ranks))
+    started = {}
+    monkeypatch.setattr(dist, "is_initialized", lambda: "pg" in started)
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    import deepspeed
+    monkeypatch.setattr(deepspeed, "init_distributed", lambda **kw: started.update(pg=kw))
+    monkeypatch.setattr(runtime, "_TIMEOUT", None)
+    monkeypatch.setattr(runtime.os, "environ", {**runtime.os.environ, "DS_ACCELERATOR": "cpu"})  # RANK etc. stay here
+    monkeypatch.setattr(runtime.torch, "set_num_threads", lambda n: None)
+    runtime.init_distributed(timeout_s=1234)
+    assert started["pg"]["timeout"] == timedelta(seconds=1234) == runtime.group_timeout()
+    mine = dims._new_groups([[0], [1]], 1)
+    assert mine.ranks == [1] and [kw["timeout"] for _, kw in made] == [timedelta(seconds=1234)] * 2
