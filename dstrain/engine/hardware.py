@@ -185,16 +185,15 @@ def trace_activations(build: Callable[[], torch.nn.Module], make_inputs: Callabl
         ckpt = _saved_bytes(model, make_inputs)
         autocast = None
         if make_inputs_2 is not None:
-            pairs = []
+            autocast = []
             for flag in (False, True):
                 set_checkpointing(model, flag)
                 with torch.autocast("cpu", dtype=torch.bfloat16):
                     one, two = _saved_bytes(model, make_inputs), _saved_bytes(model, make_inputs_2)
-                pairs.append((two - one, max(0, 2 * one - two)))
-            (per, fixed), (per_ckpt, fixed_ckpt) = pairs
-            autocast = (per, per_ckpt, fixed, fixed_ckpt)
+                autocast.append((two - one, max(0, 2 * one - two)))
         set_checkpointing(model, False)
-    return Activations(per_sample=plain, per_sample_checkpointed=ckpt, autocast=autocast)
+    return Activations(per_sample=plain, per_sample_checkpointed=ckpt,
+                       autocast=None if autocast is None else tuple(autocast))
 
 
 # Dense peak of common GPUs (FLOP/s) for MFU, by substring of the device name.

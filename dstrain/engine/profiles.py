@@ -64,15 +64,15 @@ class Hardware:
 class Activations:
     """Activation bytes at micro-batch 1 measured in fp32, without and with activation checkpointing.
 
-    ``autocast`` (when traced): ``(per_sample, per_sample_checkpointed, fixed, fixed_checkpointed)``
-    under bf16 autocast over fp32 weights. Autocast keeps fp32 where it computes in fp32 (the
-    residual stream, norms, the loss), so it is not half of the fp32 trace; ``fixed`` is what does
-    not grow with the batch: the bf16 copies of the weights that the matmuls save.
+    ``autocast`` (when traced): ``(per_sample, fixed)`` bytes under bf16 autocast over fp32 weights,
+    without and with checkpointing (indexed by the checkpointing flag). Autocast keeps fp32 where it
+    computes in fp32 (the residual stream, norms, the loss), so it is not half of the fp32 trace;
+    ``fixed`` is what does not grow with the batch: the bf16 copies of the weights the matmuls save.
     """
 
     per_sample: int
     per_sample_checkpointed: int
-    autocast: tuple[int, int, int, int] | None = None
+    autocast: tuple[tuple[int, int], tuple[int, int]] | None = None
 
 
 def autocast_runs(profile: str, precision: str, device_type: str, mixed_precision: str = "auto") -> bool:
@@ -217,7 +217,7 @@ def _estimate(profile, ckpt, stats, hw, acts, world_size, micro_batch, precision
     device, host = model_state_bytes(profile, stats, world_size, precision, hw.ranks_per_node)
     device_total = None
     if acts.autocast is not None and autocast_runs(profile, precision, hw.device_type, mixed_precision):
-        per_sample, fixed = acts.autocast[1::2] if ckpt else acts.autocast[0::2]
+        per_sample, fixed = acts.autocast[ckpt]
         act = per_sample * micro_batch + fixed
         if profile == "zero0" and grad_accum == 1:
             # torch's optimizer frees the fp32 gradients (4P) at each step: they are made in the backward

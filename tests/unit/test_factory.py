@@ -137,7 +137,7 @@ def test_autocast_activation_estimate_matches_a_real_autocast_forward(name, size
     acts = hardware.trace_activations(lambda: spec.build(mcfg), lambda: spec.inputs_for_trace(mcfg, 1, seq),
                                       lambda m, f: spec.parallelize(m, activation_checkpointing=f),
                                       lambda: spec.inputs_for_trace(mcfg, 2, seq))
-    per_sample, per_sample_ckpt, fixed, fixed_ckpt = acts.autocast
+    (per_sample, fixed), (per_sample_ckpt, fixed_ckpt) = acts.autocast
     torch.manual_seed(0)
     model = spec.build(mcfg).train()
     ids = torch.randint(0, mcfg.vocab_size, (3, seq))
@@ -173,7 +173,7 @@ def test_gpu_zero0_plans_autocast_activations(tmp_path):
                                       lambda m, f: spec.parallelize(m, activation_checkpointing=f),
                                       lambda: spec.inputs_for_trace(mcfg, 2, cfg.data.seq_len))
     zero0 = est["zero0"]
-    assert zero0.activations == 4 * acts.autocast[0] + acts.autocast[2]
+    assert zero0.activations == 4 * acts.autocast[0][0] + acts.autocast[0][1]
     params = hardware.model_stats(lambda: spec.build(mcfg)).params  # fp32 gradients freed at each step
     assert zero0.device_total == max(zero0.model_states, zero0.model_states - 4 * params + zero0.activations)
     accum = plan_engine(load_run_config(TINY, [f"--output.dir={tmp_path}", "--train.micro_batch=4",
