@@ -99,8 +99,7 @@ def time_size(size: str, args, device: torch.device) -> dict:
         if args.sync_every_step:
             _ = float(loss.item()), {k: float(v) for k, v in metrics.items()}
         else:
-            sums = ({k: v.clone() for k, v in metrics.items()} if sums is None
-                    else {k: sums[k] + v for k, v in metrics.items()})
+            sums = metrics if sums is None else {k: sums[k] + v for k, v in metrics.items()}
     sync()
     seconds = time.perf_counter() - start
     per_step = seconds / args.steps
