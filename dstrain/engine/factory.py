@@ -364,7 +364,7 @@ class Engine:
         """Optimizer updates taken (skipped ones not counted)."""
         self.last_step_taken = True
         """Whether the last optimizer step's update was taken (False: skipped under train.nonfinite=skip)."""
-        self._graphs = bool(getattr(plan, "compile", False)) and records_cuda_graphs(getattr(plan, "compile_mode", ""))
+        self._graphs = plan.compile and records_cuda_graphs(plan.compile_mode)
 
     def watch(self, guard=None, watchdog=None, name: str = "") -> None:
         """Attach the run's non-finite policy (``resilience.NonFiniteGuard``: checked in every ``step`` at a
