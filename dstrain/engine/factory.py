@@ -19,6 +19,7 @@ from dstrain.comms import comms_sections
 from dstrain.engine import cuda_env
 from dstrain.engine import ds_config as dsc
 from dstrain.engine import hardware
+from dstrain.engine.grad_norm import NormKeeper, keep_grad_norm
 from dstrain.engine.optim import OptimizerChoice, apply_optimizer_type, choose_optimizer
 from dstrain.engine.zero_tuning import fill_zero_sizes
 from dstrain.optim.lazy_state import client_optimizer, drop_stale_optimizer_state
@@ -347,16 +348,14 @@ class Engine:
     """The narrow interface trainers use: forward, backward, step, save, load."""
 
     def __init__(self, ds_engine, plan: EnginePlan, param_group_names: list[list[str]] | None = None,
-                 parallel=None):
+                 parallel=None, norm: NormKeeper | None = None):
         self.ds = ds_engine
         self.plan = plan
         self.parallel = parallel
         """dstrain.parallel.dims.ParallelState when tp or sp > 1, else None."""
         self.param_group_names = param_group_names
         """Parameter names of each optimizer group, in order (saved beside checkpoints)."""
-        # DeepSpeed computes the norm but does not keep it for plain fp32 without ZeRO.
-        self._own_norm = plan.zero["stage"] == 0 and plan.precision == "fp32"
-        self._norm: float | None = None
+        self._keeper = norm  # without ZeRO or DeepSpeed's 16-bit wrappers: dstrain clips and keeps the norm
         self.guard = self.watchdog = self._grads = None
         self.name = ""
         self._losses: list[torch.Tensor] = []
@@ -407,8 +406,8 @@ class Engine:
         DeepSpeed's fp16 loss scaler did (callers with their own updates, e.g. HRM's puzzle embeddings
         and EMA, follow this)."""
         boundary = self.ds.is_gradient_accumulation_boundary()
-        if self._own_norm and boundary:
-            self._norm = self._grad_norm()
+        if self._keeper is not None and boundary:
+            self._keeper.before_step()
         skip = False
         if boundary and self.guard is not None:
             self._phase("allreduce")
@@ -430,22 +429,6 @@ class Engine:
             self.updates += not skip
         return boundary and not skip
 
-    def _grad_norm(self) -> float | None:
-        """Global 2-norm of the (already averaged) gradients; tensor-parallel shards summed over tp."""
-        params = [p for p in self.ds.module.parameters() if p.grad is not None]
-        if not params:
-            return None
-        sq = lambda ps: sum((torch.linalg.vector_norm(p.grad.float()) ** 2 for p in ps),  # noqa: E731
-                            torch.zeros(()))
-        tp_group = self.parallel.tp_group if self.parallel is not None and self.parallel.dims.tp > 1 else None
-        if tp_group is None:
-            norms = torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in params])
-            return float(torch.linalg.vector_norm(norms))
-        import torch.distributed as dist
-        sharded = sq([p for p in params if getattr(p, "model_parallel", False)])
-        dist.all_reduce(sharded, group=tp_group)
-        return float(torch.sqrt(sharded + sq([p for p in params if not getattr(p, "model_parallel", False)])))
-
     def train(self) -> None:
         self.ds.train()
 
@@ -459,8 +442,8 @@ class Engine:
     @property
     def grad_norm(self) -> float | None:
         """Global gradient 2-norm of the last optimizer step, before clipping."""
-        if self._own_norm:
-            return self._norm
+        if self._keeper is not None:
+            return self._keeper.read()
         norm = self.ds.get_global_grad_norm()
         if norm is None:
             return None
@@ -540,7 +523,7 @@ def create_engine(build_model: Callable[[], torch.nn.Module],
     drop_stale_optimizer_state(ds_engine)
     if plan.compile:
         compile_engine(ds_engine, plan.compile_mode)
-    return Engine(ds_engine, plan, group_names, parallel)
+    return Engine(ds_engine, plan, group_names, parallel, keep_grad_norm(ds_engine, parallel))
 
 
 def _compile_choice(cfg: RunConfig, device_type: str, pipeline: bool) -> tuple[bool, str]:

@@ -349,6 +349,7 @@ class PipelineEngine(Engine):
 
     def __init__(self, ds_engine, plan, param_group_names=None):
         super().__init__(ds_engine, plan, param_group_names)
+        self._norm = None
         # fp32 without ZeRO clips through clip_fp32_gradients, which computes the norm and drops it:
         # the same call, keeping the norm (summed over the stages: every parameter is tagged model_parallel).
         def clip_and_keep():

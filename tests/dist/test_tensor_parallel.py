@@ -5,7 +5,8 @@ parallelizes the other (its shard copied from the dense weights). On one batch:
 the loss, the logits (gathered over the vocabulary shards), every gradient (this
 rank's shard of the dense gradient for sharded parameters, the whole gradient for
 replicated ones) and the gradient norm DeepSpeed's clipping computes with our mpu
-(parameters tagged ``model_parallel``) must equal the dense model's.
+(parameters tagged ``model_parallel``), and the one dstrain's ZeRO-0 engine keeps
+(``dstrain.engine.grad_norm``), must equal the dense model's.
 """
 from tests.dist import spawn
 
@@ -58,6 +59,8 @@ def _check(rank, world):
     errs["grads"] = grad_err
 
     ref_norm = float(torch.nn.utils.clip_grad_norm_(dense.parameters(), 0.5))
+    from dstrain.engine.grad_norm import total_grad_norm  # what the engine keeps at ZeRO-0 (before clipping)
+    errs["dstrain_norm"] = abs(float(total_grad_norm(list(model.parameters()), state.tp_group)) - ref_norm) / ref_norm
     norm = float(clip_grad_norm_(list(model.parameters()), 0.5, mpu=dims.DeepSpeedMPU(state)))
     errs["norm"] = abs(norm - ref_norm) / ref_norm
     clipped = 0.0

@@ -1,0 +1,102 @@
+"""The gradient norm and clipping at ZeRO stage 0, in a few multi-tensor kernels, and kept for the log.
+
+Without ZeRO and without DeepSpeed's own fp16/bf16 optimizer wrappers (fp32 weights, or bf16 as
+``torch.autocast`` over fp32 weights: the factory's choice on a GPU at ZeRO-0), DeepSpeed clips in
+``engine.clip_fp32_gradients`` with ``deepspeed.runtime.utils.clip_grad_norm_``: per parameter a
+``.float().norm()`` and later a ``mul_``, i.e. several hundred kernel launches for a GPT of a few
+hundred tensors, plus an all-reduce of the norm over the data-parallel group, and it then drops the
+norm (``get_global_grad_norm()`` stays None, so nothing was logged). On a GPU those launches come
+after the step's one host synchronisation (the non-finite check), with the device idle.
+
+:class:`NormKeeper` replaces that call on the engine instance with the same computation done by
+``torch._foreach_norm`` / ``torch._foreach_mul_`` per (device, dtype) group (what
+``torch.nn.utils.clip_grad_norm_`` does), keeps the norm as a device tensor (read on log steps only),
+and measures it without clipping where DeepSpeed does not clip (``gradient_clipping`` 0). The
+clipping factor is DeepSpeed's: ``min(1, max_norm / (norm + 1e-6))``. Tensor-parallel shards
+(parameters tagged ``model_parallel``) are summed over the tensor-parallel group; replicated
+parameters are counted once. The data-parallel all-reduce of the norm is left out: at stage 0 every
+data-parallel rank holds the same averaged gradients when the step runs.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+
+def _by_device_dtype(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    groups: dict = defaultdict(list)
+    for g in grads:
+        groups[(g.device, g.dtype)].append(g)
+    return list(groups.values())
+
+
+def _squared_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum of squares of every element of ``grads`` (fp32, on ``device``)."""
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for group in _by_device_dtype(grads):
+        if group[0].dtype in (torch.float16, torch.bfloat16):  # as DeepSpeed's .float().norm()
+            group = [g.float() for g in group]
+        norms = torch._foreach_norm(group, 2)
+        total = total + torch.linalg.vector_norm(torch.stack(norms).float()).to(device) ** 2
+    return total
+
+
+def total_grad_norm(params: list[torch.nn.Parameter], tp_group=None) -> torch.Tensor:
+    """The global 2-norm of the gradients of ``params`` (a device tensor; no host synchronisation)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros((), dtype=torch.float32)
+    device = grads[0].device
+    if tp_group is None:
+        return _squared_norm(grads, device).sqrt()
+    import torch.distributed as dist
+    sharded = _squared_norm([p.grad for p in params if p.grad is not None and getattr(p, "model_parallel", False)],
+                            device)
+    dist.all_reduce(sharded, group=tp_group)
+    replicated = [p.grad for p in params if p.grad is not None and not getattr(p, "model_parallel", False)]
+    return (sharded + _squared_norm(replicated, device)).sqrt()
+
+
+def clip_to(params: list[torch.nn.Parameter], max_norm: float, norm: torch.Tensor) -> None:
+    """Scale the gradients by ``min(1, max_norm / (norm + 1e-6))`` in place (DeepSpeed's factor)."""
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for group in _by_device_dtype([p.grad for p in params if p.grad is not None]):
+        torch._foreach_mul_(group, coef.to(group[0].device, group[0].dtype))
+
+
+class NormKeeper:
+    """The stage-0 norm and clipping of one DeepSpeed engine (see the module's docstring)."""
+
+    def __init__(self, ds_engine, tp_group=None):
+        self.ds, self.tp_group = ds_engine, tp_group
+        self.max_norm = float(ds_engine.gradient_clipping())
+        self.norm: torch.Tensor | None = None
+        """The last optimizer step's gradient norm, before clipping."""
+        if self.max_norm > 0:
+            ds_engine.clip_fp32_gradients = self.clip  # an instance attribute: DeepSpeed's call finds it
+
+    def _params(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.ds.module.parameters() if p.grad is not None]
+
+    def clip(self) -> None:
+        params = self._params()
+        self.norm = total_grad_norm(params, self.tp_group)
+        clip_to(params, self.max_norm, self.norm)
+
+    def before_step(self) -> None:
+        """At an accumulation boundary, before DeepSpeed's step: measure where DeepSpeed will not clip."""
+        if self.max_norm <= 0:
+            self.norm = total_grad_norm(self._params(), self.tp_group)
+
+    def read(self) -> float | None:
+        return None if self.norm is None else float(self.norm)
+
+
+def keep_grad_norm(ds_engine, parallel=None) -> NormKeeper | None:
+    """A :class:`NormKeeper` for ``ds_engine`` where DeepSpeed would clip per parameter and keep no norm
+    (no ZeRO, no DeepSpeed fp16/bf16 wrapper); None elsewhere (ZeRO and the 16-bit wrappers keep theirs)."""
+    if ds_engine.zero_optimization() or ds_engine.fp16_enabled() or ds_engine.bfloat16_enabled():
+        return None
+    tp_group = parallel.tp_group if parallel is not None and parallel.dims.tp > 1 else None
+    return NormKeeper(ds_engine, tp_group)
