@@ -75,6 +75,9 @@ class NormKeeper:
         """The last optimizer step's gradient norm, before clipping."""
         if self.max_norm > 0:
             ds_engine.clip_fp32_gradients = self.clip  # an instance attribute: DeepSpeed's call finds it
+        # Without clipping DeepSpeed never unscales fp16 autocast's gradients before its step: a norm
+        # measured then would carry the loss scale, so none is kept there.
+        self._measure = self.max_norm <= 0 and getattr(ds_engine, "torch_autocast_z0_gradscaler", None) is None
 
     def _params(self) -> list[torch.nn.Parameter]:
         return [p for p in self.ds.module.parameters() if p.grad is not None]
@@ -86,7 +89,7 @@ class NormKeeper:
 
     def before_step(self) -> None:
         """At an accumulation boundary, before DeepSpeed's step: measure where DeepSpeed will not clip."""
-        if self.max_norm <= 0:
+        if self._measure:
             self.norm = total_grad_norm(self._params(), self.tp_group)
 
     def read(self) -> float | None:

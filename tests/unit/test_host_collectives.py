@@ -84,7 +84,7 @@ DEVICE_TENSOR_COLLECTIVES = {
     "dstrain/runtime.py",                # the helpers themselves
     "dstrain/parallel/sequence.py",      # activations and their gradients
     "dstrain/optim/sparse_sign_sgd.py",  # embedding gradients
-    "dstrain/engine/factory.py",         # tensor-parallel gradient norms
+    "dstrain/engine/grad_norm.py",       # tensor-parallel gradient norms
     "dstrain/bench_worker.py",           # timings built on world.device
 }
 
