@@ -47,6 +47,10 @@ _DENY = frozenset({
     "sys.settrace", "sys.setprofile", "sys._current_frames", "sys._current_exceptions",
     "gc.get_objects", "gc.get_referrers", "gc.get_referents", "webbrowser.open",
     "code.__new__", "marshal.loads", "marshal.load",  # hand-made bytecode reads and writes memory at will
+    # The working directory stays the program's folder: the hook resolves a relative path against
+    # it, and cannot see the ``dir_fd`` an ``open`` is relative to, so a program that moved deeper
+    # could name a path that looks inside its folder to the hook but leaves it for the kernel.
+    "os.chdir",
 })
 # Extension modules that start processes or corrupt memory without an audit event of
 # their own (``_posixsubprocess.fork_exec``, ``_testcapi``, sub-interpreters): refused
@@ -316,6 +320,9 @@ def _make_hook(tmp: str, read_roots: tuple, violations: list):
         elif event == "object.__getattr__":
             if len(args) > 1 and args[1] in _FRAME_ATTRS:
                 raise AttributeError(f"sandbox: {args[1]} is not accessible")
+        elif event == "object.__setattr__":
+            if len(args) > 1 and args[1] == "__code__":  # a library function made to run the program's code
+                deny(event, "replacing a function's __code__")
         elif event in _PATH_WRITE:
             path_at, dir_fd_at = _PATH_WRITE[event]
             args = tuple(args)
@@ -487,7 +494,7 @@ def _execute(job: dict, result_fd: int, isolation: str, max_processes: int) -> N
         except (SyntaxError, ValueError, TypeError) as e:
             prepared.append(_describe(e))
     total = len(prepared)
-    checks = _make_trust(_SNAPSHOT[0])  # noqa: F821
+    checks = _make_trust(*_SNAPSHOT)  # noqa: F821
     violations = []
     box = [0, "crash", "worker did not finish"]
     done = _thread.allocate_lock()

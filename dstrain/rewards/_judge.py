@@ -26,6 +26,18 @@ _DUNDERS = ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__bool_
             "__float__", "__int__", "__index__", "__round__", "__hash__", "__iter__", "__getitem__")
 import sys as _judge_sys  # (its type is the module type)
 
+# Names a program-made subclass (or an instance) may define although a Python-level library class
+# above it does: class bookkeeping, construction and text, which no comparison of the library calls,
+# and what ``enum``'s metaclass writes into every enumeration (and its hooks for making members).
+_SAFE_OVERRIDES = frozenset({"__module__", "__qualname__", "__doc__", "__dict__", "__weakref__", "__slots__",
+                             "__init__", "__new__", "__annotations__", "__repr__", "__str__", "__orig_bases__",
+                             "__parameters__", "__firstlineno__", "__static_attributes__", "__classcell__",
+                             "__init_subclass__", "__match_args__", "_abc_impl", "__abstractmethods__",
+                             "_generate_next_value_", "_member_map_", "_member_names_", "_member_type_",
+                             "_new_member_", "_unhashable_values_", "_use_args_", "_value2member_map_",
+                             "_value_repr_", "_missing_", "_ignore_", "_order_", "_boundary_", "_flag_mask_",
+                             "_all_bits_", "_singles_mask_", "_inverted_", "_iter_member_"})
+
 _SNAPSHOT = None  # (classes, modules) of _type_snapshot(): taken before any untrusted code runs
 _COMMON = ("math", "re", "string", "itertools", "functools", "operator", "heapq", "bisect", "copy", "cmath",
            "array", "struct", "time", "collections", "sys", "fractions")
@@ -59,10 +71,11 @@ def _type_snapshot() -> tuple:
     return snap, modules
 
 
-def _make_trust(snapshot: dict):
+def _make_trust(snapshot: dict, modules: dict | None = None):
     """``(trusted(value) -> bool, overridden(obj, name) -> bool)`` for one run (see the module
     docstring). They never call code of the program: only C-level accessors, iterators and
-    descriptors."""
+    descriptors. ``modules``: the snapshot's modules (their namespaces as they were)."""
+    import builtins
     import collections
     import types
     import weakref
@@ -78,27 +91,61 @@ def _make_trust(snapshot: dict):
     view_types = (type({}.keys()), type({}.values()), type({}.items()))
     seq_bases = (list, tuple, set, frozenset, collections.deque)
     walk_static = {id(slice), id(types.SimpleNamespace)}
-    verdicts = {}
+    heap, immutable = 1 << 9, 1 << 8  # Py_TPFLAGS_HEAPTYPE, Py_TPFLAGS_IMMUTABLETYPE
+    absent = object()
+    module_dict = type(_judge_sys).__dict__["__dict__"].__get__
+    module_named = {rec[2]: rec for rec in (modules or {}).values()}
+    builtin_names = frozenset(vars(builtins))
+    code_kinds = (types.FunctionType, types.BuiltinFunctionType, type, classmethod, staticmethod, property,
+                  types.ModuleType)
+
+    def module_intact(name) -> bool:
+        """Whether the globals that a library class's Python code runs with (its module's) still hold
+        what they held: no function or class replaced, no name added that hides a builtin
+        (``collections.all = ...`` would decide ``Counter.__eq__``)."""
+        rec = module_named.get(name) if type(name) is str else None
+        if rec is None:
+            return True  # not a module of the snapshot's (then its classes were not either)
+        saved = rec[1]
+        for k, v in dict.items(module_dict(rec[0])):
+            if type(k) is not str:
+                return False
+            was = saved.get(k, absent)
+            if was is absent:
+                if k in builtin_names:
+                    return False
+            elif v is not was and isinstance(was, code_kinds):
+                return False
+        return True
+    verdicts = {}  # types no program can change (none of their classes is a mutable Python-level one)
 
     def dict_items(v):
         for k, x in dict.items(v):
             yield k
             yield x
 
-    def info(tp):
-        """None when ``tp`` is untrusted, else (element iterator, member descriptors, __dict__ getter)."""
-        hit = verdicts.get(id(tp))
+    def info(tp, local: dict):
+        """None when ``tp`` is untrusted, else (element iterator, member descriptors, __dict__ getter,
+        names an instance's own __dict__ must not have). ``local``: the verdicts of one ``trusted``
+        call (no program code runs during it); only types no program can change are kept longer."""
+        hit = verdicts.get(id(tp)) or local.get(id(tp))
         if hit is not None:
             return hit[1]
-        result = _inspect(tp)
-        verdicts[id(tp)] = (tp, result)
+        result, mutable = _inspect(tp)
+        (local if mutable else verdicts)[id(tp)] = (tp, result)
         return result
 
     def _inspect(tp):
+        """(verdict, whether the program could change it later). A class of the snapshot must be as
+        it was then: its whole ``__dict__`` for a Python-level class (``UserList.__eq__`` calls
+        ``self.__cast``: replacing that helper would change what ``==`` says), its comparison and
+        arithmetic methods otherwise. A class made since may not define those methods (but with C
+        code of its own), nor anything a Python-level class of the snapshot above it defines."""
         mro = mro_of(tp)
+        mutable = any(flags_of(c) & heap and not flags_of(c) & immutable for c in mro)
         if any(issubclass(tp, n) for n in never):
-            return None
-        members, dict_get = [], None
+            return None, mutable
+        members, dict_get, library, made = [], None, set(), []
         for cls in mro:
             entry = snapshot.get(id(cls))
             d = dict_of(cls)
@@ -106,19 +153,29 @@ def _make_trust(snapshot: dict):
                 recorded = entry[1]
                 for i, name in enumerate(_DUNDERS):
                     if d.get(name) is not recorded[i]:
-                        return None  # changed since the program started
+                        return None, mutable  # changed since the program started
+                saved = entry[2]
+                if saved is not None:  # a Python-level class: nothing added, removed or replaced
+                    if len(d) != len(saved) or any(d.get(k, absent) is not x for k, x in dict.items(saved)):
+                        return None, mutable
+                    if not module_intact(saved.get("__module__")):
+                        return None, mutable
+                    library.update(k for k in saved if k not in _SAFE_OVERRIDES)
             else:  # created while the program ran
                 for name, f in d.items():
                     if type(name) is not str:
-                        return None
+                        return None, mutable
                     if name in dunders and f is not None and not (type(f) is wrapper and f.__objclass__ is cls):
-                        return None
+                        return None, mutable
+                made.append(d)
             if flags_of(tp) & (1 << 9) or id(tp) in walk_static:
                 for name, f in d.items():
                     if type(f) is member:
                         members.append(f)
                     elif name == "__dict__" and dict_get is None and type(f) is getset:
                         dict_get = f.__get__
+        if library and any(name in library for d in made for name in d):
+            return None, mutable  # a program-made subclass replaces a helper library code calls
         elements = None
         if issubclass(tp, dict):
             elements = dict_items
@@ -131,10 +188,9 @@ def _make_trust(snapshot: dict):
                 for view in view_types:
                     if tp is view:
                         elements = view.__iter__
-        return elements, tuple(members), dict_get
+        return (elements, tuple(members), dict_get, frozenset(library)), mutable
 
     value_bases = (int, float, complex, str, bytes, list, tuple, dict, set, frozenset)
-    absent = object()
 
     def overridden(obj, name: str) -> bool:
         """Whether reading ``obj.name`` would reach code the program supplied in place of a
@@ -162,7 +218,7 @@ def _make_trust(snapshot: dict):
         return False
 
     def trusted(value, budget: int = 2_000_000) -> bool:
-        stack, seen = [value], set()
+        stack, seen, local = [value], set(), {}
         while stack:
             v = stack.pop()
             tp = type(v)
@@ -174,10 +230,10 @@ def _make_trust(snapshot: dict):
             if id(v) in seen:
                 continue
             seen.add(id(v))
-            found = info(tp)
+            found = info(tp, local)
             if found is None:
                 return False
-            elements, members, dict_get = found
+            elements, members, dict_get, library = found
             if elements is not None:
                 stack.extend(elements(v))
             for m in members:
@@ -188,6 +244,9 @@ def _make_trust(snapshot: dict):
             if dict_get is not None:
                 d = dict_get(v)
                 if type(d) is dict:
+                    for k in dict.keys(d):  # an instance attribute hiding a library method it calls
+                        if type(k) is not str or k in library:
+                            return False
                     stack.extend(dict_items(d))
         return True
 
@@ -246,7 +305,7 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
         return getattr(obj, n)
 
     count, gc_disable, gc_callbacks = tools
-    method = type(_Guard().visit)
+    method = type(_guard_wrap.__get__(0))  # bound methods
 
     def value(v):
         gc_disable()  # no finalizer or gc callback of the program between this check and the operation
@@ -301,77 +360,78 @@ _OP_NAMES = {"Eq": "eq", "NotEq": "ne", "Lt": "lt", "LtE": "le", "Gt": "gt", "Gt
              "RShift": "rshift", "BitAnd": "and_", "BitOr": "or_", "BitXor": "xor", "MatMult": "matmul"}
 
 
-class _Guard:
-    """Rewrites a test's AST so that every value it operates on goes through the guards
-    (see :func:`_make_guards`). Lambda bodies are left alone: a lambda may be handed to the
-    program, and its closure must not lead to the guards. ``names``: the free names to
-    route through ``name`` (builtins and loaded modules); ``bound``: names the test binds."""
+# The test rewriter is made of plain functions, not a class: every class is reachable from the
+# program through ``object.__subclasses__()``, and the globals of its methods would be this
+# harness's globals (``_make_guards``, the builtins it looks up), which the program could replace.
 
-    def __init__(self, names=frozenset(), bound=frozenset()) -> None:
-        self.names, self.bound, self.used = names, bound, set()
+def _guard_visit(node, state):
+    """Rewrite the AST ``node`` of a test so that every value it operates on goes through the
+    guards (see :func:`_make_guards`). Lambda bodies are left alone: a lambda may be handed to the
+    program, and its closure must not lead to the guards. ``state``: (names to route through
+    ``name``: builtins and loaded modules, names the test binds, the set of free names read)."""
+    import ast
 
-    def visit(self, node):
-        import ast
-
-        if isinstance(node, ast.Lambda):
-            return node
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
-            node.value.sbx_module = True  # a name used as ``name.attr`` means the module of that name
-        for field, old in ast.iter_fields(node):
-            if isinstance(old, list):
-                old[:] = [self.visit(x) if isinstance(x, ast.AST) else x for x in old]
-            elif isinstance(old, ast.AST):
-                setattr(node, field, self.visit(old))
-        return self.rewrite(node)
-
-    @staticmethod
-    def operate(op: str, left, right):
-        import ast
-
-        return ast.Call(ast.Name(_OP, ast.Load()), [ast.Constant(_OP_NAMES[op]), left, right], [])
-
-    @staticmethod
-    def wrap(expr):
-        import ast
-
-        return ast.Call(ast.Name(_V, ast.Load()), [expr], [])
-
-    def rewrite(self, node):
-        import ast
-
-        w = self.wrap
-        if isinstance(node, ast.Compare) and len(node.ops) == 1:
-            return self.operate(type(node.ops[0]).__name__, node.left, node.comparators[0])
-        if isinstance(node, ast.BinOp):
-            return self.operate(type(node.op).__name__, node.left, node.right)
-        if isinstance(node, ast.Compare):  # a chain (a < b < c): each operand checked when evaluated
-            node.left = w(node.left)
-            node.comparators = [w(c) for c in node.comparators]
-            return w(node)
-        if isinstance(node, ast.UnaryOp):
-            node.operand = w(node.operand)
-        elif isinstance(node, ast.BoolOp):
-            node.values = [w(v) for v in node.values]
-        elif isinstance(node, (ast.IfExp, ast.If, ast.While)):
-            node.test = w(node.test)
-        elif isinstance(node, ast.Assert):
-            node.test = w(node.test)
-        elif isinstance(node, ast.comprehension):
-            node.ifs = [w(c) for c in node.ifs]
-        elif isinstance(node, (ast.ListComp, ast.SetComp, ast.GeneratorExp)):
-            node.elt = w(node.elt)
-        elif isinstance(node, ast.DictComp):
-            node.key, node.value = w(node.key), w(node.value)
-        elif isinstance(node, ast.Call):
-            return ast.Call(ast.Name(_CALL, ast.Load()), [node.func, *node.args], node.keywords)
-        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in self.bound:
-            self.used.add(node.id)
-            if node.id in self.names:
-                flag = ast.Constant(bool(getattr(node, "sbx_module", False)))
-                return ast.Call(ast.Name(_NAME, ast.Load()), [ast.Constant(node.id), flag], [])
-        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
-            return ast.Call(ast.Name(_ATTR, ast.Load()), [node.value, ast.Constant(node.attr)], [])
+    if isinstance(node, ast.Lambda):
         return node
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+        node.value.sbx_module = True  # a name used as ``name.attr`` means the module of that name
+    for field, old in ast.iter_fields(node):
+        if isinstance(old, list):
+            old[:] = [_guard_visit(x, state) if isinstance(x, ast.AST) else x for x in old]
+        elif isinstance(old, ast.AST):
+            setattr(node, field, _guard_visit(old, state))
+    return _guard_rewrite(node, state)
+
+
+def _guard_operate(op: str, left, right):
+    import ast
+
+    return ast.Call(ast.Name(_OP, ast.Load()), [ast.Constant(_OP_NAMES[op]), left, right], [])
+
+
+def _guard_wrap(expr):
+    import ast
+
+    return ast.Call(ast.Name(_V, ast.Load()), [expr], [])
+
+
+def _guard_rewrite(node, state):
+    import ast
+
+    names, bound, used = state
+    w = _guard_wrap
+    if isinstance(node, ast.Compare) and len(node.ops) == 1:
+        return _guard_operate(type(node.ops[0]).__name__, node.left, node.comparators[0])
+    if isinstance(node, ast.BinOp):
+        return _guard_operate(type(node.op).__name__, node.left, node.right)
+    if isinstance(node, ast.Compare):  # a chain (a < b < c): each operand checked when evaluated
+        node.left = w(node.left)
+        node.comparators = [w(c) for c in node.comparators]
+        return w(node)
+    if isinstance(node, ast.UnaryOp):
+        node.operand = w(node.operand)
+    elif isinstance(node, ast.BoolOp):
+        node.values = [w(v) for v in node.values]
+    elif isinstance(node, (ast.IfExp, ast.If, ast.While)):
+        node.test = w(node.test)
+    elif isinstance(node, ast.Assert):
+        node.test = w(node.test)
+    elif isinstance(node, ast.comprehension):
+        node.ifs = [w(c) for c in node.ifs]
+    elif isinstance(node, (ast.ListComp, ast.SetComp, ast.GeneratorExp)):
+        node.elt = w(node.elt)
+    elif isinstance(node, ast.DictComp):
+        node.key, node.value = w(node.key), w(node.value)
+    elif isinstance(node, ast.Call):
+        return ast.Call(ast.Name(_CALL, ast.Load()), [node.func, *node.args], node.keywords)
+    elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in bound:
+        used.add(node.id)
+        if node.id in names:
+            flag = ast.Constant(bool(getattr(node, "sbx_module", False)))
+            return ast.Call(ast.Name(_NAME, ast.Load()), [ast.Constant(node.id), flag], [])
+    elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+        return ast.Call(ast.Name(_ATTR, ast.Load()), [node.value, ast.Constant(node.attr)], [])
+    return node
 
 
 def _prepare_test(src: str):
@@ -390,11 +450,11 @@ def _prepare_test(src: str):
         elif isinstance(node, ast.arg):
             bound.add(node.arg)
     names = {n for n in sys.modules if "." not in n} | set(vars(builtins))
-    guard = _Guard(frozenset(names - bound), frozenset(bound))
-    body = [guard.visit(stmt) for stmt in tree.body] or [ast.Pass()]
+    state = (frozenset(names - bound), frozenset(bound), set())
+    body = [_guard_visit(stmt, state) for stmt in tree.body] or [ast.Pass()]
     args = ast.arguments(posonlyargs=[], args=[ast.arg(a) for a in (_V, _CALL, _NAME, _ATTR, _OP)], kwonlyargs=[],
                          kw_defaults=[], defaults=[])
     fn = ast.FunctionDef(name="_sbx_test_", args=args, body=body, decorator_list=[], returns=None)
     module = ast.fix_missing_locations(ast.Module([fn], []))
     code = compile(module, "<test>", "exec")
-    return next(c for c in code.co_consts if type(c) is type(code)), tuple(sorted(guard.used))
+    return next(c for c in code.co_consts if type(c) is type(code)), tuple(sorted(state[2]))

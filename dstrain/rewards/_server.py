@@ -135,19 +135,63 @@ def _pump(fds: dict, deadline: float, cap: int) -> tuple:
 
 
 def _remove(path: str) -> None:
+    """Delete the folder ``path`` and everything in it, however deep (a program can nest
+    thousands of folders with short names, beyond both ``PATH_MAX`` and Python's recursion
+    limit, which ``shutil.rmtree`` reaches), and whatever modes it set. No recursion, one
+    folder descriptor open at a time below ``path``: entries of sub-folders are moved up
+    into ``path`` itself (``rename`` relative to descriptors) until nothing is left."""
     import os
-    import shutil
     import stat
 
-    def fix(func, target, _exc):
-        try:
-            os.chmod(os.path.dirname(target) or target, stat.S_IRWXU)
-            os.chmod(target, stat.S_IRWXU)
-            func(target)
-        except OSError:
-            pass
-
-    shutil.rmtree(path, onerror=fix)
+    try:
+        os.chmod(path, stat.S_IRWXU)
+        top = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return
+    moved = 0
+    try:
+        while True:
+            with os.scandir(top) as it:
+                entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+            if not entries:
+                break
+            for name, is_dir in entries:
+                if not is_dir:
+                    try:
+                        os.unlink(name, dir_fd=top)
+                    except OSError:
+                        pass
+                    continue
+                try:
+                    os.chmod(name, stat.S_IRWXU, dir_fd=top, follow_symlinks=False)
+                except (OSError, NotImplementedError):
+                    pass
+                try:
+                    os.rmdir(name, dir_fd=top)  # already empty
+                    continue
+                except OSError:
+                    pass
+                try:
+                    sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=top)
+                except OSError:
+                    continue
+                try:
+                    with os.scandir(sub) as it:
+                        inner = [e.name for e in it]
+                    for child in inner:  # one level up, under a name no entry of ``path`` has
+                        moved += 1
+                        try:
+                            os.rename(child, f".rm{moved}-{child[:32]}", src_dir_fd=sub, dst_dir_fd=top)
+                        except OSError:
+                            pass
+                finally:
+                    os.close(sub)
+    finally:
+        os.close(top)
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass
 
 
 def _one(job: dict, workdir: str, isolation: str, ctl_out: int) -> bytes:

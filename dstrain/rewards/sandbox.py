@@ -88,7 +88,6 @@ import os
 import pwd
 import secrets
 import selectors
-import shutil
 import signal
 import stat
 import subprocess
@@ -102,6 +101,7 @@ from pathlib import Path
 from typing import Sequence
 
 from dstrain.rewards import _child
+from dstrain.rewards._server import _remove as _remove_tree  # any depth: see its docstring
 
 STATUSES = ("passed", "failed", "timeout", "error", "crash")
 MODES = ("fork_server", "spawn")
@@ -216,18 +216,6 @@ def _unprivileged_ids() -> tuple[int, int] | None:
 
 def _base_env(home: str) -> dict[str, str]:
     return {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": home, "TMPDIR": home}
-
-
-def _remove_tree(path: str) -> None:
-    def fix(func, target, _exc):
-        try:
-            os.chmod(os.path.dirname(target) or target, stat.S_IRWXU)
-            os.chmod(target, stat.S_IRWXU)
-            func(target)
-        except OSError:
-            pass
-
-    shutil.rmtree(path, onerror=fix)
 
 
 class _Collector:

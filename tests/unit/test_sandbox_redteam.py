@@ -162,6 +162,42 @@ ATTACKS = {
     "sub-interpreter": "import _xxsubinterpreters as s\ns.run_string(s.create(), 'import os')\n",
     "hand-made bytecode": "def g():\n    return 1\ng.__code__ = g.__code__.replace(co_consts=(None,) * 300)\n",
     "marshalled code": "import marshal\nmarshal.loads(marshal.dumps((lambda: 1).__code__))\n",
+    # ---- reaching the judge through the class tree, or library code it trusts
+    "harness globals through a class's methods": "seen, stack = set(), [object]\nwhile stack:\n"
+    "    c = stack.pop()\n    if id(c) in seen:\n        continue\n    seen.add(id(c))\n"
+    "    stack.extend(type.__subclasses__(c))\n    for v in list(vars(c).values()):\n"
+    "        g = getattr(getattr(v, '__func__', v), '__globals__', None)\n"
+    "        if isinstance(g, dict) and '_make_guards' in g:\n"
+    "            g['_make_guards'] = lambda *a: (lambda v: True, lambda fn, *x, **k: fn(*x, **k),\n"
+    "                                            lambda n, m=False: True, getattr, lambda op, x, y: True)\n"
+    "def f(x):\n    return 0\n",
+    "library helper replaced in a subclass": ("import collections\nclass L(collections.UserList):\n"
+                                              "    def _UserList__cast(self, other):\n        return self.data\n"
+                                              "def f(x):\n    return L([0])\n", ["assert f(1) == [3]", "assert [5] == f(2)"]),
+    "Counter's __missing__ replaced in a subclass": (EVIL + "import collections\nclass C(collections.Counter):\n"
+                                                     "    def __missing__(self, key):\n        return E()\n"
+                                                     "def f(s):\n    return C()\n",
+                                                     ["assert f('aab') == collections.Counter({'a': 2, 'b': 1})"]),
+    "library helper replaced on the library class": ("import collections\n"
+                                                     "collections.UserList._UserList__cast = lambda self, other: self.data\n"
+                                                     "def f(x):\n    return collections.UserList([0])\n",
+                                                     ["assert f(1) == [3]", "assert f(2) == [5]"]),
+    "library helper hidden by an instance attribute": ("import collections\ndef f(x):\n"
+                                                       "    u = collections.UserList([0])\n"
+                                                       "    u._UserList__cast = lambda other: u.data\n    return u\n",
+                                                       ["assert f(1) == [3]", "assert f(2) == [5]"]),
+    "builtin hidden in a library module's globals": ("import collections\ncollections.all = lambda it: True\n"
+                                                     "def f(s):\n    return collections.Counter()\n",
+                                                     ["assert f('aab') == collections.Counter({'a': 2, 'b': 1})"]),
+    "__code__ of a library method swapped": ("import collections\n"
+                                             "collections.UserList.__eq__.__code__ = (lambda self, other: True).__code__\n"
+                                             "def f(x):\n    return collections.UserList()\n",
+                                             ["assert f(1) == [3]", "assert f(2) == [5]"]),
+    # ---- a path relative to a folder descriptor, which the open event does not show
+    "file outside read relative to a folder descriptor": "import os\ndepth = os.getcwd().count('/')\n"
+    "fd = os.open('.', os.O_RDONLY)\nos.makedirs('d/' * (depth + 1))\nos.chdir('d/' * (depth + 1))\n"
+    "print(os.read(os.open('../' * depth + {secret_file!r}.lstrip('/'), os.O_RDONLY, dir_fd=fd), 100))\n"
+    "def f(x):\n    return 2 * x + 1\n",
 }
 
 # (poison, benign program, its tests): the benign program must pass right after the poison.
@@ -188,6 +224,10 @@ LEAKS = {
                                                   "import os\n", ["assert os.getpriority(os.PRIO_PROCESS, 0) == 0",
                                                                   "assert os.sched_getscheduler(0) == os.SCHED_OTHER",
                                                                   f"assert os.sched_getaffinity(0) == {os.sched_getaffinity(0)}"]),
+    "folders nested deeper than a recursive removal goes": (
+        "import os\nfor i in range(1500):\n    os.mkdir(f'a{i}')\n"
+        "for i in range(1499, 0, -1):\n    os.rename(f'a{i}', f'a{i - 1}/a{i}')\n",
+        "open('x', 'w').write('1')\n", ["assert open('x').read() == '1'"]),
     "slow only when run a second time": ("open('seen', 'w').close()\nopen('../seen', 'w').close()\n",
                                          ("import os, time\nif os.path.exists('seen') or os.path.exists('../seen'):\n"
                                          "    time.sleep(5)\n"), ["assert True"]),
@@ -254,6 +294,18 @@ def test_nothing_can_be_planted_next_to_the_programs_folder(pool):
     assert starts == ([s.starts for s in pool.servers.servers] if pool.servers is not None else [])
 
 
+def test_a_class_changed_after_a_fair_test_is_judged_again(pool):
+    """The first test passes fairly with a ``UserList`` subclass; before the second the program
+    replaces the helper ``UserList.__eq__`` calls: that value must be judged afresh, not by the
+    verdict its class got in the first test."""
+    program = ("import collections\ncalls = [0]\nclass L(collections.UserList):\n    pass\ndef f(x):\n"
+               "    calls[0] += 1\n    if calls[0] == 2:\n        L._UserList__cast = lambda self, other: self.data\n"
+               "    return L([2 * x + 1]) if calls[0] == 1 else L([0])\n")
+    r = pool.run(program, ["assert f(1) == [3]", "assert f(2) == [5]"])
+    assert (r.status, r.passed) == ("failed", 1), r.detail
+    still_works(pool)
+
+
 def test_legitimate_programs_still_pass(pool):
     """What the guards must not refuse: the tested function named like a builtin, modules
     used by the tests, library containers, comprehensions and lambdas in tests, setup objects."""
@@ -268,13 +320,23 @@ def test_legitimate_programs_still_pass(pool):
                "def copy(x):\n    return list(x)\n"
                "class Solution:\n    def solve(self, x):\n        return 2 * x + 1\n"
                "class Words(list):\n    def longest(self):\n        return max(self, key=len)\n"
-               "def words(s):\n    return Words(s.split())\n")
+               "def words(s):\n    return Words(s.split())\n"
+               "import enum\nclass Colour(enum.Enum):\n    RED = 1\n    BLUE = 2\n"
+               "def colour(v):\n    return Colour(v)\n"
+               "class Tags(collections.UserList):\n    def __init__(self, items=()):\n        super().__init__(items)\n"
+               "        self.seen = len(items)\n    def first(self):\n        return self[0]\n"
+               "def tags(s):\n    return Tags(list(s))\n"
+               "class Counts(collections.Counter):\n    def top(self):\n        return self.most_common(1)\n"
+               "def counts(s):\n    return Counts(s)\n"
+               "def stack(xs):\n    return collections.deque(xs)\n")
     tests = ["assert sum(1, 2) == 3", "assert math.isclose(f(0.5), 2.0)", "assert count('aab') == {'a': 2, 'b': 1}",
              "assert half(3) == 1.5", "assert all(f(x) == 2 * x + 1 for x in range(5))",
              "assert sorted(map(f, [2, 1]), key=lambda v: -v) == [5, 3]", "assert smallest(nodes) == 1",
              "assert set(f(x) for x in [1, 1]) == {3}", "assert abs(f(1) - 3) < 1e-9", "assert copy((1, 2)) == [1, 2]",
              "assert Solution().solve(1) == 3", "assert words('a bb').longest() == 'bb'",
-             "assert count('aab').most_common(1) == [('a', 2)]", "assert 'x'.upper() == 'X'"]
+             "assert count('aab').most_common(1) == [('a', 2)]", "assert 'x'.upper() == 'X'",
+             "assert colour(1) == Colour.RED", "assert tags('a') == ['a']", "assert counts('ab').total() == 2",
+             "assert stack([1]) == collections.deque([1])"]
     r = pool.run(program, tests, setup="nodes = [Node(3), Node(1)]")
     assert (r.status, r.passed) == ("passed", len(tests)), r.detail
 
