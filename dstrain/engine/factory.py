@@ -19,7 +19,7 @@ from dstrain.comms import comms_sections
 from dstrain.engine import cuda_env
 from dstrain.engine import ds_config as dsc
 from dstrain.engine import hardware
-from dstrain.engine.grad_norm import NormKeeper, keep_grad_norm
+from dstrain.engine.grad_norm import NormKeeper, fast_zero_norm, keep_grad_norm
 from dstrain.engine.optim import OptimizerChoice, apply_optimizer_type, choose_optimizer
 from dstrain.engine.zero_tuning import fill_zero_sizes
 from dstrain.optim.lazy_state import client_optimizer, drop_stale_optimizer_state
@@ -520,6 +520,7 @@ def create_engine(build_model: Callable[[], torch.nn.Module],
         model=model, model_parameters=groups, optimizer=client, lr_scheduler=scheduler,
         config=plan.ds_config, mpu=mpu)
     skip_lone_allreduce(ds_engine, plan)
+    fast_zero_norm(ds_engine)
     drop_stale_optimizer_state(ds_engine)
     if plan.compile:
         compile_engine(ds_engine, plan.compile_mode)

@@ -1,4 +1,5 @@
-"""The gradient norm and clipping at ZeRO stage 0, in a few multi-tensor kernels, and kept for the log.
+"""Gradient norms in a few multi-tensor kernels: clipping at ZeRO stage 0 (kept for the log), and
+ZeRO-1/2's norm (:func:`fast_zero_norm`).
 
 Without ZeRO and without DeepSpeed's own fp16/bf16 optimizer wrappers (fp32 weights, or bf16 as
 ``torch.autocast`` over fp32 weights: the factory's choice on a GPU at ZeRO-0), DeepSpeed clips in
@@ -31,14 +32,21 @@ def _by_device_dtype(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return list(groups.values())
 
 
-def _squared_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+def _fp32_norms(group: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor's 2-norm, accumulated in fp32 (16-bit gradients are not copied to do it)."""
+    if group[0].dtype not in (torch.float16, torch.bfloat16):
+        return torch._foreach_norm(group, 2)
+    try:
+        return torch._foreach_norm(group, 2, dtype=torch.float32)
+    except TypeError:  # a torch without the dtype argument
+        return [torch.linalg.vector_norm(g, dtype=torch.float32) for g in group]
+
+
+def _squared_norm(grads: list[torch.Tensor], device) -> torch.Tensor:
     """Sum of squares of every element of ``grads`` (fp32, on ``device``)."""
     total = torch.zeros((), dtype=torch.float32, device=device)
     for group in _by_device_dtype(grads):
-        if group[0].dtype in (torch.float16, torch.bfloat16):  # as DeepSpeed's .float().norm()
-            group = [g.float() for g in group]
-        norms = torch._foreach_norm(group, 2)
-        total = total + torch.linalg.vector_norm(torch.stack(norms).float()).to(device) ** 2
+        total = total + (torch.linalg.vector_norm(torch.stack(_fp32_norms(group)).float()) ** 2).to(device)
     return total
 
 
@@ -103,3 +111,43 @@ def keep_grad_norm(ds_engine, parallel=None) -> NormKeeper | None:
         return None
     tp_group = parallel.tp_group if parallel is not None and parallel.dims.tp > 1 else None
     return NormKeeper(ds_engine, tp_group)
+
+
+def fast_zero_norm(ds_engine) -> bool:
+    """ZeRO-1/2 (DeepSpeed's ``DeepSpeedZeroOptimizer``): its ``get_grad_norm_direct`` takes the norm of
+    each gradient of the partition in a Python loop, each converted to fp64 first (a launch or three per
+    parameter, 8 bytes written and read per element), before the step can go on. Replaced on the
+    optimizer instance by the same selection (no padding, no pipeline-replicated parameter, model-parallel
+    rank 0 for replicated ones), the same all-reduces over the data- and model-parallel groups and the
+    same NaN/Inf masking, with the per-gradient norms of one ``torch._foreach_norm`` per (device, dtype)
+    accumulated in fp32. Returns whether it was replaced (not for stage 3, offload, or other norms)."""
+    try:
+        from deepspeed import comm
+        from deepspeed.runtime.constants import PIPE_REPLICATED
+        from deepspeed.runtime.utils import is_model_parallel_parameter, mask_nan_or_inf_with_val_inplace
+        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    except ImportError:
+        return False
+    opt = ds_engine.optimizer
+    if not isinstance(opt, DeepSpeedZeroOptimizer) or getattr(opt, "cpu_offload", False):
+        return False
+    original = opt.get_grad_norm_direct
+
+    def norm_direct(gradients, params, norm_type=2):
+        if float(norm_type) != 2.0:
+            return original(gradients, params, norm_type)
+        chosen = []
+        for g, p in zip((g for g in gradients if not getattr(g, "_zero_padding", False)), params):
+            if hasattr(p, PIPE_REPLICATED) and p.ds_pipe_replicated:
+                continue
+            if is_model_parallel_parameter(p) or opt.model_parallel_rank == 0:
+                chosen.append(g)
+        total = _squared_norm(chosen, opt.device)
+        comm.all_reduce(total, op=comm.ReduceOp.SUM, group=opt.dp_process_group)
+        opt._model_parallel_all_reduce(tensor=total, op=comm.ReduceOp.SUM)
+        total = total.pow(0.5)
+        mask_nan_or_inf_with_val_inplace(total, device=opt.device)
+        return total
+
+    opt.get_grad_norm_direct = norm_direct
+    return True

@@ -63,3 +63,43 @@ def test_norm_is_kept_without_clipping_too():
     out = spawn.run(_train, 1, "fp32", 0.0, False)
     assert not out["replaced"]  # DeepSpeed does not clip: nothing to replace
     assert out["norms"] == pytest.approx(out["refs"], rel=1e-5)
+
+
+def _zero_step(rank, world, stage: int, precision: str, deepspeeds: bool):
+    import torch
+
+    from dstrain.config import load_run_config
+    from dstrain.engine.factory import create_engine, plan_engine
+    from models import registry
+    cfg = load_run_config("models/gpt/recipes/tiny.json", [
+        "--train.micro_batch=2", "--train.grad_accum=1", "--data.seq_len=32", f"--deepspeed.precision={precision}",
+        f"--deepspeed.profile=zero{stage}", "--deepspeed.mixed_precision=deepspeed", "--train.warmup_steps=1",
+        "--train.steps=2", "--train.grad_clip=0.05"])
+    spec = registry.get_spec("gpt")
+    mcfg = registry.make_model_config("gpt", "tiny", {})
+    plan = plan_engine(cfg, world, ranks_per_node=world, device_type="cpu")
+    torch.manual_seed(0)
+    engine = create_engine(lambda: spec.build(mcfg), spec.parallelize, plan, cfg.train)
+    replaced = "get_grad_norm_direct" in vars(engine.ds.optimizer)
+    if deepspeeds and replaced:
+        del engine.ds.optimizer.get_grad_norm_direct
+    gen = torch.Generator().manual_seed(1 + rank)
+    norms = []
+    for _ in range(1):
+        x = torch.randint(0, 256, (2, 32), generator=gen)
+        engine.backward(engine(x, torch.roll(x, -1, 1)))
+        engine.step()
+        norms.append(engine.grad_norm)
+    return {"replaced": replaced, "norms": norms, "params": [p.detach().float().clone() for p in engine.module.parameters()]}
+
+
+@pytest.mark.parametrize("stage, precision", [(1, "bf16"), (2, "fp32")])
+def test_zero_norm_is_deepspeeds(stage, precision):
+    """ZeRO-1/2 on 2 ranks: dstrain's multi-tensor norm (fp32 accumulation) gives DeepSpeed's norm (fp64
+    accumulation) and the same clipped first update (bf16: within one rounding of a bf16 weight)."""
+    import torch
+    ours, theirs = (spawn.run(_zero_step, 2, stage, precision, deepspeeds) for deepspeeds in (False, True))
+    assert ours["replaced"] and all(n is not None and n > 0.05 * 2 for n in ours["norms"])
+    assert ours["norms"][0] == pytest.approx(theirs["norms"][0], rel=1e-5)
+    tol = dict(rtol=1e-5, atol=1e-7) if precision == "fp32" else dict(rtol=2 ** -7, atol=1e-3)
+    assert all(torch.allclose(a, b, **tol) for a, b in zip(ours["params"], theirs["params"]))
