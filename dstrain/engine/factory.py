@@ -20,6 +20,7 @@ from dstrain.engine import cuda_env
 from dstrain.engine import ds_config as dsc
 from dstrain.engine import hardware
 from dstrain.engine.grad_norm import NormKeeper, fast_zero_norm, keep_grad_norm
+from dstrain.engine.ds_sections import bf16_overflow_check
 from dstrain.engine.optim import OptimizerChoice, apply_optimizer_type, choose_optimizer
 from dstrain.engine.zero_tuning import fill_zero_sizes
 from dstrain.optim.lazy_state import client_optimizer, drop_stale_optimizer_state
@@ -130,6 +131,7 @@ def plan_engine(cfg: RunConfig, world_size: int, hw=None, hw_notes: str = "",
     # The pipeline engine runs DeepSpeed's own bf16 (its BF16_Optimizer path), not torch.autocast.
     amp_mode = "deepspeed" if pipe is not None and ds.mixed_precision == "auto" else ds.mixed_precision
     resolved, amp_note = mixed_precision(resolved, template, amp_mode, hw.device_type)
+    resolved, overflow_note = bf16_overflow_check(resolved, template, cfg.train.nonfinite)
     resolved, section_notes = user_sections(resolved, cfg.output.dir, source)
     resolved, comm_notes = comms_sections(resolved, cfg.output.comms, ds.comm_dtype, source)
     section_notes += comm_notes
@@ -146,7 +148,7 @@ def plan_engine(cfg: RunConfig, world_size: int, hw=None, hw_notes: str = "",
                                         f"{'on' if ckpt else 'off'}, torch.compile {'on' if compile_ else 'off'}"
                                         f" (train.compile={cfg.train.compile}{compile_why}"
                                         f"{', mode ' + cfg.train.compile_mode if compile_ else ''})",
-                                        amp_note, optimizer.description,
+                                        amp_note, overflow_note, optimizer.description,
                                         "learning-rate schedule: the DeepSpeed JSON's scheduler block"
                                         if "scheduler" in resolved else "learning-rate schedule: dstrain's "
                                         "warm-up + cosine (the JSON has no scheduler block)",

@@ -236,3 +236,26 @@ def test_engine_copies_outputs_out_of_cuda_graph_memory(mode, copied):
     assert (out["z_H"].data_ptr() != carry.data_ptr()) == copied and torch.equal(out["z_H"], carry)
     assert (got_loss is not loss) == copied and out["metrics"] == {"n": 4}
     got_loss.backward()  # the copy stays in the autograd graph
+
+
+@pytest.mark.parametrize("nonfinite, file_says, expected", [("stop", None, False), ("skip", None, False),
+                                                            ("off", None, None), ("stop", True, True)])
+def test_deepspeeds_bf16_overflow_check_gives_way_to_dstrains_guard(tmp_path, nonfinite, file_says, expected):
+    """ZeRO-1/2 bf16: DeepSpeed tests every gradient for NaN/Inf (a dozen launches each) unless told not to;
+    dstrain's guard already checks them, so the factory turns it off unless the guard is off or the file
+    sets it."""
+    import json
+
+    from dstrain.config import load_run_config
+    from dstrain.engine.factory import plan_engine
+    profile = json.loads(open("ds_configs/zero2.json").read())
+    if file_says is not None:
+        profile["bf16"] = {**profile.get("bf16", {}), "check_grad_overflow": file_says}
+    path = tmp_path / "zero2.json"
+    path.write_text(json.dumps(profile))
+    cfg = load_run_config("models/gpt/recipes/tiny.json", [f"--output.dir={tmp_path}", f"--deepspeed.profile={path}",
+                                                           "--deepspeed.precision=bf16", f"--train.nonfinite={nonfinite}"])
+    plan = plan_engine(cfg, 2, ranks_per_node=2, device_type="cpu")
+    assert plan.ds_config["bf16"]["enabled"] is True
+    assert plan.ds_config["bf16"].get("check_grad_overflow") is expected
+    assert ("check_grad_overflow -> false" in plan.explanation) == (expected is False)
