@@ -57,8 +57,8 @@ _DENY = frozenset({
 # by name or file name, however they are loaded.
 _DENY_MODULES = ("_posixsubprocess", "_ctypes", "_test", "_xx", "xx")
 _DENY_PREFIXES = ("socket.", "ctypes.", "_ctypes.", "sqlite3.", "winreg.", "msvcrt.")
-# Calls with no audit event that reach other processes of the same user or make special
-# files: removed from the modules before the program runs (:func:`_drop_unaudited`). With
+# Calls with no audit event that reach other processes of the same user, make special files or
+# expose the judge: removed from the modules before the program runs (:func:`_drop_unaudited`). With
 # PID and mount namespaces they reach nothing outside anyway; without them (an unprivileged
 # trainer with no user namespaces, a container that forbids unshare) ``pidfd_open`` +
 # ``pidfd_send_signal`` would signal the trainer, ``setpriority`` / ``sched_set*`` slow it, and
@@ -66,7 +66,11 @@ _DENY_PREFIXES = ("socket.", "ctypes.", "_ctypes.", "sqlite3.", "winreg.", "msvc
 # (C module, the Python module that re-exports it, names)
 _UNAUDITED = (("posix", "os", ("pidfd_open", "mknod", "mkfifo", "setpriority", "sched_setaffinity",
                                "sched_setscheduler", "sched_setparam")),
-              ("_signal", "signal", ("pidfd_send_signal",)))
+              ("_signal", "signal", ("pidfd_send_signal",)),
+              # gc.set_debug(DEBUG_SAVEALL) puts every unreachable object in gc.garbage, frames of the audit
+              # hook included (their globals and closures are the judge's); the profile function the judge
+              # sets while a test's operation runs must stay out of reach
+              ("gc", "gc", ("set_debug",)), ("sys", "sys", ("getprofile", "gettrace")))
 # Frame access: refused (so the nonce stays out of reach) but not counted, because the
 # standard library probes sys._getframe (namedtuple, enum) and copes with ValueError.
 _FRAME_ATTRS = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_back"})
@@ -225,9 +229,10 @@ def _set_limits(cfg: dict) -> None:
             pass
 
 
-def _make_hook(tmp: str, read_roots: tuple, violations: list):
+def _make_hook(tmp: str, read_roots: tuple, violations: list, quiet: set = frozenset()):
     """The audit hook: refuses process creation, signals, sockets, ctypes, introspection,
-    writes outside ``tmp`` and reads outside ``read_roots``; records refusals."""
+    writes outside ``tmp`` and reads outside ``read_roots``; records refusals. ``quiet``: ids of
+    threads inside the judge's own ``sys.setprofile`` calls (nothing else runs there)."""
     import _thread
     import os
     import stat
@@ -336,7 +341,7 @@ def _make_hook(tmp: str, read_roots: tuple, violations: list):
 
     def hook(event: str, args: tuple) -> None:
         ident = get_ident()
-        if ident in busy:  # events raised by the hook's own work
+        if ident in busy or ident in quiet:  # events raised by the hook's own work, or the judge's
             return
         busy.add(ident)
         try:
@@ -450,6 +455,9 @@ def _drop_unaudited() -> None:
     import sys
 
     for core, facade, names in _UNAUDITED:
+        for name in (core, facade):
+            if name in sys.builtin_module_names:  # (gc: imported later, it would come back whole)
+                __import__(name)
         for module in (sys.modules.get(core), sys.modules.get(facade)):
             for name in names:
                 if module is not None and name in vars(module):
@@ -504,8 +512,9 @@ def _execute(job: dict, result_fd: int, isolation: str, max_processes: int) -> N
     sys.pycache_prefix = os.path.join(tmp, ".no-pycache")
     import signal  # noqa: F401  (loaded now, so that _drop_unaudited reaches its copy too)
     _drop_unaudited()
-    sys.addaudithook(_make_hook(tmp, tuple(sorted(roots)), violations))
-    _thread.start_new_thread(_worker, (job, prepared, box, (checks, _SNAPSHOT[1], _guard_tools()), done))  # noqa: F821
+    quiet = set()
+    sys.addaudithook(_make_hook(tmp, tuple(sorted(roots)), violations, quiet))
+    _thread.start_new_thread(_worker, (job, prepared, box, (checks, _SNAPSHOT[1], _guard_tools(quiet)), done))  # noqa: F821
     try:  # only now: counted per user, the limit could otherwise stop the worker thread itself
         resource.setrlimit(resource.RLIMIT_NPROC, (max_processes, max_processes))
     except (ValueError, OSError):

@@ -16,7 +16,11 @@ or implemented in C by the class itself. Containers (``list``, ``tuple``, ``dict
 ``set``, ``deque``, dict views, subclasses of these), the instance dictionaries and slots of
 Python-level objects, ``slice`` and ``SimpleNamespace`` are searched; weak proxies, cells
 and mapping proxies are never trusted. A program thread still running, or a gc callback,
-when a value is checked makes the test fail (it could swap the value after the check).
+when a value is checked makes the test fail (it could swap the value after the check). While
+the operation itself runs, a profile function fails the test if any Python code runs that is
+not the library's (:func:`_library_code`): whatever path led there (an ABC check reaching a
+program's metaclass, a helper replaced in a subclass or an instance, a function put into a
+library module), the program's code does not get to decide an operation's result.
 """
 
 # Methods a trusted operation of a test may call on a value.
@@ -26,19 +30,7 @@ _DUNDERS = ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__bool_
             "__float__", "__int__", "__index__", "__round__", "__hash__", "__iter__", "__getitem__")
 import sys as _judge_sys  # (its type is the module type)
 
-# Names a program-made subclass (or an instance) may define although a Python-level library class
-# above it does: class bookkeeping, construction and text, which no comparison of the library calls,
-# and what ``enum``'s metaclass writes into every enumeration (and its hooks for making members).
-_SAFE_OVERRIDES = frozenset({"__module__", "__qualname__", "__doc__", "__dict__", "__weakref__", "__slots__",
-                             "__init__", "__new__", "__annotations__", "__repr__", "__str__", "__orig_bases__",
-                             "__parameters__", "__firstlineno__", "__static_attributes__", "__classcell__",
-                             "__init_subclass__", "__match_args__", "_abc_impl", "__abstractmethods__",
-                             "_generate_next_value_", "_member_map_", "_member_names_", "_member_type_",
-                             "_new_member_", "_unhashable_values_", "_use_args_", "_value2member_map_",
-                             "_value_repr_", "_missing_", "_ignore_", "_order_", "_boundary_", "_flag_mask_",
-                             "_all_bits_", "_singles_mask_", "_inverted_", "_iter_member_"})
-
-_SNAPSHOT = None  # (classes, modules) of _type_snapshot(): taken before any untrusted code runs
+_SNAPSHOT = None  # (classes, modules, library code) of _type_snapshot(): taken before any untrusted code runs
 _COMMON = ("math", "re", "string", "itertools", "functools", "operator", "heapq", "bisect", "copy", "cmath",
            "array", "struct", "time", "collections", "sys", "fractions")
 """Modules imported before the snapshot even by a spawned child (1-2 ms), so that tests
@@ -46,10 +38,10 @@ naming them get the real ones; the fork server imports more (``_server._PRELOAD`
 
 
 def _type_snapshot() -> tuple:
-    """(classes, modules): every class alive now (walked from ``object`` through
+    """(classes, modules, library code): every class alive now (walked from ``object`` through
     ``__subclasses__``) with the entries its own ``__dict__`` has for :data:`_DUNDERS` (and,
-    for classes made in Python, a copy of that ``__dict__``), and a copy of every loaded
-    module's namespace; objects are held, so their ids stay valid."""
+    for classes made in Python, a copy of that ``__dict__``), a copy of every loaded module's
+    namespace and :func:`_library_code`; objects are held, so their ids stay valid."""
     import sys
 
     for name in _COMMON:
@@ -68,13 +60,50 @@ def _type_snapshot() -> tuple:
     for name, module in list(sys.modules.items()):
         if type(module) is type(sys):
             modules[id(module)] = (module, dict(module.__dict__), name)
-    return snap, modules
+    return snap, modules, _library_code(snap, modules)
 
 
-def _make_trust(snapshot: dict, modules: dict | None = None):
-    """``(trusted(value) -> bool, overridden(obj, name) -> bool)`` for one run (see the module
-    docstring). They never call code of the program: only C-level accessors, iterators and
-    descriptors. ``modules``: the snapshot's modules (their namespaces as they were)."""
+def _library_code(snap: dict, modules: dict) -> dict:
+    """``{id: code}`` of every code object of the functions (and the functions, lambdas and
+    comprehensions nested in them) held by the snapshot's classes and modules: the Python code
+    a trusted operation may run. Code made later (the program's, whatever it compiles) is not."""
+    import types
+
+    code_type, function = types.CodeType, types.FunctionType
+    codes, stack = {}, []
+
+    def add(obj):
+        for f in (obj, getattr(obj, "__func__", None), getattr(obj, "fget", None), getattr(obj, "fset", None),
+                  getattr(obj, "__wrapped__", None) if type(obj) is function else None):
+            if type(f) is function:
+                stack.append(f.__code__)
+
+    for rec in snap.values():
+        if rec[2] is not None:
+            for v in rec[2].values():
+                add(v)
+    for rec in modules.values():
+        for v in rec[1].values():
+            add(v)
+            if not isinstance(v, (type, types.ModuleType, function)):  # an instance a module holds:
+                attrs = getattr(v, "__dict__", None)  # its function attributes (``os.environ.encodekey``)
+                if type(attrs) is dict:
+                    for a in attrs.values():
+                        add(a)
+    while stack:
+        code = stack.pop()
+        if id(code) in codes:
+            continue
+        codes[id(code)] = code
+        stack.extend(c for c in code.co_consts if type(c) is code_type)
+    return codes
+
+
+def _make_trust(snapshot: dict, modules: dict | None = None, codes: dict | None = None):
+    """``(trusted(value) -> bool, overridden(obj, name) -> bool, operators, library code ids,
+    module_intact(name) -> bool, library_class(cls) -> bool)`` for one run (see the module docstring). They never call code of the program:
+    only C-level accessors, iterators and descriptors. ``modules``: the snapshot's modules (their
+    namespaces as they were); ``codes``: its library code (:func:`_library_code`)."""
     import builtins
     import collections
     import types
@@ -92,7 +121,7 @@ def _make_trust(snapshot: dict, modules: dict | None = None):
     seq_bases = (list, tuple, set, frozenset, collections.deque)
     walk_static = {id(slice), id(types.SimpleNamespace)}
     heap, immutable = 1 << 9, 1 << 8  # Py_TPFLAGS_HEAPTYPE, Py_TPFLAGS_IMMUTABLETYPE
-    absent = object()
+    absent, proxy = object(), types.MappingProxyType
     module_dict = type(_judge_sys).__dict__["__dict__"].__get__
     module_named = {rec[2]: rec for rec in (modules or {}).values()}
     builtin_names = frozenset(vars(builtins))
@@ -145,7 +174,8 @@ def _make_trust(snapshot: dict, modules: dict | None = None):
         mutable = any(flags_of(c) & heap and not flags_of(c) & immutable for c in mro)
         if any(issubclass(tp, n) for n in never):
             return None, mutable
-        members, dict_get, library, made = [], None, set(), []
+        members, dict_get, made = [], None, []
+        library = {}  # name -> what the snapshot's classes in ``tp``'s method order define under it
         for cls in mro:
             entry = snapshot.get(id(cls))
             d = dict_of(cls)
@@ -160,22 +190,25 @@ def _make_trust(snapshot: dict, modules: dict | None = None):
                         return None, mutable
                     if not module_intact(saved.get("__module__")):
                         return None, mutable
-                    library.update(k for k in saved if k not in _SAFE_OVERRIDES)
-            else:  # created while the program ran
+                for name in dunders:
+                    library.setdefault(name, []).append(d.get(name))
+            else:  # created while the program ran: its comparison methods are C code of its own, or
+                # the very functions a library class defines (``enum`` copies ``Flag.__or__`` into each flag)
                 for name, f in d.items():
                     if type(name) is not str:
                         return None, mutable
-                    if name in dunders and f is not None and not (type(f) is wrapper and f.__objclass__ is cls):
-                        return None, mutable
-                made.append(d)
+                    if name in dunders and f is not None and not (type(f) is wrapper and f.__objclass__ is cls) \
+                            and not any(f is x for x in library.get(name, ())):
+                        made.append((name, f))
             if flags_of(tp) & (1 << 9) or id(tp) in walk_static:
                 for name, f in d.items():
                     if type(f) is member:
                         members.append(f)
                     elif name == "__dict__" and dict_get is None and type(f) is getset:
                         dict_get = f.__get__
-        if library and any(name in library for d in made for name in d):
-            return None, mutable  # a program-made subclass replaces a helper library code calls
+        for name, f in made:  # (a library class may come after the made one in the method order)
+            if not any(f is x for x in library.get(name, ())):
+                return None, mutable
         elements = None
         if issubclass(tp, dict):
             elements = dict_items
@@ -188,7 +221,7 @@ def _make_trust(snapshot: dict, modules: dict | None = None):
                 for view in view_types:
                     if tp is view:
                         elements = view.__iter__
-        return (elements, tuple(members), dict_get, frozenset(library)), mutable
+        return (elements, tuple(members), dict_get), mutable
 
     value_bases = (int, float, complex, str, bytes, list, tuple, dict, set, frozenset)
 
@@ -200,6 +233,14 @@ def _make_trust(snapshot: dict, modules: dict | None = None):
         tp = type(obj)
         if id(tp) in plain:
             return False
+        for cls in mro_of(tp):  # an instance attribute hiding a library class's (``c.most_common = ...``)
+            f = dict_of(cls).get("__dict__")
+            if type(f) is getset:
+                inst = f.__get__(obj)
+                if inst is not None and (type(inst) is not dict or name in inst) and any(
+                        name in dict_of(c) for c in mro_of(tp) if snapshot.get(id(c), (None,))[0] is c):
+                    return True
+                break
         # a builtin value type ``tp`` descends from that has ``name`` (``str.startswith``)
         lookalike = any(issubclass(tp, b) and any(name in dict_of(c) for c in mro_of(b)) for b in value_bases)
         for cls in mro_of(tp):
@@ -233,7 +274,7 @@ def _make_trust(snapshot: dict, modules: dict | None = None):
             found = info(tp, local)
             if found is None:
                 return False
-            elements, members, dict_get, library = found
+            elements, members, dict_get = found
             if elements is not None:
                 stack.extend(elements(v))
             for m in members:
@@ -243,22 +284,26 @@ def _make_trust(snapshot: dict, modules: dict | None = None):
                     pass
             if dict_get is not None:
                 d = dict_get(v)
-                if type(d) is dict:
-                    for k in dict.keys(d):  # an instance attribute hiding a library method it calls
-                        if type(k) is not str or k in library:
-                            return False
+                if d is not None and type(d) is not proxy:  # (a class's namespace: not the value's data)
+                    if type(d) is not dict:  # a dict subclass set as ``__dict__``: not walked, so not trusted
+                        return False
                     stack.extend(dict_items(d))
         return True
 
-    return trusted, overridden, _operators()
+    def library_class(cls) -> bool:
+        return snapshot.get(id(cls), (None,))[0] is cls
+
+    return trusted, overridden, _operators(), frozenset(codes or ()), module_intact, library_class
 
 
-def _guard_tools() -> tuple:
-    """What the guards call, taken before the program runs (it could patch the modules)."""
+def _guard_tools(quiet: set) -> tuple:
+    """What the guards call, taken before the program runs (it could patch the modules);
+    ``quiet``: the audit hook lets a thread listed there call ``sys.setprofile``."""
     import _thread
     import gc
+    import sys
 
-    return _thread._count, gc.disable, gc.callbacks
+    return _thread._count, gc.disable, gc.callbacks, sys.setprofile, _thread.get_ident, quiet
 
 
 def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dict, test_names: tuple, tools: tuple):
@@ -274,7 +319,7 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
     test names none of the program's other globals (the tested function itself is called
     ``sum``); a module name means that module when the test reads an attribute of it
     (``math.isclose``), otherwise unless the program defined a function of that name."""
-    trusted, overridden, operators = judge
+    trusted, overridden, operators, library_code, module_intact, library_class = judge
     function, module_type, missing = type(_make_guards), type(_judge_sys), object()
     shadow_ok = not any(n not in builtins and n in ns for n in test_names)
     by_name = {rec[2]: rec[0] for rec in modules.values()}
@@ -304,8 +349,10 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
             raise AssertionError(bad[-1])
         return getattr(obj, n)
 
-    count, gc_disable, gc_callbacks = tools
+    count, gc_disable, gc_callbacks, set_profile, get_ident, quiet = tools
     method = type(_guard_wrap.__get__(0))  # bound methods
+    judge_globals = _make_guards.__globals__
+    real_globals = {id(vars(rec[0])): rec[2] for rec in modules.values()}
 
     def value(v):
         gc_disable()  # no finalizer or gc callback of the program between this check and the operation
@@ -319,24 +366,60 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
         raise AssertionError(bad[-1])
 
     def own(fn) -> bool:
+        """The program's function or method, or a class it made (calling it runs the program's code,
+        which is what is tested, and its result is checked where it is used)."""
         if type(fn) is method:
             fn = fn.__func__
+        if isinstance(fn, type):
+            return not library_class(fn)
         return type(fn) is function and fn.__globals__ is ns
 
     def call(fn, *args, **kw):
         if not own(fn):
+            if type(fn) is method:
+                fn_globals = fn.__func__.__globals__ if type(fn.__func__) is function else None
+            else:
+                fn_globals = fn.__globals__ if type(fn) is function else None
+            name_of = real_globals.get(id(fn_globals)) if fn_globals is not None else None
+            if name_of is not None and not module_intact(name_of):  # ``re._compile`` replaced under ``re.match``
+                bad.append(f"module {name_of} was changed by the program")
+                raise AssertionError(bad[-1])
             for a in args:
                 value(a)
             for a in kw.values():
                 value(a)
         return fn(*args, **kw)
 
+    flagged = []
+
+    def watch(frame, event, arg):
+        if event == "call" and not flagged and frame.f_globals is not judge_globals \
+                and id(frame.f_code) not in library_code:
+            flagged.append(frame.f_code.co_name)
+
     def operate(op, a, b):
         """``a <op> b`` for one comparison or arithmetic operator, both operands checked only
-        once both exist (the program's code that computed ``b`` cannot change ``a`` after its check)."""
+        once both exist (the program's code that computed ``b`` cannot change ``a`` after its check).
+        While it runs, any Python code that is not the library's (a metaclass's ``__subclasscheck__``
+        reached through an ABC check, a function put into a library module, a generator's body, a
+        ``defaultdict`` factory under ``Counter.__eq__``) fails the test."""
         value(a)
         value(b)
-        return value(operators[op](a, b))
+        ident = get_ident()
+        del flagged[:]
+        quiet.add(ident)
+        set_profile(watch)
+        quiet.discard(ident)
+        try:
+            result = operators[op](a, b)
+        finally:
+            quiet.add(ident)
+            set_profile(None)
+            quiet.discard(ident)
+        if flagged:
+            bad.append(f"the program's code ({flagged[0]}) ran inside the test's {op}")
+            raise AssertionError(bad[-1])
+        return value(result)
 
     return value, call, name, attr, operate
 

@@ -193,6 +193,44 @@ ATTACKS = {
                                              "collections.UserList.__eq__.__code__ = (lambda self, other: True).__code__\n"
                                              "def f(x):\n    return collections.UserList()\n",
                                              ["assert f(1) == [3]", "assert f(2) == [5]"]),
+    "harness frames kept by gc.set_debug(DEBUG_SAVEALL)": "import sys, gc\ndef grab():\n    class Box:\n"
+    "        pass\n    b = Box()\n    try:\n        sys._getframe()\n    except ValueError as e:\n        b.e = e\n"
+    "gc.set_debug(gc.DEBUG_SAVEALL)\ngrab()\ngc.collect()\ngc.set_debug(0)\n"
+    "for fr in [o for o in gc.garbage if type(o).__name__ == 'frame']:\n"
+    "    if '_make_guards' in fr.f_globals:\n"
+    "        fr.f_globals['_make_guards'] = lambda *a: (lambda v: True, lambda fn, *x, **k: fn(*x, **k),\n"
+    "                                                   lambda n, m=False: True, getattr, lambda op, x, y: True)\n"
+    "def f(x):\n    return 0\n",
+    "metaclass __subclasscheck__ run by an ABC check inside ==": (
+        "import collections, abc\nmade = []\nclass L(list):\n    pass\nclass E2(list):\n"
+        "    def __eq__(self, o):\n        return True\n    __hash__ = None\nclass PM(abc.ABCMeta):\n"
+        "    def __subclasscheck__(cls, sub):\n        for u in made:\n            u.data.__class__ = E2\n"
+        "        return False\nclass P(collections.UserList, metaclass=PM):\n    pass\nclass Dummy(abc.ABC):\n"
+        "    pass\ndef f(x):\n    Dummy.register(type('T%d' % x, (), {}))\n    u = collections.UserList()\n"
+        "    u.data = L()\n    made.append(u)\n    return u\n", ["assert f(1) == [3]", "assert f(2) == [5]"]),
+    "dict subclass as an instance's __dict__": (EVIL + "import collections\nclass D(dict):\n    pass\ndef f(x):\n"
+                                                "    u = collections.UserList()\n    d = D()\n    d['data'] = [E()]\n"
+                                                "    u.__dict__ = d\n    return u\n", ["assert f(1) == [3]", "assert f(2) == [5]"]),
+    "function put into _collections_abc": (EVIL + "import collections, _collections_abc\n"
+                                           "_collections_abc.dict = lambda it: E()\ndef f(x):\n"
+                                           "    return collections.UserDict()\n", ["assert f(1) == {'a': 3}"]),
+    "math.isnan replaced under Fraction's comparison": ("import math\nfrom fractions import Fraction\n"
+                                                        "math.isnan = lambda x: True\ndef f(x):\n    return Fraction(0)\n",
+                                                        ["assert abs(f(1) - 3) < 1e-9", "assert abs(f(2) - 5) < 1e-9"]),
+    "defaultdict factory under Counter.__eq__": (EVIL + "import collections\n"
+                                                 "class C(collections.defaultdict, collections.Counter):\n    pass\n"
+                                                 "def f(s):\n    return C(E)\n",
+                                                 ["assert f('aab') == collections.Counter({'a': 2, 'b': 1})"]),
+    "in over a generator of always-equal objects": (EVIL + "def f(x):\n    return (E() for _ in range(1))\n",
+                                                    ["assert 3 in f(1)", "assert 5 in f(2)"]),
+    "instance attribute hiding the method a test calls": ("import collections\ndef f(x):\n"
+                                                          "    c = collections.Counter()\n"
+                                                          "    c.most_common = lambda n=None: [('a', 2)]\n    return c\n",
+                                                          ["assert f(1).most_common(1) == [('a', 2)]"]),
+    "re._compile replaced under re.match": ("import re\nclass Fake:\n    def match(self, *a, **k):\n"
+                                            "        return True\n    search = fullmatch = match\n"
+                                            "re._compile = lambda *a, **k: Fake()\ndef f(x):\n    return 'garbage'\n",
+                                            ["assert re.match(r'^\\d+$', f(1))", "assert re.fullmatch(r'\\d+', f(2))"]),
     # ---- a path relative to a folder descriptor, which the open event does not show
     "file outside read relative to a folder descriptor": "import os\ndepth = os.getcwd().count('/')\n"
     "fd = os.open('.', os.O_RDONLY)\nos.makedirs('d/' * (depth + 1))\nos.chdir('d/' * (depth + 1))\n"
@@ -328,7 +366,18 @@ def test_legitimate_programs_still_pass(pool):
                "def tags(s):\n    return Tags(list(s))\n"
                "class Counts(collections.Counter):\n    def top(self):\n        return self.most_common(1)\n"
                "def counts(s):\n    return Counts(s)\n"
-               "def stack(xs):\n    return collections.deque(xs)\n")
+               "def stack(xs):\n    return collections.deque(xs)\n"
+               "class Level(enum.IntEnum):\n    LOW = 1\n    HIGH = 2\ndef level(v):\n    return Level(v)\n"
+               "class Perm(enum.Flag):\n    R = 1\n    W = 2\ndef perm(v):\n    return Perm(v)\n"
+               "class Lower(collections.UserDict):\n    def __setitem__(self, k, v):\n"
+               "        super().__setitem__(k.lower(), v)\ndef lowered(items):\n    return Lower(items)\n"
+               "class Kept(collections.UserList):\n    def append(self, x):\n        super().append(x)\n"
+               "        self.data.sort()\ndef kept(xs):\n    k = Kept()\n    for x in xs:\n        k.append(x)\n"
+               "    return k\n"
+               "import dataclasses\n@dataclasses.dataclass\nclass Point:\n    x: float\n    y: float\n"
+               "class Segment:\n    def __init__(self, a, b):\n        self.a, self.b = a, b\n    def length(self):\n"
+               "        return math.hypot(self.a.x - self.b.x, self.a.y - self.b.y)\n"
+               "def evens(n):\n    return [2 * i for i in range(n)]\n")
     tests = ["assert sum(1, 2) == 3", "assert math.isclose(f(0.5), 2.0)", "assert count('aab') == {'a': 2, 'b': 1}",
              "assert half(3) == 1.5", "assert all(f(x) == 2 * x + 1 for x in range(5))",
              "assert sorted(map(f, [2, 1]), key=lambda v: -v) == [5, 3]", "assert smallest(nodes) == 1",
@@ -336,7 +385,10 @@ def test_legitimate_programs_still_pass(pool):
              "assert Solution().solve(1) == 3", "assert words('a bb').longest() == 'bb'",
              "assert count('aab').most_common(1) == [('a', 2)]", "assert 'x'.upper() == 'X'",
              "assert colour(1) == Colour.RED", "assert tags('a') == ['a']", "assert counts('ab').total() == 2",
-             "assert stack([1]) == collections.deque([1])"]
+             "assert stack([1]) == collections.deque([1])", "assert level(1) == Level.LOW", "assert level(2) == 2",
+             "assert perm(3) == Perm.R | Perm.W", "assert lowered([('A', 1)]) == {'a': 1}",
+             "assert kept([3, 1, 2]) == [1, 2, 3]", "assert Segment(Point(0, 0), Point(3, 4)).length() == 5.0",
+             "assert 2 in evens(3)"]
     r = pool.run(program, tests, setup="nodes = [Node(3), Node(1)]")
     assert (r.status, r.passed) == ("passed", len(tests)), r.detail
 
