@@ -124,14 +124,16 @@ def _make_trust(snapshot: dict, modules: dict | None = None, codes: dict | None 
     absent, proxy = object(), types.MappingProxyType
     module_dict = type(_judge_sys).__dict__["__dict__"].__get__
     module_named = {rec[2]: rec for rec in (modules or {}).values()}
+    module_by_id = {id(rec[0]): rec for rec in (modules or {}).values()}
     builtin_names = frozenset(vars(builtins))
     code_kinds = (types.FunctionType, types.BuiltinFunctionType, type, classmethod, staticmethod, property,
                   types.ModuleType)
 
-    def module_intact(name) -> bool:
-        """Whether the globals that a library class's Python code runs with (its module's) still hold
-        what they held: no function or class replaced, no name added that hides a builtin
-        (``collections.all = ...`` would decide ``Counter.__eq__``)."""
+    def module_intact(name, depth: int = 1) -> bool:
+        """Whether the globals that a library's Python code runs with (its module's, and those of the
+        modules it holds, ``depth`` levels down: ``re`` -> ``re._compiler``) still hold what they held:
+        no function, class or module replaced, no name added that hides a builtin (``collections.all
+        = ...`` would decide ``Counter.__eq__``)."""
         rec = module_named.get(name) if type(name) is str else None
         if rec is None:
             return True  # not a module of the snapshot's (then its classes were not either)
@@ -145,8 +147,39 @@ def _make_trust(snapshot: dict, modules: dict | None = None, codes: dict | None 
                     return False
             elif v is not was and isinstance(was, code_kinds):
                 return False
+            elif depth and type(v) is types.ModuleType and v is not rec[0]:
+                inner = module_by_id.get(id(v))
+                if inner is not None and inner[0] is v and not module_intact(inner[2], depth - 1):
+                    return False
         return True
     verdicts = {}  # types no program can change (none of their classes is a mutable Python-level one)
+    called_by = {}  # id(library class) -> (class, names its comparison code reads off ``self``)
+    code_type = types.CodeType
+
+    def comparison_names(cls, saved: dict) -> frozenset:
+        """Names the Python code of ``cls``'s comparison and arithmetic methods reads (``UserList.__eq__``
+        reads ``data`` and ``_UserList__cast``), following the methods of ``cls`` they name."""
+        hit = called_by.get(id(cls))
+        if hit is not None and hit[0] is cls:
+            return hit[1]
+        names, todo, seen = set(), [saved.get(n) for n in _DUNDERS], set()
+        while todo:
+            f = todo.pop()
+            f = getattr(f, "__func__", f) if type(f) in (classmethod, staticmethod) else f
+            if type(f) is not types.FunctionType or id(f) in seen:
+                continue
+            seen.add(id(f))
+            codes = [f.__code__]
+            while codes:
+                c = codes.pop()
+                for n in c.co_names:
+                    if n not in names:
+                        names.add(n)
+                        todo.append(saved.get(n))
+                codes.extend(x for x in c.co_consts if type(x) is code_type)
+        result = frozenset(names)
+        called_by[id(cls)] = (cls, result)
+        return result
 
     def dict_items(v):
         for k, x in dict.items(v):
@@ -174,7 +207,7 @@ def _make_trust(snapshot: dict, modules: dict | None = None, codes: dict | None 
         mutable = any(flags_of(c) & heap and not flags_of(c) & immutable for c in mro)
         if any(issubclass(tp, n) for n in never):
             return None, mutable
-        members, dict_get, made = [], None, []
+        members, dict_get, made, protected, defined, made_dicts = [], None, [], set(), {}, []
         library = {}  # name -> what the snapshot's classes in ``tp``'s method order define under it
         for cls in mro:
             entry = snapshot.get(id(cls))
@@ -190,6 +223,10 @@ def _make_trust(snapshot: dict, modules: dict | None = None, codes: dict | None 
                         return None, mutable
                     if not module_intact(saved.get("__module__")):
                         return None, mutable
+                    protected.update(comparison_names(cls, saved))
+                    for k, x in dict.items(saved):  # methods and other callables, not data
+                        if callable(x) or type(x) in (classmethod, staticmethod, property):
+                            defined.setdefault(k, []).append(x)
                 for name in dunders:
                     library.setdefault(name, []).append(d.get(name))
             else:  # created while the program ran: its comparison methods are C code of its own, or
@@ -200,6 +237,7 @@ def _make_trust(snapshot: dict, modules: dict | None = None, codes: dict | None 
                     if name in dunders and f is not None and not (type(f) is wrapper and f.__objclass__ is cls) \
                             and not any(f is x for x in library.get(name, ())):
                         made.append((name, f))
+                made_dicts.append(d)
             if flags_of(tp) & (1 << 9) or id(tp) in walk_static:
                 for name, f in d.items():
                     if type(f) is member:
@@ -209,6 +247,13 @@ def _make_trust(snapshot: dict, modules: dict | None = None, codes: dict | None 
         for name, f in made:  # (a library class may come after the made one in the method order)
             if not any(f is x for x in library.get(name, ())):
                 return None, mutable
+        # a library method or helper its comparisons call, replaced by a program-made subclass (with any
+        # callable: ``_UserList__cast = functools.partialmethod(getattr, 'data')`` runs no program code)
+        guarded_names = frozenset(n for n in protected if n in defined)
+        for d in made_dicts:  # (what enum's metaclass copies from the library class is the same object)
+            for name, f in d.items():
+                if name in guarded_names and not any(f is x for x in defined[name]):
+                    return None, mutable
         elements = None
         if issubclass(tp, dict):
             elements = dict_items
@@ -221,7 +266,7 @@ def _make_trust(snapshot: dict, modules: dict | None = None, codes: dict | None 
                 for view in view_types:
                     if tp is view:
                         elements = view.__iter__
-        return (elements, tuple(members), dict_get), mutable
+        return (elements, tuple(members), dict_get, guarded_names), mutable
 
     value_bases = (int, float, complex, str, bytes, list, tuple, dict, set, frozenset)
 
@@ -274,7 +319,7 @@ def _make_trust(snapshot: dict, modules: dict | None = None, codes: dict | None 
             found = info(tp, local)
             if found is None:
                 return False
-            elements, members, dict_get = found
+            elements, members, dict_get, guarded_names = found
             if elements is not None:
                 stack.extend(elements(v))
             for m in members:
@@ -287,6 +332,9 @@ def _make_trust(snapshot: dict, modules: dict | None = None, codes: dict | None 
                 if d is not None and type(d) is not proxy:  # (a class's namespace: not the value's data)
                     if type(d) is not dict:  # a dict subclass set as ``__dict__``: not walked, so not trusted
                         return False
+                    for k in dict.keys(d):  # an instance attribute hiding a helper a library comparison calls
+                        if type(k) is not str or k in guarded_names:
+                            return False
                     stack.extend(dict_items(d))
         return True
 
@@ -318,7 +366,8 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
     ``name``: a builtin name means the real builtin, unless the program defines it and the
     test names none of the program's other globals (the tested function itself is called
     ``sum``); a module name means that module when the test reads an attribute of it
-    (``math.isclose``), otherwise unless the program defined a function of that name."""
+    (``math.isclose``), otherwise unless the program bound something else to that name
+    (``from datetime import datetime``, a global ``string = ...``)."""
     trusted, overridden, operators, library_code, module_intact, library_class = judge
     function, module_type, missing = type(_make_guards), type(_judge_sys), object()
     shadow_ok = not any(n not in builtins and n in ns for n in test_names)
@@ -333,7 +382,7 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
             return builtins[n]
         v = ns.get(n, missing)
         real = by_name.get(n)
-        if real is not None and not (type(v) is function and v.__globals__ is ns):
+        if real is not None and (v is missing or type(v) is module_type):
             return real  # (identity tests only: a metaclass's __eq__ must not decide this)
         if v is missing:
             raise NameError(f"name {n!r} is not defined")
@@ -350,7 +399,8 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
         return getattr(obj, n)
 
     count, gc_disable, gc_callbacks, set_profile, get_ident, quiet = tools
-    method = type(_guard_wrap.__get__(0))  # bound methods
+    method, builtin_method = type(_guard_wrap.__get__(0)), type([].append)  # bound methods
+    mro_of, dict_of = type.__dict__["__mro__"].__get__, type.__dict__["__dict__"].__get__
     judge_globals = _make_guards.__globals__
     real_globals = {id(vars(rec[0])): rec[2] for rec in modules.values()}
 
@@ -374,21 +424,35 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
             return not library_class(fn)
         return type(fn) is function and fn.__globals__ is ns
 
+    def materialized(x):
+        """An iterator the program made (a generator, ``map`` over its function) as a list: its code
+        runs here, as the program's own computation, not inside a guarded library operation."""
+        return list(x) if any("__next__" in dict_of(c) for c in mro_of(type(x))) else x
+
     def call(fn, *args, **kw):
-        if not own(fn):
-            if type(fn) is method:
-                fn_globals = fn.__func__.__globals__ if type(fn.__func__) is function else None
-            else:
-                fn_globals = fn.__globals__ if type(fn) is function else None
-            name_of = real_globals.get(id(fn_globals)) if fn_globals is not None else None
-            if name_of is not None and not module_intact(name_of):  # ``re._compile`` replaced under ``re.match``
-                bad.append(f"module {name_of} was changed by the program")
-                raise AssertionError(bad[-1])
-            for a in args:
-                value(a)
-            for a in kw.values():
-                value(a)
-        return fn(*args, **kw)
+        if own(fn):
+            return fn(*args, **kw)
+        if type(fn) is method:
+            fn_globals = fn.__func__.__globals__ if type(fn.__func__) is function else None
+        else:
+            fn_globals = fn.__globals__ if type(fn) is function else None
+        name_of = real_globals.get(id(fn_globals)) if fn_globals is not None else None
+        if name_of is not None and not module_intact(name_of):  # ``re._compile`` replaced under ``re.match``
+            bad.append(f"module {name_of} was changed by the program")
+            raise AssertionError(bad[-1])
+        for a in args:
+            value(a)
+        for a in kw.values():
+            value(a)
+        receiver = getattr(fn, "__self__", None) if type(fn) in (method, builtin_method) else None
+        if receiver is None or type(receiver) is module_type:
+            return fn(*args, **kw)
+        # a library method of a value (``u.startswith``, ``c.most_common``): the program's code must not
+        # run inside it (a ``str`` subclass held as ``UserString.data``, a ``Counter`` subclass's ``items``)
+        args = [materialized(a) for a in args]
+        for a in args:
+            value(a)
+        return guarded("the test's call of " + getattr(fn, "__name__", "a method"), fn, *args, **kw)
 
     flagged = []
 
@@ -397,29 +461,42 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
                 and id(frame.f_code) not in library_code:
             flagged.append(frame.f_code.co_name)
 
-    def operate(op, a, b):
-        """``a <op> b`` for one comparison or arithmetic operator, both operands checked only
-        once both exist (the program's code that computed ``b`` cannot change ``a`` after its check).
-        While it runs, any Python code that is not the library's (a metaclass's ``__subclasscheck__``
-        reached through an ABC check, a function put into a library module, a generator's body, a
-        ``defaultdict`` factory under ``Counter.__eq__``) fails the test."""
-        value(a)
-        value(b)
+    def guarded(what: str, fn, *args, **kw):
+        """``fn(*args, **kw)`` with no Python code but the library's (and the judge's) allowed to run."""
         ident = get_ident()
         del flagged[:]
         quiet.add(ident)
         set_profile(watch)
         quiet.discard(ident)
         try:
-            result = operators[op](a, b)
+            result = fn(*args, **kw)
         finally:
             quiet.add(ident)
             set_profile(None)
             quiet.discard(ident)
         if flagged:
-            bad.append(f"the program's code ({flagged[0]}) ran inside the test's {op}")
+            bad.append(f"the program's code ({flagged[0]}) ran inside {what}")
             raise AssertionError(bad[-1])
-        return value(result)
+        return result
+
+    def operate(op, a, b):
+        """``a <op> b`` for one comparison or arithmetic operator, both operands checked only
+        once both exist (the program's code that computed ``b`` cannot change ``a`` after its check).
+        While it runs, any Python code that is not the library's (a metaclass's ``__subclasscheck__``
+        reached through an ABC check, a function put into a library module, a generator's body, a
+        ``defaultdict`` factory under ``Counter.__eq__``) fails the test."""
+        if op == "chain":  # ``a < b < c``: a (the operator names), b (every operand, already evaluated)
+            result = True
+            for i, name_ in enumerate(a):
+                result = operate(name_, b[i], b[i + 1])
+                if not result:
+                    break
+            return result
+        if op in ("in_", "not_in"):  # ``3 in gen``: the program's generator runs first, as its own code
+            b = materialized(b)
+        value(a)
+        value(b)
+        return value(guarded(f"the test's {op}", operators[op], a, b))
 
     return value, call, name, attr, operate
 
@@ -487,10 +564,10 @@ def _guard_rewrite(node, state):
         return _guard_operate(type(node.ops[0]).__name__, node.left, node.comparators[0])
     if isinstance(node, ast.BinOp):
         return _guard_operate(type(node.op).__name__, node.left, node.right)
-    if isinstance(node, ast.Compare):  # a chain (a < b < c): each operand checked when evaluated
-        node.left = w(node.left)
-        node.comparators = [w(c) for c in node.comparators]
-        return w(node)
+    if isinstance(node, ast.Compare):  # a chain (a < b < c): every operand first, then each comparison guarded
+        ops = ast.Tuple([ast.Constant(_OP_NAMES[type(o).__name__]) for o in node.ops], ast.Load())
+        return ast.Call(ast.Name(_OP, ast.Load()), [ast.Constant("chain"), ops,
+                                                    ast.List([node.left, *node.comparators], ast.Load())], [])
     if isinstance(node, ast.UnaryOp):
         node.operand = w(node.operand)
     elif isinstance(node, ast.BoolOp):

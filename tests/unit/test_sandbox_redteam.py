@@ -231,6 +231,33 @@ ATTACKS = {
                                             "        return True\n    search = fullmatch = match\n"
                                             "re._compile = lambda *a, **k: Fake()\ndef f(x):\n    return 'garbage'\n",
                                             ["assert re.match(r'^\\d+$', f(1))", "assert re.fullmatch(r'\\d+', f(2))"]),
+    "C-callable helper in place of UserList's __cast": ("import collections, functools\n"
+                                                      "class L(collections.UserList):\n"
+                                                      "    _UserList__cast = functools.partialmethod(getattr, 'data')\n"
+                                                      "def f(x):\n    return L()\n",
+                                                      ["assert f(1) == 3", "assert f(2) == [5]"]),
+    "C-callable helper on an instance": ("import collections, functools\ndef f(x):\n"
+                                         "    u = collections.UserList([0])\n"
+                                         "    u._UserList__cast = functools.partial(getattr, u, 'data')\n    return u\n",
+                                         ["assert f(1) == [3]", "assert f(2) == [5]"]),
+    "str subclass held by a UserString": ("import collections\nclass S(str):\n    def startswith(self, *a):\n"
+                                          "        return True\n    endswith = startswith\ndef f(x):\n"
+                                          "    u = collections.UserString('')\n    u.data = S('garbage')\n    return u\n",
+                                          ["assert f(1).startswith('3')", "assert f(2).endswith('5')"]),
+    "Counter subclass's items under most_common": ("import collections\nclass C(collections.Counter):\n"
+                                                   "    def items(self):\n        return [(3, 1)]\n"
+                                                   "def f(x):\n    return C()\n",
+                                                   ["assert f(1).most_common(1) == [(3, 1)]"]),
+    "module behind a library function patched": ("import re, re._compiler as rc\n_orig = rc.compile\n"
+                                                 "rc.compile = lambda p, flags=0: _orig('(?s).*', 0)\n"
+                                                 "def f(x):\n    return 'garbage'\n",
+                                                 ["assert re.match(r'^\\d+$', f(1))", "assert re.search(r'5', f(2))"]),
+    "chained comparison changed by a later operand": (EVIL.replace("__eq__", "__lt__") + "state = {}\ndef f(x):\n"
+                                                      "    if x == 3:\n        state[2][0] = E()\n        return [0]\n"
+                                                      "    state[x] = [x]\n    return state[x]\n",
+                                                      ["assert f(1) < f(2) < f(3)"]),
+    "in over an endless library iterator": ("import itertools\ndef f(x):\n    return itertools.count()\n",
+                                            ["assert 3 in f(1)", "assert 5 in f(2)"]),
     # ---- a path relative to a folder descriptor, which the open event does not show
     "file outside read relative to a folder descriptor": "import os\ndepth = os.getcwd().count('/')\n"
     "fd = os.open('.', os.O_RDONLY)\nos.makedirs('d/' * (depth + 1))\nos.chdir('d/' * (depth + 1))\n"
@@ -377,7 +404,12 @@ def test_legitimate_programs_still_pass(pool):
                "import dataclasses\n@dataclasses.dataclass\nclass Point:\n    x: float\n    y: float\n"
                "class Segment:\n    def __init__(self, a, b):\n        self.a, self.b = a, b\n    def length(self):\n"
                "        return math.hypot(self.a.x - self.b.x, self.a.y - self.b.y)\n"
-               "def evens(n):\n    return [2 * i for i in range(n)]\n")
+               "def evens(n):\n    return [2 * i for i in range(n)]\n"
+               "def primes(n):\n    for k in range(2, n):\n        if all(k % d for d in range(2, k)):\n"
+               "            yield k\n"
+               "from datetime import datetime\ndef parse(s):\n    return datetime.strptime(s, '%Y-%m-%d')\n"
+               "string = 'hello world'\ndef count_o(s):\n    return s.count('o')\n"
+               "def letters(s):\n    return (c for c in s)\n")
     tests = ["assert sum(1, 2) == 3", "assert math.isclose(f(0.5), 2.0)", "assert count('aab') == {'a': 2, 'b': 1}",
              "assert half(3) == 1.5", "assert all(f(x) == 2 * x + 1 for x in range(5))",
              "assert sorted(map(f, [2, 1]), key=lambda v: -v) == [5, 3]", "assert smallest(nodes) == 1",
@@ -388,7 +420,9 @@ def test_legitimate_programs_still_pass(pool):
              "assert stack([1]) == collections.deque([1])", "assert level(1) == Level.LOW", "assert level(2) == 2",
              "assert perm(3) == Perm.R | Perm.W", "assert lowered([('A', 1)]) == {'a': 1}",
              "assert kept([3, 1, 2]) == [1, 2, 3]", "assert Segment(Point(0, 0), Point(3, 4)).length() == 5.0",
-             "assert 2 in evens(3)"]
+             "assert 2 in evens(3)", "assert 7 in primes(20)", "assert parse('2024-01-02') == datetime(2024, 1, 2)",
+             "assert copy([1]) == [1]", "assert count_o(string) == 2", "assert 1 < f(1) < 4 <= f(2)",
+             "assert ''.join(letters('ab')) == 'ab'", "assert 'a-b'.split('-') == ['a', 'b']"]
     r = pool.run(program, tests, setup="nodes = [Node(3), Node(1)]")
     assert (r.status, r.passed) == ("passed", len(tests)), r.detail
 
