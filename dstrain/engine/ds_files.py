@@ -176,7 +176,20 @@ def load_ds_json(path) -> dict:
         raise DSConfigError(str(path), str(exc)) from exc
     if not isinstance(data, dict):
         raise DSConfigError(str(path), f"top level must be a JSON object, got {type(data).__name__}")
-    return data
+    return canonical_forms(data)
+
+
+def canonical_forms(cfg: dict) -> dict:
+    """The forms DeepSpeed still reads under older spellings, as their current ones: a ``"bfloat16"``
+    section (DeepSpeed-Chat writes it) as ``"bf16"`` when there is no ``"bf16"``, and the boolean
+    ``"zero_optimization": true`` (DeepSpeed's getting-started tutorial) as ``{"stage": 1}`` (false:
+    stage 0)."""
+    out = dict(cfg)
+    if "bfloat16" in out and "bf16" not in out:
+        out = {("bf16" if k == "bfloat16" else k): v for k, v in out.items()}
+    if isinstance(out.get("zero_optimization"), bool):
+        out["zero_optimization"] = {"stage": 1 if out["zero_optimization"] else 0}
+    return out
 
 
 def _top_level_problems(cfg: dict) -> list[str]:

@@ -71,6 +71,8 @@ PLAIN_SECTION_KEYS = {
 
 _DTYPES = {"fp32", "float32", "float", "fp16", "float16", "half", "bf16", "bfloat16"}
 _HALF = {"fp16", "float16", "half"}
+_CANONICAL_DTYPE = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "fp16": "fp16", "float16": "fp16", "half": "fp16",
+                    "bf16": "bf16", "bfloat16": "bf16"}
 
 
 def _enabled(block) -> bool:
@@ -148,6 +150,12 @@ def _dtype_problems(cfg: dict, device_type: str, problems: list[str]) -> None:
             problems.append(f"{path}: must be one of fp32, fp16, bf16, file says {value!r}")
         elif device_type == "cpu" and value.lower() in _HALF:
             problems.append(f"{path}: fp16 does not run on the CPU accelerator; use \"bf16\" or \"fp32\"")
+        elif path == "data_types.grad_accum_dtype" and describe_zero(cfg)["stage"] == 0:
+            weights = next((k for k in ("bf16", "fp16") if _enabled(cfg.get(k))), "fp32")
+            if _CANONICAL_DTYPE[value.lower()] != weights:
+                problems.append(f"{path}: {value} with {weights} weights needs ZeRO stage 1 or more (at stage 0 "
+                                f"DeepSpeed stops at start-up: 'unsupported mix of model_dtype and grad_accum_dtype'); "
+                                f"set it to \"{weights}\" or drop it")
 
 
 def _unused_sections(cfg: dict, problems: list[str]) -> None:
@@ -234,6 +242,10 @@ def _optimizer_problems(cfg: dict, device_type: str, problems: list[str]) -> Non
             " (or remove the optimizer block: dstrain then builds AdamW from the run config)"
         problems.append(f"optimizer.type: {name!r} runs DeepSpeed's {kernel} CUDA kernel, which the CPU "
                         f"accelerator does not have; use \"AdamW\"{alt}")
+        return
+    if kind in ("muadam", "muadamw", "musgd") and importlib.util.find_spec("mup") is None:
+        problems.append(f"optimizer.type: {name!r} is DeepSpeed's wrapper of the mup package, which is not "
+                        "installed here (DeepSpeed would stop at start-up); pip install mup, or use \"AdamW\"")
         return
     if kind in DEEPSPEED_OPTIMIZER_TYPES or kind in CUDA_ONLY_OPTIMIZERS:
         return

@@ -64,11 +64,17 @@ def _model_parts(cfg: RunConfig):
 
 
 def _file_precision(template: dict) -> str | None:
-    """The precision a DeepSpeed JSON fixes explicitly, if any."""
-    for key in ("bf16", "fp16"):
-        if template.get(key, {}).get("enabled") is True:
+    """The precision a DeepSpeed JSON fixes, None where it leaves it to dstrain ("auto", or a
+    ``torch_autocast`` section). A file with neither section enabled nor "auto" trains in fp32, as
+    DeepSpeed reads it (a user's file that never mentions bf16 is not switched to it)."""
+    sections = [template.get(key) for key in ("bf16", "fp16")]
+    for key, section in zip(("bf16", "fp16"), sections):
+        if isinstance(section, dict) and section.get("enabled") is True:
             return key
-    return None
+    if any(isinstance(s, dict) and str(s.get("enabled")).lower() == "auto" for s in sections) or \
+            (isinstance(template.get("torch_autocast"), dict) and template["torch_autocast"].get("enabled") is True):
+        return None
+    return "fp32"
 
 
 def run_values(cfg: RunConfig, world_size: int, precision: str, hidden_size: int) -> dsc.RunValues:

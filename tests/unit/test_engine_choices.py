@@ -259,3 +259,24 @@ def test_deepspeeds_bf16_overflow_check_gives_way_to_dstrains_guard(tmp_path, no
     assert plan.ds_config["bf16"]["enabled"] is True
     assert plan.ds_config["bf16"].get("check_grad_overflow") is expected
     assert ("check_grad_overflow -> false" in plan.explanation) == (expected is False)
+
+
+@pytest.mark.parametrize("sections, expected", [({}, "fp32"), ({"fp16": {"enabled": False}}, "fp32"),
+                                                ({"bf16": {"enabled": True}}, "bf16"),
+                                                ({"bfloat16": {"enabled": True}}, "bf16"),
+                                                ({"bf16": {"enabled": "auto"}}, "bf16")])
+def test_a_file_that_never_enables_16_bit_trains_fp32(tmp_path, sections, expected):
+    """As DeepSpeed reads it: a user's JSON without an enabled (or "auto") bf16/fp16 section is fp32, even on
+    a machine with fast bf16 (the hardware below has it); "auto" leaves the choice to the factory."""
+    import json
+
+    from dstrain.config import load_run_config
+    from dstrain.engine.factory import plan_engine
+    from dstrain.engine.profiles import Hardware
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": 1},
+                                **sections}))
+    cfg = load_run_config("models/gpt/recipes/tiny.json", [f"--output.dir={tmp_path}", f"--deepspeed.profile={path}"])
+    hw = Hardware(device_type="cpu", device_memory=64 << 30, host_memory=64 << 30, ranks_per_node=2,
+                  bf16_supported_fast=True, fp16_supported=False, name="test cpu")
+    assert plan_engine(cfg, 2, hw=hw).precision == expected
