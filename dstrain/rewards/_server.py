@@ -148,17 +148,17 @@ def _remove(path: str) -> None:
         top = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError:
         return
-    moved = 0
+    moved, progress = 0, True
     try:
-        while True:
+        while progress:  # a pass that removes or moves nothing (entries nothing can delete) is the last
+            progress = False
             with os.scandir(top) as it:
                 entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
-            if not entries:
-                break
             for name, is_dir in entries:
                 if not is_dir:
                     try:
                         os.unlink(name, dir_fd=top)
+                        progress = True
                     except OSError:
                         pass
                     continue
@@ -168,6 +168,7 @@ def _remove(path: str) -> None:
                     pass
                 try:
                     os.rmdir(name, dir_fd=top)  # already empty
+                    progress = True
                     continue
                 except OSError:
                     pass
@@ -182,6 +183,7 @@ def _remove(path: str) -> None:
                         moved += 1
                         try:
                             os.rename(child, f".rm{moved}-{child[:32]}", src_dir_fd=sub, dst_dir_fd=top)
+                            progress = True
                         except OSError:
                             pass
                 finally:

@@ -384,3 +384,32 @@ def test_a_temporary_folder_nobody_can_reach_is_refused_before_any_program_runs(
     os.chmod(private, 0o711)
     sandbox.check_tmp_root(SandboxLimits(tmp_root=str(private / "inner")))  # reachable now: no error
     sandbox.check_tmp_root(SandboxLimits(tmp_root=str(private / "inner"), drop_root=False))
+
+
+def test_folder_removal_needs_no_recursion_and_ends_on_what_it_cannot_delete(tmp_path, monkeypatch):
+    """The sandbox's folders are removed however deep a program nested them (beyond Python's recursion
+    limit and PATH_MAX), and an entry that cannot be deleted ends the removal instead of looping."""
+    import os
+
+    from dstrain.rewards._server import _remove
+    top = tmp_path / "job"
+    top.mkdir()
+    monkeypatch.chdir(top)
+    for i in range(1500):
+        os.mkdir(f"a{i}")
+    for i in range(1499, 0, -1):
+        os.rename(f"a{i}", f"a{i - 1}/a{i}")
+    os.mkdir("locked")
+    (top / "locked" / "f").write_text("x")
+    os.chmod("locked", 0o500)
+    monkeypatch.chdir(tmp_path)
+    _remove(str(top))
+    assert not top.exists()
+    stuck = tmp_path / "stuck"
+    stuck.mkdir()
+    (stuck / "f").write_text("x")
+    real_unlink = os.unlink
+    monkeypatch.setattr(os, "unlink", lambda *a, **k: (_ for _ in ()).throw(PermissionError("no")))
+    _remove(str(stuck))  # returns: nothing it can do
+    monkeypatch.setattr(os, "unlink", real_unlink)
+    assert (stuck / "f").exists()
