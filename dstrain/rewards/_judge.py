@@ -73,8 +73,12 @@ def _library_code(snap: dict, modules: dict) -> dict:
     codes, stack = {}, []
 
     def add(obj):
-        for f in (obj, getattr(obj, "__func__", None), getattr(obj, "fget", None), getattr(obj, "fset", None),
-                  getattr(obj, "__wrapped__", None) if type(obj) is function else None):
+        try:  # (a library object's attribute lookup may run its code, and fail: then it adds nothing)
+            found = (obj, getattr(obj, "__func__", None), getattr(obj, "fget", None), getattr(obj, "fset", None),
+                     getattr(obj, "__wrapped__", None) if type(obj) is function else None)
+        except Exception:
+            return
+        for f in found:
             if type(f) is function:
                 stack.append(f.__code__)
 
@@ -86,7 +90,10 @@ def _library_code(snap: dict, modules: dict) -> dict:
         for v in rec[1].values():
             add(v)
             if not isinstance(v, (type, types.ModuleType, function)):  # an instance a module holds:
-                attrs = getattr(v, "__dict__", None)  # its function attributes (``os.environ.encodekey``)
+                try:
+                    attrs = getattr(v, "__dict__", None)  # its function attributes (``os.environ.encodekey``)
+                except Exception:
+                    attrs = None
                 if type(attrs) is dict:
                     for a in attrs.values():
                         add(a)
@@ -101,9 +108,10 @@ def _library_code(snap: dict, modules: dict) -> dict:
 
 def _make_trust(snapshot: dict, modules: dict | None = None, codes: dict | None = None):
     """``(trusted(value) -> bool, overridden(obj, name) -> bool, operators, library code ids,
-    module_intact(name) -> bool, library_class(cls) -> bool)`` for one run (see the module docstring). They never call code of the program:
-    only C-level accessors, iterators and descriptors. ``modules``: the snapshot's modules (their
-    namespaces as they were); ``codes``: its library code (:func:`_library_code`)."""
+    module_intact(name) -> bool, library_class(cls) -> bool)`` for one run (see the module
+    docstring). They never call code of the program: only C-level accessors, iterators and
+    descriptors. ``modules``: the snapshot's modules (their namespaces as they were); ``codes``:
+    its library code (:func:`_library_code`)."""
     import builtins
     import collections
     import types
@@ -202,7 +210,8 @@ def _make_trust(snapshot: dict, modules: dict | None = None, codes: dict | None 
         it was then: its whole ``__dict__`` for a Python-level class (``UserList.__eq__`` calls
         ``self.__cast``: replacing that helper would change what ``==`` says), its comparison and
         arithmetic methods otherwise. A class made since may not define those methods (but with C
-        code of its own), nor anything a Python-level class of the snapshot above it defines."""
+        code of its own, or the library's very functions), nor a method or helper that the Python
+        code of a library class above it reads in its comparisons (:func:`comparison_names`)."""
         mro = mro_of(tp)
         mutable = any(flags_of(c) & heap and not flags_of(c) & immutable for c in mro)
         if any(issubclass(tp, n) for n in never):
