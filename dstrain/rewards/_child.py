@@ -27,7 +27,8 @@ pipe and leaves with ``os._exit``.
 
 How tests are judged (every value a test operates on must be made of classes that existed,
 unchanged, before the program ran; builtins and loaded modules as they were then) is in
-``_judge.py``, whose text runs in front of this file's in the same globals.
+``_judge.py`` (and how tests are rewritten for it in ``_rewrite.py``), whose texts run in front of
+this file's in the same globals.
 """
 
 STUB = "import sys; exec(compile(sys.argv[1], '<sandbox>', 'exec'), {'__name__': '__sandbox__'})"
@@ -362,7 +363,7 @@ def _describe(exc: BaseException) -> str:
 
 def _worker(job: dict, prepared: list, box: list, judge: tuple, done) -> None:
     """Runs program, setup and tests (the only place untrusted code runs); fills ``box``
-    with ``[passed, phase, detail]``. Each prepared test (``_judge._prepare_test``) is a
+    with ``[passed, phase, detail]``. Each prepared test (``_rewrite._prepare_test``) is a
     code object run as a function of the program's namespace with fresh guards."""
     import builtins
     import gc
@@ -498,7 +499,7 @@ def _execute(job: dict, result_fd: int, isolation: str, max_processes: int) -> N
     prepared = []
     for src in job["tests"]:
         try:
-            prepared.append(_prepare_test(src))  # noqa: F821  (from _judge.py, in whose globals this file runs)
+            prepared.append(_prepare_test(src))  # noqa: F821  (from _rewrite.py, in whose globals this file runs)
         except (SyntaxError, ValueError, TypeError) as e:
             prepared.append(_describe(e))
     total = len(prepared)

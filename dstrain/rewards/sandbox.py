@@ -110,7 +110,8 @@ MODES = ("fork_server", "spawn")
 def default_mode() -> str:
     """``"fork_server"`` on Linux (it relies on ``fork`` and ``/proc``), ``"spawn"`` elsewhere."""
     return "fork_server" if sys.platform.startswith("linux") else "spawn"
-_CHILD_SOURCE = (Path(_child.__file__).parent / "_judge.py").read_text() + Path(_child.__file__).read_text()
+_CHILD_SOURCE = "".join((Path(_child.__file__).parent / name).read_text() for name in ("_rewrite.py", "_judge.py")) \
+    + Path(_child.__file__).read_text()
 _RESULT_CAP = 1 << 16
 
 
