@@ -337,10 +337,13 @@ def cmd_plan(args, overrides) -> int:
 
 
 def cmd_check_config(args, overrides) -> int:
-    from dstrain.config import RunConfig, read_json, run_config_from_dict
-    data = read_json(args.file)
+    from dstrain.config import ConfigError, RunConfig, read_json, run_config_from_dict
+    try:
+        data = read_json(args.file)
+    except ConfigError:
+        data = None  # not plain JSON: a DeepSpeed file may still be (comments: DeepSpeed reads hjson)
     sections = {f for f in RunConfig.__dataclass_fields__}
-    if set(data) <= sections:
+    if data is not None and set(data) <= sections:
         run_config_from_dict(data, args.file, overrides)
         print(f"{args.file}: valid run config")
         return 0

@@ -53,7 +53,8 @@ def values_from_file(cfg: dict, hidden_size: int = 1024, world_size: int | None 
                                  ("optimizer.params.weight_decay", (int, float), False),
                                  ("scheduler.params.total_num_steps", int, True),
                                  ("scheduler.params.warmup_num_steps", int, False),
-                                 ("scheduler.params.cos_min_ratio", (int, float), False)):
+                                 ("scheduler.params.cos_min_ratio", (int, float), False),
+                                 ("scheduler.params.warmup_max_lr", (int, float), False)):
         value, problem = _number(cfg, path, kind, positive)
         if problem:
             problems.append(problem)
@@ -77,7 +78,8 @@ def values_from_file(cfg: dict, hidden_size: int = 1024, world_size: int | None 
     pick = lambda path, default: default if found[path] is None else found[path]  # noqa: E731
     return RunValues(
         micro_batch=micro or mb or t.micro_batch, grad_accum=accum or ga or t.grad_accum, dp_world_size=world,
-        lr=pick("optimizer.params.lr", t.lr), betas=tuple(betas) if isinstance(betas, list) else t.betas,
+        # the warm-up peak is the lr where the optimizer block leaves it "auto" (as values_from_file adopts it)
+        lr=pick("optimizer.params.lr", pick("scheduler.params.warmup_max_lr", t.lr)), betas=tuple(betas) if isinstance(betas, list) else t.betas,
         eps=pick("optimizer.params.eps", t.eps), weight_decay=pick("optimizer.params.weight_decay", t.weight_decay),
         grad_clip=pick("gradient_clipping", t.grad_clip), precision=precision, hidden_size=hidden_size,
         total_steps=pick("scheduler.params.total_num_steps", t.steps),
@@ -145,6 +147,20 @@ def deepspeed_problems(cfg: dict, full_parse: bool = True) -> list[str]:
             return _parse_problems(cfg, strict, full_parse)
         finally:
             ds_logger.setLevel(level)
+
+
+def _keys(problem: str) -> set[str]:
+    """Dotted keys a problem line names before its first ": " (``"zero_optimization.a, b: ..."`` names two)."""
+    head = problem.split(": ", 1)[0]
+    first, *rest = head.split(", ")
+    section = first.rsplit(".", 1)[0] + "." if "." in first else ""
+    return {first, *(section + name for name in rest)}
+
+
+def merge_problems(found: list[str], parsed: list[str]) -> list[str]:
+    """dstrain's problems, then DeepSpeed's parser's about keys dstrain has not already named."""
+    named = set().union(*map(_keys, found)) if found else set()
+    return found + [p for p in parsed if not _keys(p) & named]
 
 
 @contextmanager
@@ -218,8 +234,7 @@ def check_ds_file(path: str | Path, device_type: str | None = None, world_size: 
     except DSConfigError as err:
         filled, problems = _placeholders(cfg), list(err.problems)
     found, notes = section_problems(filled, device_type)
-    problems += found
-    problems += deepspeed_problems(filled, full_parse=not problems)
+    problems = merge_problems(problems + found, deepspeed_problems(filled, full_parse=not problems + found))
     if problems:
         raise DSConfigError(source, problems)
     zero = describe_zero(filled)

@@ -353,6 +353,11 @@ def _fill_zero(cfg: dict, v: RunValues, problems: list[str]) -> None:
     if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage <= 3:
         problems.append(f"zero_optimization.stage: must be 0, 1, 2 or 3, file says {_fmt(stage)}")
         return
+    if isinstance(zo.get("zenflow"), dict) and v.grad_accum > 1:
+        problems.append(f"zero_optimization.zenflow: ZenFlow updates the selected parameters at every micro-batch "
+                        f"and replaces gradient_accumulation_steps by its update_interval, so the run's gradient "
+                        f"accumulation {v.grad_accum} would not happen; use gradient accumulation 1 (a larger "
+                        "micro-batch)")
     if stage < 3 and _offloads(zo, "offload_param", "cpu_offload_param"):
         problems.append(f"zero_optimization.offload_param: parameter offload is only valid with ZeRO stage 3, "
                         f"file has stage {stage} (DeepSpeed would silently keep parameters on the device)")

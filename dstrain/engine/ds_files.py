@@ -161,8 +161,20 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
     return out
 
 
+def _as_hjson(text: str):
+    """``text`` as DeepSpeed's loader reads it (hjson: JSON plus comments, trailing commas, ...); None if not."""
+    try:
+        import hjson
+        return hjson.loads(text, object_pairs_hook=_no_duplicates)
+    except Exception:  # noqa: BLE001 - not readable that way either: the JSON error is the one to show
+        return None
+
+
 def load_ds_json(path) -> dict:
-    """Read a DeepSpeed JSON file; bad JSON or duplicate keys give a DSConfigError with line and column."""
+    """Read a DeepSpeed JSON file; bad JSON or duplicate keys give a DSConfigError with line and column.
+
+    What DeepSpeed's own loader (hjson) reads is read too: comments (``#``, ``//``), trailing commas.
+    """
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -171,7 +183,10 @@ def load_ds_json(path) -> dict:
     try:
         data = json.loads(text, object_pairs_hook=_no_duplicates)
     except json.JSONDecodeError as exc:
-        raise DSConfigError(str(path), f"invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from exc
+        data = _as_hjson(text)
+        if data is None:
+            raise DSConfigError(str(path), f"invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") \
+                from exc
     except ValueError as exc:  # duplicate key
         raise DSConfigError(str(path), str(exc)) from exc
     if not isinstance(data, dict):
@@ -179,16 +194,28 @@ def load_ds_json(path) -> dict:
     return canonical_forms(data)
 
 
+#: Strings DeepSpeed's (pydantic) precision sections accept for a boolean.
+_STRING_BOOLEANS = {**dict.fromkeys(("true", "1", "yes", "y", "on", "t"), True),
+                    **dict.fromkeys(("false", "0", "no", "n", "off", "f"), False)}
+
+
 def canonical_forms(cfg: dict) -> dict:
     """The forms DeepSpeed still reads under older spellings, as their current ones: a ``"bfloat16"``
     section (DeepSpeed-Chat writes it) as ``"bf16"`` when there is no ``"bf16"``, and the boolean
     ``"zero_optimization": true`` (DeepSpeed's getting-started tutorial) as ``{"stage": 1}`` (false:
-    stage 0)."""
+    stage 0), and a bf16 / fp16 ``enabled`` written as a string DeepSpeed's parser reads as a boolean
+    (``"true"``, ``"False"``, ``"1"``, ``"yes"``, ...) as that boolean."""
     out = dict(cfg)
     if "bfloat16" in out and "bf16" not in out:
         out = {("bf16" if k == "bfloat16" else k): v for k, v in out.items()}
     if isinstance(out.get("zero_optimization"), bool):
         out["zero_optimization"] = {"stage": 1 if out["zero_optimization"] else 0}
+    for key in ("bf16", "fp16"):
+        section = out.get(key)
+        if isinstance(section, dict) and isinstance(section.get("enabled"), str):
+            word = section["enabled"].strip().lower()
+            if word in _STRING_BOOLEANS:
+                out[key] = {**section, "enabled": _STRING_BOOLEANS[word]}
     return out
 
 

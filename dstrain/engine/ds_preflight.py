@@ -44,13 +44,44 @@ def _explicit(node, path: str):
     return None if dsc._is_auto(node) else node
 
 
+def _deepspeed_defaults(template: dict, taken: set[str]) -> list[tuple[str, object, str]]:
+    """What DeepSpeed itself uses where the file says nothing: ``(run key, value, why)``.
+
+    ``gradient_clipping`` (DeepSpeed's ``GRADIENT_CLIPPING_DEFAULT``), and for an Adam-family
+    block the constructor defaults of the optimizer DeepSpeed would build (FusedAdam, its CPU
+    Adam, or torch's with ``torch_adam``): lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight
+    decay 0 (torch.optim.AdamW: 0.01). A key set to "auto" is the run's, as without the flag.
+    """
+    from dstrain.engine.ds_check import accelerator_untouched
+    with accelerator_untouched():  # importing deepspeed picks an accelerator; leave that to the ranks
+        from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
+    found = []
+    if "gradient_clipping" not in template:
+        found.append(("train.grad_clip", float(GRADIENT_CLIPPING_DEFAULT), "gradient_clipping"))
+    block = template.get("optimizer")
+    kind = str(block.get("type", "")).lower() if isinstance(block, dict) else ""
+    params = block.get("params") if isinstance(block, dict) else None
+    params = params if isinstance(params, dict) else {}
+    if kind in dsc._ADAM_TYPES:
+        decoupled = kind == "adamw" or params.get("adam_w_mode", True) is not False
+        torch_adamw = params.get("torch_adam") is True and decoupled
+        for key, name, value in (("train.lr", "lr", 1e-3), ("train.betas", "betas", (0.9, 0.999)),
+                                 ("train.eps", "eps", 1e-8),
+                                 ("train.weight_decay", "weight_decay", 0.01 if torch_adamw else 0.0)):
+            if name not in params:
+                found.append((key, value, f"optimizer.params.{name}"))
+    return [(key, value, f"{path}: DeepSpeed's default, the file leaves it out") for key, value, path in found
+            if key not in taken]
+
+
 def adopt_file_values(cfg: RunConfig, world_size: int) -> list[tuple[str, object, str]]:
     """With ``deepspeed.values_from_file``: take the file's explicit values into ``cfg`` (in place).
 
     Batch sizes (DeepSpeed's derivation with the data-parallel size), optimizer lr, betas,
     eps and weight_decay, gradient_clipping, the scheduler's warm-up steps, warm-up peak
     (as lr, when the optimizer block gives none) and cosine floor, and bf16 / fp16 as the
-    precision. The scheduler's ``total_num_steps`` is not adopted: ``train.steps`` decides
+    precision; where the file leaves gradient_clipping or an Adam block's numbers out, what
+    DeepSpeed would use (:func:`_deepspeed_defaults`). The scheduler's ``total_num_steps`` is not adopted: ``train.steps`` decides
     how long the run is. Returns ``(run key, value, from where)`` for each value changed.
     """
     template, source = _template(cfg)
@@ -76,6 +107,7 @@ def adopt_file_values(cfg: RunConfig, world_size: int) -> list[tuple[str, object
         value = _explicit(template, path)
         if value is not None:
             wanted.append((key, tuple(value) if isinstance(value, list) else value, path))
+    wanted += _deepspeed_defaults(template, {key for key, _, _ in wanted})
     for kind in ("bf16", "fp16"):
         if _explicit(template, f"{kind}.enabled") is True:
             wanted.append(("deepspeed.precision", kind, f"{kind}.enabled"))
@@ -88,7 +120,8 @@ def adopt_file_values(cfg: RunConfig, world_size: int) -> list[tuple[str, object
             value = float(value)
         if old != value:
             setattr(holder, name, value)
-            adopted.append((key, value, f"{path} in {source} (was {dsc.format_override(old)})"))
+            where = path.replace(": ", f" in {source}: ", 1) if ": " in path else f"{path} in {source}"
+            adopted.append((key, value, f"{where} (was {dsc.format_override(old)})"))
     from dstrain.config import validate
     try:
         validate(cfg, source)
@@ -122,14 +155,11 @@ def check_run(cfg: RunConfig, world_size: int, device_type: str, strict: bool = 
     and, with ``strict``, parsed by DeepSpeed's own classes. The run's own fp16 request on
     a CPU is refused here too, naming the alternatives.
     """
+    from dstrain.engine.ds_check import _placeholders, deepspeed_problems, merge_problems
     from dstrain.engine.ds_sections import section_problems
     template, source = _template(cfg)
-    notes: list[str] = []
-    if template is not None:
-        found, notes = section_problems(template, device_type)
-        if found:  # before the filling, whose mismatch hints would not help
-            raise dsc.DSConfigError(source, found)
-    if device_type == "cpu" and cfg.deepspeed.precision == "fp16":
+    found, notes = section_problems(template, device_type) if template is not None else ([], [])
+    if device_type == "cpu" and cfg.deepspeed.precision == "fp16" and not found:  # else the file's fp16 is named
         raise ConfigError("run config", "deepspeed.precision",
                           "fp16 does not run on the CPU accelerator (DeepSpeed raises 'Type fp16 is not supported'); "
                           "use --deepspeed.precision=bf16 or --deepspeed.precision=fp32")
@@ -148,10 +178,17 @@ def check_run(cfg: RunConfig, world_size: int, device_type: str, strict: bool = 
             min_lr_ratio=t.min_lr_ratio)
     except ValueError as err:
         raise ConfigError("run config", "", str(err)) from None
-    filled = dsc.fill_ds_config(template, values, source)
-    if strict:
-        from dstrain.engine.ds_check import deepspeed_problems
-        problems = deepspeed_problems(filled)
-        if problems:
-            raise dsc.DSConfigError(source, problems)
+    filling = None
+    try:
+        filled = dsc.fill_ds_config(template, values, source)
+    except dsc.DSConfigError as err:
+        filling, filled = err, _placeholders(template)
+    # every problem in one refusal: the file's sections, its disagreements with the run, DeepSpeed's parser
+    strict = deepspeed_problems(filled, full_parse=filling is None and not found) if strict else []
+    if filling is not None and not found and not strict:
+        raise filling  # disagreements only: one line that ends with the overrides that remove them
+    problems = merge_problems(found + (filling.problems if filling is not None else []), strict)
+    if problems:
+        fixes = filling.fixes if filling is not None else {}
+        raise dsc.DSConfigError(source, problems, fixes)  # a list, ending with the overrides if any
     return notes

@@ -51,6 +51,10 @@ ZERO_QUANTIZED = ("zero_quantized_weights", "zero_quantized_nontrainable_weights
 STAGE0_USED = frozenset({"stage", "load_from_fp32_weights", "elastic_checkpoint", "reduce_bucket_size",
                          "allgather_bucket_size", "round_robin_gradients", "ignore_unused_parameters"})
 
+#: ZeRO keys only DeepSpeed's stage 1/2 optimizer reads (its stage 3 does not).
+STAGE12_ONLY = frozenset({"round_robin_gradients", "use_multi_rank_bucket_allreduce", "allgather_bucket_size",
+                          "ignore_unused_parameters", "parameter_alignment", "elastic_checkpoint"})
+
 #: Optimizer types whose DeepSpeed kernels exist only for CUDA (or need NCCL and cupy).
 CUDA_ONLY_OPTIMIZERS = {"lamb": "FusedLamb", "onebitadam": "1-bit Adam", "zerooneadam": "0/1 Adam",
                         "onebitlamb": "1-bit LAMB"}
@@ -102,6 +106,10 @@ def _zero_problems(cfg: dict, device_type: str, problems: list[str], notes: list
                         and k not in ("offload_optimizer", "cpu_offload"))
         if unused:
             notes.append(f"zero_optimization: stage 0 does not use {', '.join(unused)}")
+    if stage == 3:
+        unused = sorted(k for k in zo if k in STAGE12_ONLY)
+        if unused:
+            notes.append(f"zero_optimization: stage 3 does not use {', '.join(unused)} (stage 1/2 keys)")
     removed = sorted(k for k in zo if k in REMOVED_ZERO_KEYS)
     if removed:
         problems.append(f"zero_optimization.{', '.join(removed)}: {REMOVED_ZERO_KEYS[removed[0]]}; remove "
@@ -203,6 +211,8 @@ def _monitor_problems(cfg: dict, problems: list[str], notes: list[str]) -> None:
         notes.append("seq_parallel_communication_data_type: unused: only DeepSpeed's Ulysses sequence parallelism "
                      "(sequence_parallel_size > 1) reads it; dstrain's parallel.sp exchanges activations in the "
                      "model's own dtype")
+    if "disable_allgather" in cfg:
+        notes.append("disable_allgather: unused: DeepSpeed parses it and nothing reads it")
     aio = cfg.get("aio")
     zo = cfg.get("zero_optimization") if isinstance(cfg.get("zero_optimization"), dict) else {}
     nvme = any(isinstance(zo.get(k), dict) and str(zo[k].get("device", "")).lower() == "nvme"

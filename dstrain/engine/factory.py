@@ -21,7 +21,7 @@ from dstrain.engine import ds_config as dsc
 from dstrain.engine import hardware
 from dstrain.engine.grad_norm import NormKeeper, fast_zero_norm, keep_grad_norm
 from dstrain.engine.ds_sections import bf16_overflow_check
-from dstrain.engine.optim import OptimizerChoice, apply_optimizer_type, choose_optimizer
+from dstrain.engine.optim import OptimizerChoice, apply_optimizer_type, choose_optimizer, group_weight_decay
 from dstrain.engine.zero_tuning import fill_zero_sizes
 from dstrain.optim.lazy_state import client_optimizer, drop_stale_optimizer_state
 from dstrain.engine.profiles import (Plan, choose_plan, choose_precision, format_plan)
@@ -310,16 +310,17 @@ def mixed_precision(resolved: dict, template: dict, mode: str, device_type: str)
     return out, "bf16 as torch.autocast over fp32 weights (deepspeed.mixed_precision=autocast or auto on a GPU)"
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices and embeddings, not biases and norm gains (nanoGPT's rule)."""
+def param_groups(model: torch.nn.Module, weight_decay: float | None) -> list[dict]:
+    """Decay matrices and embeddings, not biases and norm gains (nanoGPT's rule); None: the
+    optimizer's own default for the decayed group (:func:`dstrain.engine.optim.group_weight_decay`)."""
     decay, no_decay = [], []
     for p in model.parameters():
         if not p.requires_grad:
             continue
         ndim = len(getattr(p, "ds_shape", p.shape))
         (decay if ndim >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0}]
+    decayed = {"params": decay} if weight_decay is None else {"params": decay, "weight_decay": weight_decay}
+    return [decayed, {"params": no_decay, "weight_decay": 0.0}]
 
 
 class WarmupCosine:
@@ -413,7 +414,11 @@ class Engine:
         Returns whether an update was taken: False off the boundary, when the guard skipped it and when
         DeepSpeed's fp16 loss scaler did (callers with their own updates, e.g. HRM's puzzle embeddings
         and EMA, follow this)."""
-        boundary = self.ds.is_gradient_accumulation_boundary()
+        ds = self.ds
+        if getattr(ds, "zenflow", False):  # DeepSpeed's boundary is ZenFlow's full update (it sets its accumulation
+            boundary = True  # to update_interval); every step updates the selected rows (refused unless grad_accum 1)
+        else:
+            boundary = ds.is_gradient_accumulation_boundary()
         if self._keeper is not None and boundary:
             self._keeper.before_step()
         skip = False
@@ -519,7 +524,7 @@ def create_engine(build_model: Callable[[], torch.nn.Module],
         parallel = None
         model = parallelize(model, activation_checkpointing=plan.activation_checkpointing)
     scheduler = None if "scheduler" in plan.ds_config else scheduler_factory(train)
-    groups = param_groups(model, train.weight_decay)
+    groups = param_groups(model, group_weight_decay(plan.optimizer, plan.ds_config, train.weight_decay))
     names = {id(p): n for n, p in model.named_parameters()}
     group_names = [[names[id(p)] for p in g["params"]] for g in groups]
     cuda_env.apply()  # DeepSpeed's op builders cannot parse e.g. TORCH_CUDA_ARCH_LIST=9.0a
@@ -572,7 +577,8 @@ def _create_pipeline_engine(build_model, pipeline_parts, plan: EnginePlan, train
         raise ValueError("parallel.pp > 1 needs the model's pipeline layers (ModelSpec.pipeline)")
     module = build_engine_module(build_model, pipeline_parts, plan.pipeline, plan.activation_checkpointing)
     scheduler = None if "scheduler" in plan.ds_config else scheduler_factory(train)
-    groups = [g for g in param_groups(module, train.weight_decay) if g["params"]]
+    decay = group_weight_decay(plan.optimizer, plan.ds_config, train.weight_decay)
+    groups = [g for g in param_groups(module, decay) if g["params"]]
     names = {id(p): n for n, p in module.named_parameters()}
     group_names = [[names[id(p)] for p in g["params"]] for g in groups]  # before ZeRO flattens the groups
     cuda_env.apply()

@@ -72,7 +72,14 @@ def cpu_bf16_is_fast(size: int = 512, min_speedup: float = 1.5, rounds: int = 5)
     flags = cpu_bf16_flags()
     note = (f"measured {size}^3 matmul (best of {rounds}): fp32 {fp32 / 1e9:.1f} GFLOP/s, bf16 "
             f"{bf16 / 1e9:.2f} GFLOP/s ({speedup:.2f}x); native bf16: {', '.join(flags) or 'none reported'}")
-    return bool(flags) and speedup >= min_speedup, note
+    fast = bool(flags) and speedup >= min_speedup
+    if fast:
+        note += "; bf16 is fast"
+    elif not flags:
+        note += "; no native bf16 (16-bit matmuls would be emulated): fp32"
+    else:
+        note += f"; bf16 under the {min_speedup:g}x that pays for mixed precision's casts: fp32"
+    return fast, note
 
 
 def local_world_size() -> int:
@@ -107,7 +114,7 @@ def detect_hardware(device_memory=None, host_memory=None, ranks_per_node: int | 
         mem = host // max(ranks, 1)
         bf16, speed = cpu_bf16_is_fast()
         name = "cpu"
-        notes.append(speed + ("; bf16 is faster" if bf16 else "; bf16 is slower: fp32"))
+        notes.append(speed)
         notes.append(f"CPU budget: {host / 2**30:.1f} GiB RAM / {ranks} local rank(s)")
     if device_memory is not None:
         mem = parse_bytes(device_memory)

@@ -80,6 +80,24 @@ class OptimizerChoice:
         return lambda groups: cls(groups, **kwargs)
 
 
+def group_weight_decay(choice: OptimizerChoice | None, ds_config: dict, run_value: float) -> float | None:
+    """Weight decay of the decayed parameter group: the optimizer's own.
+
+    The parameter groups carry it (biases and norm gains get 0), and a group's value
+    overrides the optimizer's, so it must be the number the optimizer was meant to use:
+    the block's (or the run's, when dstrain wrote the block) for the optimizers dstrain
+    builds; for one DeepSpeed builds from the JSON, the block's explicit ``weight_decay``,
+    else None: the optimizer's own default (SGD, Lamb, Lion: 0), not ``train.weight_decay``.
+    """
+    if choice is not None and choice.implementation != "deepspeed":
+        return choice.params.get("weight_decay")
+    block = ds_config.get("optimizer")
+    if not isinstance(block, dict):
+        return run_value
+    params = block.get("params")
+    return params.get("weight_decay") if isinstance(params, dict) else None
+
+
 def _offloads_optimizer(ds_config: dict) -> bool:
     """offload_optimizer to a device, or DeepSpeed's deprecated ``cpu_offload: true``."""
     from dstrain.engine.ds_config import describe_zero
@@ -171,6 +189,8 @@ def choose_optimizer(ds_config: dict, requested: str, device_type: str, values,
         extra = sorted(set((block.get("params") or {})) - _MAPPED)
         if kind not in ("adam", "adamw"):
             keep, why = True, f"type {block.get('type')!r} is not Adam/AdamW, which dstrain builds itself"
+            if "weight_decay" not in (block.get("params") or {}):
+                why += "; weight decay: the optimizer's own default (the block sets none, train.weight_decay unused)"
             if kind == "adagrad":  # see dstrain.optim.lazy_state
                 why += ("; dstrain hands DeepSpeed that same torch.optim.Adagrad, made to create the state of "
                         "the parameters DeepSpeed swaps in")

@@ -174,7 +174,7 @@ def choose_precision(hw: Hardware, requested: str = "auto") -> tuple[str, str]:
         return "bf16", f"bf16: {hw.name or hw.device_type} has fast bf16"
     if hw.device_type == "cuda" and hw.fp16_supported:
         return "fp16", f"fp16 with dynamic loss scaling: {hw.name or 'this GPU'} has no fast bf16"
-    return "fp32", f"fp32: {hw.name or hw.device_type} has no fast bf16 (16-bit matmuls would be emulated)"
+    return "fp32", f"fp32: bf16 is not fast on {hw.name or hw.device_type} (the hardware line says what was measured)"
 
 
 def _is_offload(profile: str) -> bool:

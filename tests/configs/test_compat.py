@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from dstrain import cli
+from dstrain.engine.ds_files import load_ds_json
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -104,6 +105,14 @@ EXPECT.update({
     "deepspeed_chat_bfloat16_key.json": None,  # the legacy "bfloat16" section, read as "bf16"
     "megatron_grad_accum_fp32_zero0.json": "data_types.grad_accum_dtype: fp32 with bf16 weights needs ZeRO stage 1",
     "muadamw_without_mup.json": "optimizer.type: 'MuAdamW' is DeepSpeed's wrapper of the mup package",
+    "bf16_string_true_warmupdecay.json": None,  # "enabled": "true", a string DeepSpeed's parser reads as true
+    # DeepSpeedExamples' ZenFlow fine-tuning config: every step is an update (ZenFlow's own "boundary" is its
+    # full update every update_interval steps), so each step's loss is logged
+    "zenflow_zero2_offload.json": None,
+    "llava_zero3_offload_bf16.json": None,  # LLaVA's zero3_offload: fp16 "auto" beside bf16 true, stage 3 offload
+    "commented_zero2_readme_style.json": None,  # comments and trailing commas, as DeepSpeed's hjson loader reads
+    # a bf16 section with fp16's loss-scale keys: every problem in one refusal (DeepSpeed rejects the keys)
+    "bf16_with_fp16_loss_scale_keys.json": "bf16.loss_scale: unknown key; DeepSpeed rejects it",
 })
 if importlib.util.find_spec("mup") is not None:
     EXPECT["muadamw_without_mup.json"] = None
@@ -152,8 +161,11 @@ def test_checked_before_launch(name, capsys, no_child, tmp_path):
     else:
         assert code == 2 and out == ""
         lines = err.strip().splitlines()
-        assert len(lines) == 1, err  # one line, naming the file and the key
-        assert lines[0].startswith(f"dstrain: error: {HERE / name}: ") and expected in lines[0], lines[0]
+        assert lines[0].startswith(f"dstrain: error: {HERE / name}: "), err  # naming the file and the key
+        if len(lines) > 1:  # every problem at once: a count, then one line each (none said twice)
+            assert lines[0].endswith(f"{len(lines) - 1} problems:") or lines[-1].startswith("  - use --"), err
+            assert all(line.startswith("  - ") for line in lines[1:]) and len(set(lines)) == len(lines), err
+        assert any(expected in line for line in lines), err
         assert "values_from_file" not in lines[0]  # the switch is on: no point suggesting it
     assert not out_dir.exists() and not any(tmp_path.iterdir())  # nothing written either way
 
@@ -224,7 +236,7 @@ def _trained_three_steps(name: str, out, nproc: int = 2) -> tuple[str, dict]:
 def test_trains_three_steps_on_two_cpu_ranks(name, tmp_path):
     out = tmp_path / "run"
     text, resolved = _trained_three_steps(name, out)
-    user = json.loads((HERE / name).read_text())
+    user = load_ds_json(HERE / name)  # as DeepSpeed reads it (hjson, legacy spellings)
     assert resolved.get("zero_optimization", {}).get("stage", 0) == user.get("zero_optimization", {}).get("stage", 0)
     for section, key in (("tensorboard", "output_path"), ("csv_monitor", "output_path"),
                          ("flops_profiler", "output_file")):
@@ -261,6 +273,9 @@ ONE_PROCESS = {
     "legacy_zero2_cpu_offload_flag.json": ({"zero_optimization.cpu_offload": True, "optimizer.type": "AdamW",
                                             "zero_optimization.stage": 2},
                                            "optimizer offload runs DeepSpeed's CPU Adam"),
+    # bf16 "enabled": "true" (a string) is bf16, as DeepSpeed reads it; the optimizer's "auto" lr is the warm-up peak
+    "bf16_string_true_warmupdecay.json": ({"bf16.enabled": True, "scheduler.params.warmup_max_lr": 2e-05,
+                                           "zero_optimization.stage": 3}, "precision: bf16"),
     # an unused key is named, not dropped in silence (dstrain train prints the notes itself)
     "seq_parallel_comm_dtype_bf16.json": ({"seq_parallel_communication_data_type": "bf16", "bf16.enabled": True},
                                           "dstrain: note: seq_parallel_communication_data_type: unused"),

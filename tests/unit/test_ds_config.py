@@ -290,6 +290,17 @@ def test_offload_param_below_stage3_rejected():
         fill_ds_config(raw, values(), "z2.json")
 
 
+def test_zenflow_needs_gradient_accumulation_1():
+    """ZenFlow updates at every micro-batch and overwrites DeepSpeed's accumulation with its update_interval."""
+    raw = template("zero2")
+    raw["zero_optimization"].update(offload_optimizer={"device": "cpu"}, zenflow={"topk_ratio": 0.1,
+                                                                                  "update_interval": 4})
+    assert fill_ds_config(raw, values(grad_accum=1), "zf.json")["zero_optimization"]["zenflow"]["update_interval"] == 4
+    with pytest.raises(DSConfigError, match=r"zero_optimization.zenflow: ZenFlow updates the selected parameters at "
+                                            r"every micro-batch .* the run's gradient accumulation 2 would not"):
+        fill_ds_config(raw, values(grad_accum=2), "zf.json")
+
+
 def test_fp16_and_bf16_both_enabled_rejected():
     raw = template("zero1")
     raw["fp16"]["enabled"] = True
@@ -300,7 +311,7 @@ def test_fp16_and_bf16_both_enabled_rejected():
 
 def test_bad_json_reports_line_and_column(tmp_path):
     bad = tmp_path / "broken.json"
-    bad.write_text('{\n  "train_batch_size": 8,\n  "fp16": {"enabled": true,}\n}\n')
+    bad.write_text('{\n  "train_batch_size": 8,\n  "fp16": {"enabled" true}\n}\n')
     with pytest.raises(DSConfigError) as err:
         load_ds_json(bad)
     assert "broken.json" in str(err.value) and "line 3" in str(err.value) and "column" in str(err.value)
@@ -308,6 +319,10 @@ def test_bad_json_reports_line_and_column(tmp_path):
     dup.write_text('{"train_batch_size": 8, "train_batch_size": 16}')
     with pytest.raises(DSConfigError, match="duplicate key 'train_batch_size'"):
         load_ds_json(dup)
+    # what DeepSpeed's own loader (hjson) reads: comments and a trailing comma
+    commented = tmp_path / "commented.json"
+    commented.write_text('{\n  "train_batch_size": 8,  # the global batch\n  // bf16\n  "bf16": {"enabled": true,},\n}\n')
+    assert load_ds_json(commented) == {"train_batch_size": 8, "bf16": {"enabled": True}}
     arr = tmp_path / "arr.json"
     arr.write_text("[1, 2]")
     with pytest.raises(DSConfigError, match="must be a JSON object"):

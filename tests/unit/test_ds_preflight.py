@@ -70,6 +70,12 @@ def test_sections_honoured_with_notes_and_gpu_rules():
     assert any(n.startswith("aio: kept, but only NVMe offload uses it") for n in notes)
     stage3 = {"zero_optimization": {"stage": 3, "stage3_max_live_parameters": 1e9, "sub_group_size": 1e9}}
     assert section_problems(stage3, "cpu")[0] == []
+    # keys DeepSpeed parses and then does not read are named, not passed on in silence
+    stage3["zero_optimization"].update(round_robin_gradients=True, allgather_bucket_size=5e8)
+    stage3["disable_allgather"] = True
+    assert section_problems(stage3, "cpu") == ([], [
+        "zero_optimization: stage 3 does not use allgather_bucket_size, round_robin_gradients (stage 1/2 keys)",
+        "disable_allgather: unused: DeepSpeed parses it and nothing reads it"])
 
 
 # --------------------------------------------------------------------------- values_from_file
@@ -87,12 +93,36 @@ def test_values_from_file_adopts_and_reports_each_value(tmp_path):
     adopted = adopt_file_values(cfg, world_size=2)
     got = {key: value for key, value, _ in adopted}
     assert got == {"train.micro_batch": 4, "train.grad_accum": 2, "train.lr": 3e-4, "train.betas": (0.9, 0.999),
-                   "train.grad_clip": 0.5, "train.warmup_steps": 7, "deepspeed.precision": "bf16"}
+                   "train.grad_clip": 0.5, "train.warmup_steps": 7, "deepspeed.precision": "bf16",
+                   "train.weight_decay": 0.0}  # the block leaves it out: DeepSpeed's Adam has none
     assert all("user.json" in where and "(was " in where for _, _, where in adopted)
     assert (cfg.train.micro_batch, cfg.train.grad_accum, cfg.train.steps) == (4, 2, 3)  # steps stay the run's
     assert "--train.betas=[0.9,0.999]" in adopted_overrides(adopted)
     assert check_run(cfg, 2, "cpu") == []  # the adopted run now agrees with the file (no notes: no monitors)
     assert adopt_file_values(cfg, world_size=2) == []  # idempotent: the ranks adopt nothing more
+
+
+@pytest.mark.parametrize("params, expected", [
+    # what DeepSpeed's Adam (FusedAdam, its CPU Adam) defaults to where the block says nothing
+    ({"lr": 1e-4}, {"train.lr": 1e-4, "train.betas": (0.9, 0.999), "train.weight_decay": 0.0}),
+    # torch_adam builds torch.optim.AdamW, whose weight decay defaults to 0.01
+    ({"lr": 1e-4, "torch_adam": True}, {"train.lr": 1e-4, "train.betas": (0.9, 0.999), "train.weight_decay": 0.01}),
+    # "auto" is the run's, as without the switch; an explicit number is the file's
+    ({"lr": "auto", "betas": "auto", "weight_decay": 0.05}, {"train.weight_decay": 0.05}),
+    # no lr at all: DeepSpeed's 1e-3
+    ({}, {"train.lr": 1e-3, "train.betas": (0.9, 0.999), "train.weight_decay": 0.0}),
+])
+def test_values_the_file_leaves_out_are_deepspeeds_defaults(tmp_path, params, expected):
+    from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
+    ds = {"train_micro_batch_size_per_gpu": "auto", "optimizer": {"type": "AdamW", "params": params}}
+    cfg = run_cfg(tmp_path, ds, "--deepspeed.values_from_file=true", "--train.grad_clip=0.25")
+    adopted = adopt_file_values(cfg, world_size=2)
+    got = {key: value for key, value, _ in adopted}
+    assert got == {**expected, "train.grad_clip": float(GRADIENT_CLIPPING_DEFAULT)}
+    where = dict((key, text) for key, _, text in adopted)["train.grad_clip"]
+    assert where == "gradient_clipping in " + str(tmp_path / "user.json") + \
+        ": DeepSpeed's default, the file leaves it out (was 0.25)"
+    assert check_run(cfg, 2, "cpu") == []
 
 
 def test_without_the_switch_the_refusal_lists_the_overrides(tmp_path):
@@ -105,6 +135,21 @@ def test_without_the_switch_the_refusal_lists_the_overrides(tmp_path):
     assert msg.endswith("use --train.micro_batch=4 --train.grad_accum=2 --train.grad_clip=0.5 --train.lr=0.0003 "
                         "--train.betas=[0.9,0.999] --train.warmup_steps=7, or set them to \"auto\" in the file, "
                         "or pass --deepspeed.values_from_file=true to take them from the file")
+
+
+def test_every_problem_in_one_refusal(tmp_path):
+    """Sections, disagreements and DeepSpeed's parser at once (a fix for one must not reveal the next), each key
+    once, the overrides last."""
+    ds = {"train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": True, "loss_scale": 0},
+          "zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}, "autotuning": {"enabled": True}}
+    cfg = run_cfg(tmp_path, ds, "--deepspeed.precision=bf16")
+    with pytest.raises(DSConfigError) as err:
+        check_run(cfg, 2, "cpu")
+    lines = str(err.value).splitlines()
+    assert lines[0].endswith("user.json: 4 problems:")
+    assert [line.split(":")[0] for line in lines[1:]] == [
+        "  - autotuning.enabled", "  - train_micro_batch_size_per_gpu", "  - zero_optimization.offload_param",
+        "  - bf16.loss_scale", "  - use --train.micro_batch=4, or set them to \"auto\" in the file, or pass --deepspeed.values_from_file=true to take them from the file"]
 
 
 def test_adoption_names_the_file_when_its_values_are_invalid(tmp_path):
@@ -163,6 +208,17 @@ def test_check_config_accepts_megatron_batch_keys(tmp_path):
     assert "batch 4 x 2 x 2 ranks" in check_ds_file(path, device_type="cpu", world_size=2)
     with pytest.raises(DSConfigError, match="not a multiple"):
         check_ds_file(path, device_type="cpu", world_size=3)
+
+
+def test_check_config_takes_the_warmup_peak_as_the_auto_lr(tmp_path):
+    """HF-style: the optimizer's lr "auto", the scheduler's peak explicit (the run would adopt it as lr)."""
+    path = tmp_path / "hf.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "bf16": {"enabled": "true"},
+                                "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
+                                "scheduler": {"type": "WarmupDecayLR",
+                                              "params": {"warmup_max_lr": 2e-5, "total_num_steps": "auto"}}}))
+    assert "valid DeepSpeed config for cpu" in check_ds_file(path, device_type="cpu")
+    assert values_from_file(json.loads(path.read_text())).lr == 2e-5
 
 
 def test_check_config_names_the_key_not_a_class(tmp_path, capsys):

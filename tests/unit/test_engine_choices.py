@@ -264,7 +264,10 @@ def test_deepspeeds_bf16_overflow_check_gives_way_to_dstrains_guard(tmp_path, no
 @pytest.mark.parametrize("sections, expected", [({}, "fp32"), ({"fp16": {"enabled": False}}, "fp32"),
                                                 ({"bf16": {"enabled": True}}, "bf16"),
                                                 ({"bfloat16": {"enabled": True}}, "bf16"),
-                                                ({"bf16": {"enabled": "auto"}}, "bf16")])
+                                                ({"bf16": {"enabled": "auto"}}, "bf16"),
+                                                # strings DeepSpeed's parser reads as booleans
+                                                ({"bf16": {"enabled": "true"}}, "bf16"),
+                                                ({"bf16": {"enabled": "False"}}, "fp32")])
 def test_a_file_that_never_enables_16_bit_trains_fp32(tmp_path, sections, expected):
     """As DeepSpeed reads it: a user's JSON without an enabled (or "auto") bf16/fp16 section is fp32, even on
     a machine with fast bf16 (the hardware below has it); "auto" leaves the choice to the factory."""

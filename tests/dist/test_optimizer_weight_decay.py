@@ -1,0 +1,52 @@
+"""The weight decay the engine's optimizer really applies: the parameter groups carry it and override the
+optimizer's own, so they must hold the optimizer's number, not ``train.weight_decay``, when DeepSpeed
+builds an optimizer from a block that sets none."""
+import json
+
+import pytest
+
+from tests.dist import spawn
+
+
+def _group_decays(rank, world, profile: str, overrides: list[str]):
+    import torch
+
+    from dstrain.config import load_run_config
+    from dstrain.engine.factory import create_engine, plan_engine
+    from models import registry
+    cfg = load_run_config("models/gpt/recipes/tiny.json", [
+        "--train.micro_batch=2", "--data.seq_len=16", "--deepspeed.precision=fp32",
+        f"--deepspeed.profile={profile}", "--train.steps=2", *overrides])
+    spec = registry.get_spec("gpt")
+    mcfg = registry.make_model_config("gpt", "tiny", {})
+    plan = plan_engine(cfg, world, ranks_per_node=world, device_type="cpu")
+    torch.manual_seed(0)
+    engine = create_engine(lambda: spec.build(mcfg), spec.parallelize, plan, cfg.train)
+    opt = engine.ds.optimizer
+    return type(opt).__name__, [g["weight_decay"] for g in opt.param_groups], plan.optimizer.description
+
+
+SGD = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+       "optimizer": {"type": "SGD", "params": {"lr": "auto", "momentum": 0.9}}}
+
+
+@pytest.mark.parametrize("params, overrides, expected", [
+    # no weight_decay in the block: SGD's own default (0), although the run config says 0.1
+    ({}, [], [0.0, 0.0]),
+    # the block's number (agreeing with the run, as the checks require) reaches the decayed group only
+    ({"weight_decay": 5e-4}, ["--train.weight_decay=0.0005"], [5e-4, 0.0]),
+])
+def test_deepspeed_built_optimizer_keeps_its_own_weight_decay(tmp_path, params, overrides, expected):
+    ds = json.loads(json.dumps(SGD))
+    ds["optimizer"]["params"].update(params)
+    path = tmp_path / "sgd.json"
+    path.write_text(json.dumps(ds))
+    name, decays, description = spawn.run(_group_decays, 1, str(path), overrides)
+    assert name == "SGD"
+    assert decays == pytest.approx(expected)
+    assert ("the optimizer's own default" in description) == ("weight_decay" not in params)
+
+
+def test_dstrain_built_adamw_takes_the_run_weight_decay():
+    name, decays, _ = spawn.run(_group_decays, 1, "zero0", ["--train.weight_decay=0.05"])
+    assert name == "AdamW" and decays == pytest.approx([0.05, 0.0])
