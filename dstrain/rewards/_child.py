@@ -53,10 +53,12 @@ _DENY = frozenset({
     # could name a path that looks inside its folder to the hook but leaves it for the kernel.
     "os.chdir",
 })
-# Extension modules that start processes or corrupt memory without an audit event of
-# their own (``_posixsubprocess.fork_exec``, ``_testcapi``, sub-interpreters): refused
-# by name or file name, however they are loaded.
-_DENY_MODULES = ("_posixsubprocess", "_ctypes", "_test", "_xx", "xx")
+# Extension modules that start processes, touch files or corrupt memory without an audit event of
+# their own (``_posixsubprocess.fork_exec``, ``_testcapi``, sub-interpreters, Tcl's ``exec`` and ``open``,
+# readline's history files, ``/etc/shadow``, the system log, ``/dev/shm``): refused by name or file
+# name, however they are loaded.
+_DENY_MODULES = ("_posixsubprocess", "_ctypes", "_test", "_xx", "xx", "_tkinter", "readline", "spwd", "syslog",
+                 "_posixshmem", "_multiprocessing")
 _DENY_PREFIXES = ("socket.", "ctypes.", "_ctypes.", "sqlite3.", "winreg.", "msvcrt.")
 # Calls with no audit event that reach other processes of the same user, make special files or
 # expose the judge: removed from the modules before the program runs (:func:`_drop_unaudited`). With
@@ -67,7 +69,12 @@ _DENY_PREFIXES = ("socket.", "ctypes.", "_ctypes.", "sqlite3.", "winreg.", "msvc
 # (C module, the Python module that re-exports it, names)
 _UNAUDITED = (("posix", "os", ("pidfd_open", "mknod", "mkfifo", "setpriority", "sched_setaffinity",
                                "sched_setscheduler", "sched_setparam")),
-              ("_signal", "signal", ("pidfd_send_signal",)),
+              # a handler runs in the main thread, with its frame (f_back, f_locals and f_globals are not audited):
+              # the program never runs there but as a finalizer of a collection the main thread's allocation starts
+              ("_signal", "signal", ("pidfd_send_signal", "signal", "set_wakeup_fd")),
+              # a fresh instance of a built-in module has every function again (all are loaded before the program
+              # runs, and the hook refuses to import one afresh, but this makes one with no audit event)
+              ("_imp", "_imp", ("create_builtin",)),
               # gc.set_debug(DEBUG_SAVEALL) puts every unreachable object in gc.garbage, frames of the audit
               # hook included (their globals and closures are the judge's); the profile function the judge
               # sets while a test's operation runs must stay out of reach
@@ -237,8 +244,10 @@ def _make_hook(tmp: str, read_roots: tuple, violations: list, quiet: set = froze
     import _thread
     import os
     import stat
+    import sys
 
     get_ident, getcwd, readlink, realpath, getpid = _thread.get_ident, os.getcwd, os.readlink, os.path.realpath, os.getpid
+    builtin_names = frozenset(sys.builtin_module_names)
     join, isabs, fsdecode, lstat = os.path.join, os.path.isabs, os.fsdecode, os.stat
     busy = set()
     write_flags = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
@@ -307,13 +316,17 @@ def _make_hook(tmp: str, read_roots: tuple, violations: list, quiet: set = froze
                 deny(event, "limits of another process")
         elif event == "import":
             args = tuple(args) + (None, None)
-            for part in (args[0], args[1]):
-                if isinstance(part, (str, bytes)):
-                    base = fsdecode(b"".join((part,))) if isinstance(part, bytes) else str.__str__(part)
-                    base = base.rsplit("/", 1)[-1].rsplit(".", 1)[-1] if part is args[0] else \
-                        base.rsplit("/", 1)[-1].split(".", 1)[0]
-                    if base.startswith(_DENY_MODULES):
-                        deny(event, f"module {base}")
+            name, path = args[0], args[1]
+            name = fsdecode(b"".join((name,))) if isinstance(name, bytes) else str.__str__(name) \
+                if isinstance(name, str) else ""
+            short = name.rsplit(".", 1)[-1].replace("-", "_")  # the C loader's PyInit_<name>: '-' is '_' there
+            if short.startswith(_DENY_MODULES) or (name if path is None else short) in builtin_names:
+                deny(event, f"module {name}")  # (a built-in one was loaded before: this would be a second copy)
+            if path is not None:  # an extension module's file: one installed with the interpreter, not the program's
+                target = resolve(path)  # (/proc/self/fd/N names the file it is open on)
+                if target is None or not under(target, read_roots) or under(target, (tmp,)) \
+                        or target.rsplit("/", 1)[-1].split(".", 1)[0].replace("-", "_").startswith(_DENY_MODULES):
+                    deny(event, f"extension module {target or path!r}")
         elif event in ("os.listdir", "os.scandir"):
             path = (tuple(args) + (None,))[0]
             if isinstance(path, int) and not isinstance(path, bool):

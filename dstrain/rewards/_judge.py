@@ -28,7 +28,9 @@ library module), the program's code does not get to decide an operation's result
 _DUNDERS = ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__bool__", "__len__",
             "__contains__", "__abs__", "__neg__", "__pos__", "__sub__", "__rsub__", "__add__", "__radd__",
             "__mul__", "__rmul__", "__truediv__", "__rtruediv__", "__mod__", "__rmod__", "__xor__", "__rxor__",
-            "__float__", "__int__", "__index__", "__round__", "__hash__", "__iter__", "__getitem__")
+            "__float__", "__int__", "__index__", "__round__", "__hash__", "__iter__", "__getitem__",
+            # what isinstance and issubclass read when the type itself does not match
+            "__class__", "__getattribute__", "__bases__")
 import sys as _judge_sys  # (its type is the module type)
 
 _SNAPSHOT = None  # (classes, modules, library code) of _type_snapshot(): taken before any untrusted code runs
@@ -45,8 +47,9 @@ def _type_snapshot() -> tuple:
     namespace and :func:`_library_code`; objects are held, so their ids stay valid."""
     import sys
 
-    for name in _COMMON:
-        __import__(name)
+    for name in _COMMON + tuple(sys.builtin_module_names):  # every built-in module now: none is made later
+        if not name.startswith(_DENY_MODULES):  # noqa: F821  (from _child.py; see its _drop_unaudited)
+            __import__(name)
     dict_of, flags_of = type.__dict__["__dict__"].__get__, type.__dict__["__flags__"].__get__
     subclasses = type.__dict__["__subclasses__"]
     snap, stack = {}, [object]
@@ -279,15 +282,21 @@ def _make_trust(snapshot: dict, modules: dict | None = None, codes: dict | None 
         return (elements, tuple(members), dict_get, guarded_names), mutable
 
     value_bases = (int, float, complex, str, bytes, list, tuple, dict, set, frozenset)
+    # the value types' yes/no methods (``startswith``, ``isdigit``, ``issubset``): a test asserts their answer itself
+    predicates = frozenset(n for b in value_bases for n in dir(b) if n.startswith(("is", "startswith", "endswith")))
 
     def overridden(obj, name: str) -> bool:
         """Whether reading ``obj.name`` would reach code the program supplied in place of a
         builtin's: a method of a class that existed before the program ran and was replaced
         since, or a program-made subclass's own version of a method of the builtin value type
-        it derives from (a ``str`` whose ``startswith`` always says yes; new methods are fine)."""
+        it derives from (a ``str`` whose ``startswith`` always says yes; new methods are fine), or a yes/no
+        method of the value types (``startswith``, ``isdigit``) that no library class supplies for ``obj``."""
         tp = type(obj)
         if id(tp) in plain:
             return False
+        if name in predicates and not any(name in dict_of(c) for c in mro_of(tp)
+                                          if snapshot.get(id(c), (None,))[0] is c):
+            return True  # no library class answers it for this value: the program's code would (a look-alike ``str``)
         for cls in mro_of(tp):  # an instance attribute hiding a library class's (``c.most_common = ...``)
             f = dict_of(cls).get("__dict__")
             if type(f) is getset:
@@ -310,7 +319,7 @@ def _make_trust(snapshot: dict, modules: dict | None = None, codes: dict | None 
                 if any(type(k) is not str for k in d):
                     return True
                 if name in d:
-                    return lookalike
+                    return lookalike or name in predicates
         return False
 
     def trusted(value, budget: int = 2_000_000) -> bool:

@@ -25,6 +25,13 @@ TESTS = ["assert f(1) == 3", "assert f(2) == 5"]
 GOOD = "def f(x):\n    return 2 * x + 1\n"
 SECRET = uuid.uuid4().hex
 EVIL = "class E:\n    def __eq__(self, other):\n        return True\n    __hash__ = object.__hash__\n"
+# a collector that keeps every unreachable object: the audit hook's frames, whose globals are the judge's
+SAVEALL = ("import sys\ndef grab():\n    class Box:\n        pass\n    b = Box()\n    try:\n        sys._getframe()\n"
+           "    except ValueError as e:\n        b.e = e\ngc2.set_debug(32)\ngrab()\ngc2.collect()\ngc2.set_debug(0)\n"
+           "for fr in [o for o in gc2.garbage if type(o).__name__ == 'frame']:\n    if '_make_guards' in fr.f_globals:\n"
+           "        fr.f_globals['_make_guards'] = lambda *a: (lambda v: True, lambda fn, *x, **k: fn(*x, **k),\n"
+           "                                                   lambda n, m=False: globals()[n], getattr, lambda op, x, y: True)\n"
+           "def f(x):\n    return 0\n")
 
 # name: program or (program, tests); {pid}, {out} (a folder of the trainer's) and {secret_file} are filled in
 ATTACKS = {
@@ -258,6 +265,57 @@ ATTACKS = {
                                                       ["assert f(1) < f(2) < f(3)"]),
     "in over an endless library iterator": ("import itertools\ndef f(x):\n    return itertools.count()\n",
                                             ["assert 3 in f(1)", "assert 5 in f(2)"]),
+    # ---- the main thread's frame, through a signal handler installed by a finalizer the main thread runs
+    "signal handler installed by a finalizer in the main thread": "import gc, signal, _thread, os, time\nME, KEEP = set(), []\n"
+    "def handler(signum, frame):\n    while frame is not None:\n        loc = frame.f_locals\n"
+    "        if 'nonce' in loc and 'result_fd' in loc:\n"
+    "            os.write(loc['result_fd'], b'\\n' + loc['nonce'] + b' 2 2 ok 0 none\\tx\\n')\n            os._exit(0)\n"
+    "        frame = frame.f_back\nclass Z:\n    def __del__(self):\n        if _thread.get_ident() not in ME:\n"
+    "            signal.signal(signal.SIGWINCH, handler)\n            signal.raise_signal(signal.SIGWINCH)\n"
+    "        else:\n            arm()\ndef arm():\n    z = Z()\n    z.z = z\n    KEEP.extend([] for _ in range(50))\n"
+    "def helper():  # once the worker thread is gone, the main thread's next allocation collects\n"
+    "    ME.add(_thread.get_ident())\n    while _thread._count() > 1:\n        time.sleep(0.0001)\n"
+    "    gc.disable()\n    gc.set_threshold(1)\n    arm()\n    gc.enable()\n"
+    "ME.add(_thread.get_ident())\n_thread.start_new_thread(helper, ())\nwhile len(ME) < 2:\n    time.sleep(0.0001)\n"
+    "def f(x):\n    return 0\n",
+    # ---- functions removed before the program runs, back in a second copy of their built-in module
+    "gc made afresh for DEBUG_SAVEALL": "import sys, importlib\nsaved = sys.modules.pop('gc')\n"
+    "gc2 = importlib.import_module('gc')\nsys.modules['gc'] = saved\n" + SAVEALL,
+    "gc made afresh by _imp.create_builtin": "import _imp\ngc2 = _imp.create_builtin(type('S', (), {'name': 'gc'})())\n"
+    "_imp.exec_builtin(gc2)\n" + SAVEALL,
+    "gc made afresh from libpython's PyInit_gc": "import _imp, os, sysconfig\nclass Spec:\n    name = 'gc'\n"
+    "    origin = os.path.join(sysconfig.get_config_var('LIBDIR'), sysconfig.get_config_var('INSTSONAME'))\n"
+    "gc2 = _imp.create_dynamic(Spec())\n_imp.exec_dynamic(gc2)\n" + SAVEALL,
+    # ---- an extension module the deny list names, loaded as '-posixsubprocess' (PyInit__posixsubprocess)
+    "_posixsubprocess loaded under another name": "import _imp, os, importlib.util\n"
+    "path = importlib.util.find_spec('_json').origin.replace('_json', '_posixsubprocess')\nfd = os.open(path, os.O_RDONLY)\n"
+    "class Spec:\n    name, origin = '-posixsubprocess', f'/proc/self/fd/{fd}'\nm = _imp.create_dynamic(Spec())\n"
+    "r, w = os.pipe()\nep_r, ep_w = os.pipe()\nm.fork_exec([b'/bin/cat', os.fsencode({secret_file!r})], [b'/bin/cat'], True, (w,), "
+    "None, None, -1, -1, -1, w, -1, w, ep_r, ep_w, True, False, -1, None, None, None, -1, None, False)\nos.close(w)\n"
+    "print(b''.join(iter(lambda: os.read(r, 4096), b'')))\ndef f(x):\n    return 0\n",
+    # ---- isinstance and issubclass read __class__ / __bases__ when the type does not match
+    "__class__ claimed through a C-level property": ("import operator\nclass E(tuple):\n"
+                                                     "    __class__ = property(operator.itemgetter(0))\n"
+                                                     "def f(x):\n    return E((int,))\n",
+                                                     ["assert isinstance(f(1), int)", "assert isinstance(f(2), int)"]),
+    "__class__ answered by __getattribute__": ("class E:\n    def __getattribute__(self, n):\n"
+                                               "        return int if n == '__class__' else object.__getattribute__(self, n)\n"
+                                               "def f(x):\n    return E()\n",
+                                               ["assert isinstance(f(1), int)", "assert isinstance(f(2), int)"]),
+    "__bases__ on an instance": ("class E:\n    __bases__ = (int,)\ndef f(x):\n    return E()\n",
+                                 ["assert issubclass(f(1), int)", "assert issubclass(f(2), int)"]),
+    "startswith of a class that is no str": ("class S:\n    def startswith(self, *a):\n        return True\n"
+                                             "    endswith = startswith\ndef f(x):\n    return S()\n",
+                                             ["assert f(1).startswith('3')", "assert f(2).endswith('5')"]),
+    "UserString subclass's own startswith": ("import collections\nclass S(collections.UserString):\n"
+                                             "    def startswith(self, *a):\n        return True\n    endswith = startswith\n"
+                                             "def f(x):\n    return S('')\n",
+                                             ["assert f(1).startswith('3')", "assert f(2).endswith('5')"]),
+    # ---- C libraries that read files or start processes with no audit event
+    "Tcl's open and exec through _tkinter": "import _tkinter\ntcl = _tkinter.create(None, 'x', 'Tk', 0, 1, 0)\n"
+    "print(tcl.eval('set f [open ' + {secret_file!r} + ']; read $f'))\nprint(tcl.eval('exec /bin/sh -c {echo spawned}'))\n",
+    "file read as readline's history": "import readline\nreadline.read_history_file({secret_file!r})\n"
+    "print(readline.get_history_item(1))\n",
     # ---- a path relative to a folder descriptor, which the open event does not show
     "file outside read relative to a folder descriptor": "import os\ndepth = os.getcwd().count('/')\n"
     "fd = os.open('.', os.O_RDONLY)\nos.makedirs('d/' * (depth + 1))\nos.chdir('d/' * (depth + 1))\n"
@@ -321,7 +379,7 @@ def test_attack_scores_zero(pool, name, tmp_path):
     attack = ATTACKS[name]
     program, tests = attack if isinstance(attack, tuple) else (attack, TESTS)
     secret_file = tmp_path / "secret.txt"
-    secret_file.write_text(SECRET)
+    secret_file.write_text(SECRET + "\n")  # a last line that line readers (readline) take
     before = sorted(os.listdir(tmp_path))
     for key, value in (("{pid}", str(os.getpid())), ("{out!r}", repr(str(tmp_path))), ("{out}", str(tmp_path)),
                        ("{secret_file!r}", repr(str(secret_file)))):
@@ -425,6 +483,25 @@ def test_legitimate_programs_still_pass(pool):
              "assert ''.join(letters('ab')) == 'ab'", "assert 'a-b'.split('-') == ['a', 'b']"]
     r = pool.run(program, tests, setup="nodes = [Node(3), Node(1)]")
     assert (r.status, r.passed) == ("passed", len(tests)), r.detail
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_without_namespaces_nothing_is_left_in_dev_shm(mode):
+    """``_posixshmem.shm_open`` (and ``_multiprocessing``'s named semaphores) make files in ``/dev/shm``
+    with no audit event: without a read-only mount namespace they would outlive the program."""
+    name = f"dstrain-redteam-{uuid.uuid4().hex[:8]}"
+    program = (f"import _posixshmem, os\nfd = _posixshmem.shm_open('/{name}', os.O_CREAT | os.O_RDWR, 0o600)\n"
+               "os.write(fd, b'left behind')\n")
+    limits = dataclasses.replace(LIMITS, mode=mode, namespaces=False)
+    try:
+        with SandboxPool(workers=1, limits=limits) as pool:
+            r = pool.run(program, ["assert True"])
+            assert r.reward() == 0.0, (r.status, r.detail)
+            assert not os.path.exists(f"/dev/shm/{name}")
+            still_works(pool)
+    finally:
+        if os.path.exists(f"/dev/shm/{name}"):
+            os.unlink(f"/dev/shm/{name}")
 
 
 @pytest.mark.parametrize("mode", MODES)
