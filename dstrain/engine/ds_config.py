@@ -329,6 +329,20 @@ def _offloads(zo: dict, key: str, legacy: str) -> bool:
     return zo.get(legacy) is True
 
 
+def zero_defaults() -> dict[str, object]:
+    """DeepSpeed's default of each ``zero_optimization`` key with a plain (number / bool) default, by
+    name and alias: what its parser uses for a key set to "auto" (it drops "auto" values)."""
+    from dstrain.engine.ds_check import accelerator_untouched
+    with accelerator_untouched():
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    out = {}
+    for name, field in DeepSpeedZeroConfig.model_fields.items():
+        default = field.get_default(call_default_factory=True)
+        if isinstance(default, (bool, int, float)) and name != "stage":
+            out.update({key: default for key in (name, field.alias) if key})
+    return out
+
+
 def _fill_zero(cfg: dict, v: RunValues, problems: list[str]) -> None:
     zo = cfg.get("zero_optimization")
     if zo is None or isinstance(zo, bool):
@@ -343,6 +357,11 @@ def _fill_zero(cfg: dict, v: RunValues, problems: list[str]) -> None:
     for key, value in sizes.items():
         if _is_auto(zo.get(key)):
             zo[key] = value
+    autos = [key for key, value in zo.items() if _is_auto(value) and key != "stage"]
+    defaults = zero_defaults() if autos else {}
+    for key in autos:  # DeepSpeed's parser drops "auto": its default applies (OpenRLHF writes these)
+        if key in defaults:
+            zo[key] = defaults[key]
     stage = zo.get("stage", 0)
     if _is_auto(stage):  # a file's stage is its own choice; dstrain chooses only with its own profiles
         zo["stage"] = None  # reported here, not again as a leftover "auto"

@@ -51,6 +51,11 @@ ZERO_QUANTIZED = ("zero_quantized_weights", "zero_quantized_nontrainable_weights
 STAGE0_USED = frozenset({"stage", "load_from_fp32_weights", "elastic_checkpoint", "reduce_bucket_size",
                          "allgather_bucket_size", "round_robin_gradients", "ignore_unused_parameters"})
 
+#: ZeRO keys whose "auto" dstrain fills from the model's hidden size (HF Trainer's rule: dstrain.engine.ds_config).
+FILLED_ZERO_KEYS = frozenset({"reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
+                              "prefetch_bucket_size", "stage3_param_persistence_threshold",
+                              "param_persistence_threshold"})
+
 #: ZeRO keys only DeepSpeed's stage 1/2 optimizer reads (its stage 3 does not).
 STAGE12_ONLY = frozenset({"round_robin_gradients", "use_multi_rank_bucket_allreduce", "allgather_bucket_size",
                           "ignore_unused_parameters", "parameter_alignment", "elastic_checkpoint"})
@@ -90,12 +95,20 @@ def _zero_problems(cfg: dict, device_type: str, problems: list[str], notes: list
     stage = zo.get("stage", 0)
     if not isinstance(stage, int) or isinstance(stage, bool):
         return  # ds_config names it
-    if stage < 3:
+    if stage < 3:  # templates (DeepSpeed-Chat's, OpenRLHF's) write them at every stage; DeepSpeed ignores them
         keys = sorted(k for k in zo if k in STAGE3_ONLY and k not in ("offload_param", "cpu_offload_param"))
         if keys:
-            them = "it" if len(keys) == 1 else "them"
-            problems.append(f"zero_optimization.{', '.join(keys)}: only ZeRO stage 3 reads {them} and the file has "
-                            f"stage {stage} (DeepSpeed would ignore {them}); remove {them} or set \"stage\": 3")
+            notes.append(f"zero_optimization: stage {stage} does not use {', '.join(keys)} (stage-3 keys)")
+    autos = sorted(k for k, v in zo.items() if isinstance(v, str) and v.strip().lower() == "auto"
+                   and k not in FILLED_ZERO_KEYS and k != "stage")
+    if autos:
+        from dstrain.engine.ds_config import zero_defaults
+        defaults = zero_defaults()
+        known = [f"{k} {defaults[k]:g}" if not isinstance(defaults[k], bool) else f"{k} {defaults[k]}"
+                 for k in autos if k in defaults]
+        if known:
+            notes.append(f"zero_optimization: \"auto\" is DeepSpeed's default there (its parser drops \"auto\"): "
+                         + ", ".join(known))
     if stage == 0:
         off = zo.get("offload_optimizer")
         if (isinstance(off, dict) and str(off.get("device", "none")).lower() not in ("none", "auto")) \

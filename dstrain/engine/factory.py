@@ -142,7 +142,8 @@ def plan_engine(cfg: RunConfig, world_size: int, hw=None, hw_notes: str = "",
     resolved, comm_notes = comms_sections(resolved, cfg.output.comms, ds.comm_dtype, source)
     section_notes += comm_notes
     compile_, compile_why = _compile_choice(cfg, hw.device_type, pipe is not None)
-    table = format_plan(plan, stats, hw, dims.replica_size, cfg.train.micro_batch)
+    table = ("" if ds.profile == "auto" else "the factory's own choice, NOT used (the run names a profile, below):\n") \
+        + format_plan(plan, stats, hw, dims.replica_size, cfg.train.micro_batch)
     layout = (f"parallel layout: dp {dims.dp} x tp {dims.tp} x sp {dims.sp} = {world_size} ranks; model states "
               f"planned for the full model partitioned over dp x sp = {dims.replica_size}, activations "
               f"traced at {cfg.data.seq_len // dims.sp} tokens per rank" if dims.tp * dims.sp > 1 else "")

@@ -209,13 +209,15 @@ def test_betas_and_scheduler_mismatch():
 
 def test_leftover_auto_named_by_dotted_path():
     raw = template("zero3")
-    raw["zero_optimization"]["stage3_max_live_parameters"] = "auto"
+    raw["zero_optimization"]["stage3_max_live_parameters"] = "auto"  # DeepSpeed's parser: its default
+    assert fill_ds_config(raw, values(), "z3.json")["zero_optimization"]["stage3_max_live_parameters"] == 10 ** 9
+    raw["zero_optimization"]["offload_param"] = "auto"  # no plain default to stand for it
     raw["tensorboard"] = {"enabled": "auto"}
     raw["data_types"] = {"keep_in_fp32_modules": "auto"}  # DeepSpeed's own "auto": allowed
     with pytest.raises(DSConfigError) as err:
         fill_ds_config(raw, values(), "z3.json")
     assert sorted(p.split(":")[0] for p in err.value.problems) == [
-        "tensorboard.enabled", "zero_optimization.stage3_max_live_parameters"]
+        "tensorboard.enabled", "zero_optimization.offload_param"]
 
 
 def test_unknown_top_level_keys_with_suggestions():

@@ -39,8 +39,6 @@ def run_cfg(tmp_path, ds: dict | str, *overrides: str):
 @pytest.mark.parametrize("cfg, key", [
     ({"fp16": {"enabled": True}}, "fp16.enabled: fp16 does not run on the CPU accelerator"),
     ({"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}}}, "optimizer.type: 'OneBitAdam'"),
-    ({"zero_optimization": {"stage": 1, "stage3_max_reuse_distance": 10}},
-     "zero_optimization.stage3_max_reuse_distance: only ZeRO stage 3 reads it and the file has stage 1"),
     ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}},
      "zero_optimization.offload_optimizer: optimizer offload needs ZeRO stage 1, 2 or 3"),
     ({"communication_data_type": "fp16"}, "communication_data_type: fp16 does not run on the CPU"),
@@ -70,7 +68,13 @@ def test_sections_honoured_with_notes_and_gpu_rules():
     assert any(n.startswith("aio: kept, but only NVMe offload uses it") for n in notes)
     stage3 = {"zero_optimization": {"stage": 3, "stage3_max_live_parameters": 1e9, "sub_group_size": 1e9}}
     assert section_problems(stage3, "cpu")[0] == []
-    # keys DeepSpeed parses and then does not read are named, not passed on in silence
+    # keys DeepSpeed parses and then does not read are named, not passed on in silence (templates such as
+    # DeepSpeed-Chat's and OpenRLHF's write stage-3 keys at every stage), and "auto" where DeepSpeed's parser
+    # drops it is DeepSpeed's default
+    assert section_problems({"zero_optimization": {"stage": 1, "stage3_max_reuse_distance": 10,
+                                                   "sub_group_size": "auto"}}, "cpu") == ([], [
+        "zero_optimization: stage 1 does not use stage3_max_reuse_distance, sub_group_size (stage-3 keys)",
+        "zero_optimization: \"auto\" is DeepSpeed's default there (its parser drops \"auto\"): sub_group_size 1e+09"])
     stage3["zero_optimization"].update(round_robin_gradients=True, allgather_bucket_size=5e8)
     stage3["disable_allgather"] = True
     assert section_problems(stage3, "cpu") == ([], [
