@@ -242,30 +242,50 @@ def _make_hook(tmp: str, read_roots: tuple, violations: list, quiet: set = froze
     writes outside ``tmp`` and reads outside ``read_roots``; records refusals. ``quiet``: ids of
     threads inside the judge's own ``sys.setprofile`` calls (nothing else runs there)."""
     import _thread
+    import gc
     import os
+    import posixpath
     import stat
     import sys
+    import types
 
-    get_ident, getcwd, readlink, realpath, getpid = _thread.get_ident, os.getcwd, os.readlink, os.path.realpath, os.getpid
+    # Path functions with private globals: ``realpath`` reads ``os.lstat`` and ``os.readlink`` from the live
+    # module, where a program's replacement would run in here and could lie about where a path leads.
+    g = dict(vars(posixpath), os=types.SimpleNamespace(**vars(os)), stat=types.SimpleNamespace(**vars(stat)))
+    for k, f in vars(posixpath).items():
+        if type(f) is types.FunctionType:
+            g[k] = types.FunctionType(f.__code__, g, f.__name__, f.__defaults__, f.__closure__)
+            g[k].__kwdefaults__ = f.__kwdefaults__
+    get_ident, getcwd, readlink, realpath, getpid = _thread.get_ident, os.getcwd, os.readlink, g["realpath"], os.getpid
     builtin_names = frozenset(sys.builtin_module_names)
-    join, isabs, fsdecode, lstat = os.path.join, os.path.isabs, os.fsdecode, os.stat
-    busy = set()
+    join, isabs, lstat, S_ISDIR, S_ISREG = g["join"], g["isabs"], os.stat, stat.S_ISDIR, stat.S_ISREG
+    encoding, errors = sys.getfilesystemencoding(), sys.getfilesystemencodeerrors()
+    gc_enabled, gc_disable, gc_enable = gc.isenabled, gc.disable, gc.enable
     write_flags = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
+
+    # Nothing here may call a method of an argument: ``sys.audit`` lets the program raise any event with any
+    # arguments, and code of its own run in here (``isinstance`` reads ``__class__``, ``in`` hashes, ``!r``)
+    # would run in the middle of the check. Types are compared by identity.
+    def kind(x, types) -> bool:
+        return issubclass(type(x), types)  # (the real type, against built-in ones: no __instancecheck__)
+
+    def shown(x) -> str:
+        return repr(x) if type(x) is str or type(x) is bytes else "an object"
 
     def under(path: str, roots) -> bool:
         return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
 
     def resolve(p, dir_fd=None):
-        if isinstance(p, str):
+        if kind(p, str):
             p = str.__str__(p)  # an exact str: a subclass cannot lie to the checks below
-        elif isinstance(p, (bytes, bytearray)):
-            p = fsdecode(b"".join((p,)))
+        elif kind(p, (bytes, bytearray)):
+            p = bytes.decode(b"".join((p,)), encoding, errors)
         else:
             return None  # path-like objects could answer differently on a second call
         if "\0" in p:
             return None
         if not isabs(p):
-            fd = int.__index__(dir_fd) if isinstance(dir_fd, int) else None
+            fd = int.__index__(dir_fd) if kind(dir_fd, int) else None
             base = getcwd() if fd in (None, -1, -100) else readlink(f"/proc/self/fd/{fd}")
             p = join(base, p)
         return realpath(p)
@@ -286,24 +306,24 @@ def _make_hook(tmp: str, read_roots: tuple, violations: list, quiet: set = froze
             mode = lstat(path).st_mode
         except OSError:
             return True
-        return stat.S_ISREG(mode) or stat.S_ISDIR(mode)
+        return S_ISREG(mode) or S_ISDIR(mode)
 
     def check(event: str, args: tuple) -> None:
         if event == "open":
             path, mode, flags = (tuple(args) + (None, None, None))[:3]
-            if isinstance(path, int) and not isinstance(path, bool):
+            if kind(path, int) and not kind(path, bool):
                 return
             target = resolve(path)
-            write = (isinstance(flags, int) and int.__index__(flags) & write_flags) or (
-                isinstance(mode, str) and any(c in str.__str__(mode) for c in "wax+"))
+            write = (kind(flags, int) and int.__index__(flags) & write_flags) or (
+                kind(mode, str) and any(c in str.__str__(mode) for c in "wax+"))
             if write:
                 if not writable(target):
-                    deny(event, f"write to {target or path!r}")
+                    deny(event, f"write to {target or shown(path)}")
                 return
             if target is None or not under(target, read_roots):
-                deny(event, f"read of {target or path!r}")
+                deny(event, f"read of {target or shown(path)}")
             try:
-                is_dir = stat.S_ISDIR(lstat(target).st_mode)
+                is_dir = S_ISDIR(lstat(target).st_mode)
             except OSError:
                 is_dir = False
             if is_dir and not under(target, (tmp,)):
@@ -317,8 +337,8 @@ def _make_hook(tmp: str, read_roots: tuple, violations: list, quiet: set = froze
         elif event == "import":
             args = tuple(args) + (None, None)
             name, path = args[0], args[1]
-            name = fsdecode(b"".join((name,))) if isinstance(name, bytes) else str.__str__(name) \
-                if isinstance(name, str) else ""
+            name = bytes.decode(name, encoding, errors) if kind(name, bytes) else str.__str__(name) \
+                if kind(name, str) else ""
             short = name.rsplit(".", 1)[-1].replace("-", "_")  # the C loader's PyInit_<name>: '-' is '_' there
             if short.startswith(_DENY_MODULES) or (name if path is None else short) in builtin_names:
                 deny(event, f"module {name}")  # (a built-in one was loaded before: this would be a second copy)
@@ -326,42 +346,45 @@ def _make_hook(tmp: str, read_roots: tuple, violations: list, quiet: set = froze
                 target = resolve(path)  # (/proc/self/fd/N names the file it is open on)
                 if target is None or not under(target, read_roots) or under(target, (tmp,)) \
                         or target.rsplit("/", 1)[-1].split(".", 1)[0].replace("-", "_").startswith(_DENY_MODULES):
-                    deny(event, f"extension module {target or path!r}")
+                    deny(event, f"extension module {target or shown(path)}")
         elif event in ("os.listdir", "os.scandir"):
             path = (tuple(args) + (None,))[0]
-            if isinstance(path, int) and not isinstance(path, bool):
+            if kind(path, int) and not kind(path, bool):
                 return
             target = resolve("." if path is None else path)
             if target is None or not under(target, read_roots):
-                deny(event, f"listing of {target or path!r}")
+                deny(event, f"listing of {target or shown(path)}")
         elif event == "sys._getframe":
             raise ValueError("sandbox: frame access is not allowed")
         elif event == "object.__getattr__":
-            if len(args) > 1 and args[1] in _FRAME_ATTRS:
+            if len(args) > 1 and type(args[1]) is str and args[1] in _FRAME_ATTRS:
                 raise AttributeError(f"sandbox: {args[1]} is not accessible")
         elif event == "object.__setattr__":
-            if len(args) > 1 and args[1] == "__code__":  # a library function made to run the program's code
+            if len(args) > 1 and type(args[1]) is str and args[1] == "__code__":  # a library function made to run the program's code
                 deny(event, "replacing a function's __code__")
         elif event in _PATH_WRITE:
             path_at, dir_fd_at = _PATH_WRITE[event]
             args = tuple(args)
             for n, at in enumerate(path_at):
-                if at >= len(args) or (isinstance(args[at], int) and not isinstance(args[at], bool)):
+                if at >= len(args) or (kind(args[at], int) and not kind(args[at], bool)):
                     continue  # absent, or an already-open file descriptor
                 dir_fd = args[dir_fd_at[n]] if n < len(dir_fd_at) and dir_fd_at[n] < len(args) else None
                 target = resolve(args[at], dir_fd)
                 if not writable(target):
-                    deny(event, f"change to {target or args[at]!r}")
+                    deny(event, f"change to {target or shown(args[at])}")
 
     def hook(event: str, args: tuple) -> None:
-        ident = get_ident()
-        if ident in busy or ident in quiet:  # events raised by the hook's own work, or the judge's
+        if event == "sys.setprofile" and get_ident() in quiet:  # the judge's own call
             return
-        busy.add(ident)
+        # No event is let through unchecked, even one raised by code run in here; and no collection runs in
+        # here (a finalizer of the program's would run in the middle of the check)
+        enabled = gc_enabled()
+        gc_disable()
         try:
             check(event, args)
         finally:
-            busy.discard(ident)
+            if enabled:
+                gc_enable()
 
     return hook
 

@@ -157,7 +157,7 @@ def _make_trust(snapshot: dict, modules: dict | None = None, codes: dict | None 
             if was is absent:
                 if k in builtin_names:
                     return False
-            elif v is not was and isinstance(was, code_kinds):
+            elif v is not was and issubclass(type(was), code_kinds):  # (isinstance would read ``__class__``)
                 return False
             elif depth and type(v) is types.ModuleType and v is not rec[0]:
                 inner = module_by_id.get(id(v))
@@ -177,7 +177,7 @@ def _make_trust(snapshot: dict, modules: dict | None = None, codes: dict | None 
         names, todo, seen = set(), [saved.get(n) for n in _DUNDERS], set()
         while todo:
             f = todo.pop()
-            f = getattr(f, "__func__", f) if type(f) in (classmethod, staticmethod) else f
+            f = getattr(f, "__func__", f) if type(f) is classmethod or type(f) is staticmethod else f
             if type(f) is not types.FunctionType or id(f) in seen:
                 continue
             seen.add(id(f))
@@ -238,7 +238,7 @@ def _make_trust(snapshot: dict, modules: dict | None = None, codes: dict | None 
                         return None, mutable
                     protected.update(comparison_names(cls, saved))
                     for k, x in dict.items(saved):  # methods and other callables, not data
-                        if callable(x) or type(x) in (classmethod, staticmethod, property):
+                        if callable(x) or any(type(x) is k for k in (classmethod, staticmethod, property)):
                             defined.setdefault(k, []).append(x)
                 for name in dunders:
                     library.setdefault(name, []).append(d.get(name))
@@ -367,10 +367,14 @@ def _guard_tools(quiet: set) -> tuple:
     """What the guards call, taken before the program runs (it could patch the modules);
     ``quiet``: the audit hook lets a thread listed there call ``sys.setprofile``."""
     import _thread
+    import decimal
     import gc
     import sys
 
-    return _thread._count, gc.disable, gc.callbacks, sys.setprofile, _thread.get_ident, quiet
+    # (decimal's context as it was: an operation on a ``Decimal`` runs in it, not in one the program set, where
+    # ``Emin=0`` would round a wrong answer's difference to zero)
+    context = (decimal.getcontext, decimal.setcontext, decimal.Context())
+    return _thread._count, gc.disable, gc.callbacks, sys.setprofile, _thread.get_ident, quiet, context
 
 
 def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dict, test_names: tuple, tools: tuple):
@@ -417,14 +421,17 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
             raise AssertionError(bad[-1])
         return getattr(obj, n)
 
-    count, gc_disable, gc_callbacks, set_profile, get_ident, quiet = tools
+    count, gc_disable, gc_callbacks, set_profile, get_ident, quiet, (get_context, set_context, context) = tools
     method, builtin_method = type(_make_guards.__get__(0)), type([].append)  # bound methods
     mro_of, dict_of = type.__dict__["__mro__"].__get__, type.__dict__["__dict__"].__get__
     judge_globals = _make_guards.__globals__
     real_globals = {id(vars(rec[0])): rec[2] for rec in modules.values()}
 
+    kept = []  # the program's gc callbacks, held until the test ends: dropped here, their finalizers would run
+
     def value(v):
         gc_disable()  # no finalizer or gc callback of the program between this check and the operation
+        kept.extend(gc_callbacks)
         del gc_callbacks[:]
         if count() != 1:
             bad.append("a thread of the program was running while a result was judged")
@@ -463,9 +470,14 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
             value(a)
         for a in kw.values():
             value(a)
-        receiver = getattr(fn, "__self__", None) if type(fn) in (method, builtin_method) else None
+        receiver = getattr(fn, "__self__", None) if type(fn) is method or type(fn) is builtin_method else None
         if receiver is None or type(receiver) is module_type:
-            return fn(*args, **kw)
+            programs_context = get_context()
+            set_context(context.copy())  # (``abs(d)`` rounds in it)
+            try:
+                return fn(*args, **kw)
+            finally:
+                set_context(programs_context)
         # a library method of a value (``u.startswith``, ``c.most_common``): the program's code must not
         # run inside it (a ``str`` subclass held as ``UserString.data``, a ``Counter`` subclass's ``items``)
         args = [materialized(a) for a in args]
@@ -484,15 +496,20 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
         """``fn(*args, **kw)`` with no Python code but the library's (and the judge's) allowed to run."""
         ident = get_ident()
         del flagged[:]
+        programs_context = get_context()
+        set_context(context.copy())
+        gc_disable()  # a finalizer run while ``quiet`` would be the program's code with the hook silent
         quiet.add(ident)
         set_profile(watch)
         quiet.discard(ident)
         try:
             result = fn(*args, **kw)
         finally:
+            gc_disable()  # (the program's code, flagged, may have enabled it again inside ``fn``)
             quiet.add(ident)
             set_profile(None)
             quiet.discard(ident)
+            set_context(programs_context)
         if flagged:
             bad.append(f"the program's code ({flagged[0]}) ran inside {what}")
             raise AssertionError(bad[-1])

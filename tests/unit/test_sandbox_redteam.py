@@ -33,6 +33,16 @@ SAVEALL = ("import sys\ndef grab():\n    class Box:\n        pass\n    b = Box()
            "                                                   lambda n, m=False: globals()[n], getattr, lambda op, x, y: True)\n"
            "def f(x):\n    return 0\n")
 
+# the verdict written with the main thread's nonce, from code that no audit event stops
+FORGE = ("import sys, os\ndef forge():\n    for fr in sys._current_frames().values():\n        while fr is not None:\n"
+         "            loc = fr.f_locals\n            if 'nonce' in loc and 'result_fd' in loc:\n"
+         "                os.write(loc['result_fd'], b'\\n' + loc['nonce'] + b' 2 2 ok 0 none\\tx\\n')\n"
+         "                os._exit(0)\n            fr = fr.f_back\n")
+# a cyclic finalizer that re-arms itself until it runs where frame access is not refused, then forges
+ARMED = FORGE + ("import gc\nclass Z:\n    def __del__(self):\n        try:\n            sys._getframe()\n"
+                 "        except ValueError:\n            arm()\n            return\n        forge()\n"
+                 "def arm():\n    z = Z()\n    z.z = z\n")
+
 # name: program or (program, tests); {pid}, {out} (a folder of the trainer's) and {secret_file} are filled in
 ATTACKS = {
     # ---- faking a pass
@@ -311,6 +321,44 @@ ATTACKS = {
                                              "    def startswith(self, *a):\n        return True\n    endswith = startswith\n"
                                              "def f(x):\n    return S('')\n",
                                              ["assert f(1).startswith('3')", "assert f(2).endswith('5')"]),
+    # ---- the program's code run inside the audit hook (where nested events were skipped) or the judge's quiet window
+    "sys.audit with a path whose __class__ runs code": FORGE + "class P:\n    @property\n    def __class__(self):\n"
+    "        forge()\n        return P\ndef f(x):\n    sys.audit('open', P(), 'r', 0)\n    return 0\n",
+    "gc finalizer run by the audit hook's allocations": ARMED + "gc.enable()\ngc.set_threshold(1)\narm()\n"
+    "for _ in range(2000):\n    try:\n        open('/usr/lib/os-release').close()\n    except OSError:\n        pass\n"
+    "def f(x):\n    return 0\n",
+    "os.lstat replaced under the hook's realpath": FORGE + "real = os.lstat\ndef lstat(p, *a, **k):\n    try:\n"
+    "        sys._getframe()\n    except ValueError:\n        return real(p, *a, **k)\n    forge()\nos.lstat = lstat\n"
+    "open('x', 'w').close()\ndef f(x):\n    return 0\n",
+    "gc finalizer in the judge's quiet sys.setprofile call": (
+        ARMED + "import collections, abc\nclass PM(abc.ABCMeta):\n    def __subclasscheck__(cls, sub):\n"
+        "        gc.enable()\n        gc.set_threshold(1)\n        arm()\n        return False\n"
+        "class P(collections.UserList, metaclass=PM):\n    pass\nclass Dummy(abc.ABC):\n    pass\ndef f(x):\n"
+        "    Dummy.register(type('T%d' % x, (), {}))\n    return collections.UserList([0])\n",
+        ["assert f(1) == [3]", "assert f(2) == [5]"]),
+    "gc callback whose finalizer enables gc again": ARMED + "class CB:\n    def __call__(self, phase, info):\n"
+    "        pass\n    def __del__(self):\n        gc.enable()\n        gc.set_threshold(1)\n"
+    "        gc.callbacks.append(CB())\n        arm()\ndef f(x):\n    gc.callbacks.append(CB())\n    return 0\n",
+    # ---- a value changed after its check by the program's code that the judge itself set off
+    "checked value swapped by a dropped gc callback's finalizer": (
+        "import gc\nfrom fractions import Fraction\nclass E(int):\n    __eq__ = int.__ne__\n    __hash__ = int.__hash__\n"
+        "made = []\nclass CB2:\n    def __call__(self, phase, info):\n        pass\n    def __del__(self):\n"
+        "        for q in made:\n            object.__setattr__(q, '_numerator', E(0))\nclass CB1(CB2):\n"
+        "    def __del__(self):\n        gc.callbacks.append(CB2())\ndef f(x):\n    q = Fraction(0)\n    made.append(q)\n"
+        "    gc.callbacks.append(CB1())\n    return q\n"),
+    "isinstance in the trust check reading a library object's __class__": (
+        "import re, string\nfrom fractions import Fraction\nclass E(int):\n    __eq__ = int.__ne__\n"
+        "    __hash__ = int.__hash__\nstate = {'n': 0, 'q': None}\ndef spy(self, name):\n"
+        "    if name == '__class__' and state['q'] is not None:\n        state['n'] += 1\n"
+        "        if state['n'] == 8:  # the first read in the second module check: the Fraction was walked\n"
+        "            object.__setattr__(state['q'], '_numerator', E(0))\n    return object.__getattribute__(self, name)\n"
+        "re.RegexFlag.__getattribute__ = spy\nre.NOFLAG = 0\ndef f(x):\n    q = Fraction(0)\n"
+        "    object.__setattr__(q, '_numerator', string.Template('x'))\n    state['n'], state['q'] = 0, q\n    return q\n"),
+    "decimal context that rounds a wrong difference to zero": ("import decimal\ndef f(x):\n"
+                                                               "    decimal.getcontext().__init__(prec=1, Emin=0, Emax=1, traps=[], "
+                                                               "rounding=decimal.ROUND_DOWN)\n"
+                                                               "    return decimal.Decimal(f'{2 * x + 1}.5')\n",
+                                                               ["assert abs(f(1) - 3) < 1e-9", "assert abs(f(2) - 5) < 1e-9"]),
     # ---- C libraries that read files or start processes with no audit event
     "Tcl's open and exec through _tkinter": "import _tkinter\ntcl = _tkinter.create(None, 'x', 'Tk', 0, 1, 0)\n"
     "print(tcl.eval('set f [open ' + {secret_file!r} + ']; read $f'))\nprint(tcl.eval('exec /bin/sh -c {echo spawned}'))\n",
