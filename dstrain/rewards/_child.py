@@ -79,6 +79,10 @@ _UNAUDITED = (("posix", "os", ("pidfd_open", "mknod", "mkfifo", "setpriority", "
               # hook included (their globals and closures are the judge's); the profile function the judge
               # sets while a test's operation runs must stay out of reach
               ("gc", "gc", ("set_debug",)), ("sys", "sys", ("getprofile", "gettrace")))
+# Descriptor owners that get SIGIO (or any signal ``F_SETSIG`` picks, SIGKILL too) when I/O is ready: a signal
+# to any process of the same uid (or any, for euid 0) with no kill event (F_SETOWN, F_SETSIG, F_SETOWN_EX; ioctl
+# FIOSETOWN, SIOCSPGRP).
+_SIGNAL_OWNER = {"fcntl.fcntl": (8, 10, 15), "fcntl.ioctl": (0x8901, 0x8902)}
 # Frame access: refused (so the nonce stays out of reach) but not counted, because the
 # standard library probes sys._getframe (namedtuple, enum) and copes with ValueError.
 _FRAME_ATTRS = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_back"})
@@ -330,6 +334,9 @@ def _make_hook(tmp: str, read_roots: tuple, violations: list, quiet: set = froze
                 deny(event, f"directory {target}")
         elif event in _DENY or event.startswith(_DENY_PREFIXES):
             deny(event, "forbidden")
+        elif event in _SIGNAL_OWNER and type(args) is tuple and len(args) > 1 and type(args[1]) is int \
+                and args[1] in _SIGNAL_OWNER[event]:  # the C call's own ints (``sys.audit`` may pass anything)
+            deny(event, "a signal owner for a descriptor")
         elif event == "resource.prlimit":
             pid = (tuple(args) + (0,))[0]  # an exact int: the C value the call will use
             if type(pid) is not int or (pid != 0 and pid != getpid()):  # another process: the fork server, say

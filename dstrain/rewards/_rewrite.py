@@ -71,6 +71,8 @@ def _guard_rewrite(node, state):
         node.test = w(node.test)
     elif isinstance(node, ast.Assert):
         node.test = w(node.test)
+    elif isinstance(node, ast.Match):  # its patterns compare the subject natively
+        node.subject = w(node.subject)
     elif isinstance(node, ast.comprehension):
         node.ifs = [w(c) for c in node.ifs]
     elif isinstance(node, (ast.ListComp, ast.SetComp, ast.GeneratorExp)):

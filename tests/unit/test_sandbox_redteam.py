@@ -359,6 +359,19 @@ ATTACKS = {
                                                                "rounding=decimal.ROUND_DOWN)\n"
                                                                "    return decimal.Decimal(f'{2 * x + 1}.5')\n",
                                                                ["assert abs(f(1) - 3) < 1e-9", "assert abs(f(2) - 5) < 1e-9"]),
+    # ---- the program's code run by the library with no Python frame, and test syntax the rewriter left unguarded
+    "metaclass __subclasscheck__ that is a C callable swapping an operand's __eq__": (
+        "import abc, collections, functools\nclass PM(abc.ABCMeta):\n    pass\n"
+        "class P(collections.UserList, metaclass=PM):\n    pass\nclass Dummy(abc.ABC):\n    pass\ndef f(x):\n"
+        "    L = type('L%d' % x, (list,), {})\n    PM.__subclasscheck__ = functools.partial(setattr, L, '__eq__')\n"
+        "    Dummy.register(type('T%d' % x, (), {}))\n    u = collections.UserList()\n    u.data = L()\n    return u\n",
+        ["assert f(1) == [3]", "assert f(2) == [5]"]),
+    "lambda of the test called with the program's value": (EVIL + "def f(x):\n    return E()\n",
+                                                           ["assert (lambda v: v == 3)(f(1))",
+                                                            "assert (lambda v: v == 5)(f(2))"]),
+    "match statement in a test": (EVIL + "def f(x):\n    return E()\n",
+                                  ["match f(1):\n    case 3:\n        pass\n    case _:\n        assert False",
+                                   "match f(2):\n    case 5:\n        pass\n    case _:\n        assert False"]),
     # ---- C libraries that read files or start processes with no audit event
     "Tcl's open and exec through _tkinter": "import _tkinter\ntcl = _tkinter.create(None, 'x', 'Tk', 0, 1, 0)\n"
     "print(tcl.eval('set f [open ' + {secret_file!r} + ']; read $f'))\nprint(tcl.eval('exec /bin/sh -c {echo spawned}'))\n",
@@ -562,8 +575,12 @@ def test_without_namespaces_other_processes_and_folders_stay_out_of_reach(mode, 
     try:
         nice = os.getpriority(os.PRIO_PROCESS, victim.pid)
         program = textwrap.dedent(f"""
-            import os, signal
+            import fcntl, os, signal
+            r, w = os.pipe()
             for call in (lambda: signal.pidfd_send_signal(os.pidfd_open({victim.pid}), signal.SIGKILL),
+                         # SIGKILL (F_SETSIG) to the descriptor's owner when it becomes readable
+                         lambda: (fcntl.fcntl(r, fcntl.F_SETOWN, {victim.pid}), fcntl.fcntl(r, 10, signal.SIGKILL),
+                                  fcntl.fcntl(r, fcntl.F_SETFL, os.O_ASYNC), os.write(w, b"x")),
                          lambda: os.setpriority(os.PRIO_PROCESS, {victim.pid}, 19),
                          lambda: os.sched_setaffinity({victim.pid}, {{0}}),
                          lambda: os.mkfifo({str(tmp_path / 'fifo')!r}),
@@ -580,6 +597,7 @@ def test_without_namespaces_other_processes_and_folders_stay_out_of_reach(mode, 
         with SandboxPool(workers=1, limits=limits) as pool:
             r = pool.run(program, ["assert True"])
             assert r.stdout.split() == ["False", "False"], (r.status, r.detail, r.stdout)
+            time.sleep(0.2)
             assert victim.poll() is None
             assert os.getpriority(os.PRIO_PROCESS, victim.pid) == nice
             assert os.sched_getaffinity(victim.pid) == os.sched_getaffinity(0)
