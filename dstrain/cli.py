@@ -175,6 +175,7 @@ def cmd_launch(args, overrides) -> int:
     accelerator = env.get("DS_ACCELERATOR") or launcher.detect_accelerator()
     problem = launch_check.gpu_shortfall(launcher.spec_from_args(args, []), hosts.remote, accelerator,
                                          torchrun=args.launcher == "torchrun")
+    problem = problem or _output_problem(cfg, args.resume)
     if problem is None and not args.resume:
         problem = _check_before_launch(cfg, args, accelerator)
     if problem:
@@ -212,9 +213,14 @@ def cmd_launch(args, overrides) -> int:
         env["DSTRAIN_FAILURE_DIR"] = failures = tempfile.mkdtemp(prefix="dstrain-job-")  # see _reports_failure
         proc = subprocess.Popen(argv, env=env, start_new_session=True)  # own group: Ctrl-C reaches us only
 
+        got = []  # the signals forwarded: the job ends as stopped by the first (128 + N), never restarted
+
         def forward(signum, _frame):
+            got.append(signum)
+            # as SIGTERM (the ranks save and leave; DeepSpeed's runner and launcher end without a KeyboardInterrupt
+            # traceback); a second Ctrl-C / SIGTERM: the ranks did not stop in time for the user, so they go now
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signum)
+                os.killpg(proc.pid, signal.SIGKILL if len(got) > 1 else signal.SIGTERM)
 
         signals = [signal.SIGINT, signal.SIGTERM]
         if signal.getsignal(signal.SIGHUP) == signal.SIG_DFL:  # nohup sets it to SIG_IGN: keep it so
@@ -222,6 +228,8 @@ def cmd_launch(args, overrides) -> int:
         previous = {sig: signal.signal(sig, forward) for sig in signals}
         try:
             code = proc.wait()
+            if got:  # DeepSpeed's runner leaves at once on a signal, its ranks may still be saving
+                _wait_for_group(proc.pid)
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -229,6 +237,12 @@ def cmd_launch(args, overrides) -> int:
                 from dstrain.runtime import release_job_comm_buffers
                 release_job_comm_buffers(args.master_port)
             shutil.rmtree(failures, ignore_errors=True)
+        if got:
+            return 128 + got[0]
+        if 128 + 64 < code < 256:  # DeepSpeed's launcher exits with -N when a rank died of signal N
+            print(f"dstrain: a rank was killed by signal {256 - code} ({signal.Signals(256 - code).name}"
+                  f"{': out of memory, or killed by hand' if code == 256 - 9 else ''})", file=sys.stderr, flush=True)
+            return 128 + 256 - code
         return 128 - code if code < 0 else code
 
     def attempt(restart: bool) -> int:
@@ -244,6 +258,41 @@ def cmd_launch(args, overrides) -> int:
     from dstrain.supervise import run_with_restarts
     return run_with_restarts(attempt, args.max_restarts, lambda line: print(line, file=sys.stderr, flush=True),
                              lambda: ckpt.find_latest(Path(cfg.output.dir) / "checkpoints"))
+
+
+def _wait_for_group(pgid: int, limit_s: float = 120.0) -> None:
+    """Return once no process of group ``pgid`` is left (signals keep being forwarded meanwhile), or
+    SIGKILL what is left after ``limit_s``."""
+    import contextlib
+    import signal
+    import time
+    end = time.monotonic() + limit_s
+    while True:
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        if time.monotonic() > end:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+            return
+        time.sleep(0.2)
+
+
+def _output_problem(cfg, resume: bool = False) -> str | None:
+    """Why the ranks could not write ``output.dir`` (seen before they start, not at their first save), or
+    must not: it holds a checkpoint and the launch does not ``--resume`` (rank 0 would refuse it too)."""
+    from dstrain import checkpoint as ckpt
+    out = Path(cfg.output.dir)
+    if out.exists() and not out.is_dir():
+        return f"output.dir {out}: is a file, not a folder"
+    latest = None if resume else ckpt.find_latest(out / "checkpoints")
+    if latest is not None:
+        return f"{out} already holds checkpoint {latest}; pass --resume to continue it or choose another output.dir"
+    there = next((p for p in (out, *out.parents) if p.exists()), None)  # what the ranks would create it in
+    if there is not None and not os.access(there, os.W_OK | os.X_OK):
+        return f"output.dir {out}: {there} is not writable (read-only, or not yours)"
+    return None
 
 
 def _check_before_launch(cfg, args, accelerator: str) -> str | None:

@@ -57,6 +57,11 @@ class NonFiniteError(RuntimeError):
         self.rank = rank
 
 
+#: Set by the trainers' stop signal handler (``trainers.common.StopFlag``); carried to every rank by the
+#: guard's per-step agreement (``NonFiniteGuard.stop_agreed``).
+STOP_REQUESTED = [False]
+
+
 def _first_bad_ranks(flags: list[bool], rank: int, world_size: int) -> list[int | None]:
     """For each flag: the lowest rank where it is set (every rank gets the same answer), or None."""
     import torch
@@ -110,6 +115,8 @@ class NonFiniteGuard:
         self.rank, self.world_size = rank, world_size
         self.skipped = 0
         """Updates skipped so far (all models of the run)."""
+        self.stop_agreed = False
+        """A stop signal reached some rank; every rank learns it at the same step (in ``check``)."""
         self.consecutive = 0
         """Skips in a row of the model checked last (each model counts its own)."""
         self._in_a_row: dict[str, int] = {}
@@ -125,7 +132,9 @@ class NonFiniteGuard:
         import torch
         loss_bad = bool(losses) and not bool(torch.isfinite(torch.stack([loss.detach().float().reshape(-1).sum()
                                                                           for loss in losses])).all())
-        bad_loss, bad_grad = _first_bad_ranks([loss_bad, grads_bad], self.rank, self.world_size)
+        bad_loss, bad_grad, stop = _first_bad_ranks([loss_bad, grads_bad, STOP_REQUESTED[0]], self.rank,
+                                                    self.world_size)
+        self.stop_agreed = self.stop_agreed or stop is not None  # every rank gets the same answer, same step
         if bad_loss is None and bad_grad is None:
             self.consecutive = self._in_a_row[name] = 0
             return False

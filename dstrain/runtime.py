@@ -173,9 +173,25 @@ def exit_rank(code: int) -> None:
     rank's entry point, after everything it writes is flushed and closed.
     """
     import sys
+    _end_helper_processes()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _end_helper_processes(wait_s: float = 5.0) -> None:
+    """Terminate the multiprocessing children this rank started (DeepSpeed's ZenFlow runs its overlapped
+    optimizer step in one), which ``os._exit`` would leave running with the job's pipes open."""
+    import multiprocessing
+    import time
+    children = multiprocessing.active_children()
+    for child in children:
+        child.terminate()
+    end = time.monotonic() + wait_s
+    for child in children:
+        child.join(max(0.0, end - time.monotonic()))
+        if child.is_alive():
+            child.kill()
 
 
 def prebuild_cpu_ops() -> list[str]:

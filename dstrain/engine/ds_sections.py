@@ -195,7 +195,9 @@ def _unused_sections(cfg: dict, problems: list[str]) -> None:
                         f"--parallel.sp={sp}")
     for key, why in (("autotuning", "dstrain does not run DeepSpeed's autotuner (dstrain plan chooses the profile)"),
                      ("hybrid_engine", "the hybrid engine is for DeepSpeed-Chat's RLHF loop, not used by dstrain"),
-                     ("data_efficiency", "dstrain's samplers feed the data; DeepSpeed's data sampling never runs")):
+                     ("data_efficiency", "dstrain's samplers feed the data, so DeepSpeed's data sampling "
+                      "(curriculum) never runs, and its data routing (random-LTD) needs DeepSpeed's layer wrappers "
+                      "in the model, which dstrain's models do not use")):
         if _enabled(cfg.get(key)):
             problems.append(f"{key}.enabled: {why}; set it to false or remove the section")
     comp = cfg.get("compile")

@@ -21,8 +21,14 @@ def decide_resume(cfg: RunConfig, world: runtime.World, out: Path, ckpt_root: Pa
     decision = None
     if world.is_main:
         latest = ckpt.find_latest(ckpt_root)
-        if cfg.checkpoint.resume:
+        busy = _lock_run_folder(out)
+        if busy:
+            decision = ("error", busy)
+        elif cfg.checkpoint.resume:
             decision = ("resume", latest)
+            problem = _resume_problem(cfg, ckpt_root, latest) if latest is not None else None
+            if problem:
+                decision = ("error", problem)
         elif latest is not None:
             decision = ("error", f"{out} already holds checkpoint {latest}; "
                                  "pass --resume to continue it or choose another output.dir")
@@ -34,6 +40,73 @@ def decide_resume(cfg: RunConfig, world: runtime.World, out: Path, ckpt_root: Pa
     if kind == "resume" and value is None and world.is_main:
         print(f"no complete checkpoint in {ckpt_root}: starting from step 0", flush=True)
     return value if kind == "resume" else None
+
+
+_LOCK = []  # the open lock file of this process's run folder: held until the process ends
+
+
+def _lock_run_folder(out: Path) -> str | None:
+    """Hold an exclusive lock on ``out`` for this process's lifetime; the problem if another run holds it.
+
+    Two runs writing one folder would interleave their metrics and overwrite each other's checkpoints.
+    A lock (not a pid file) is released by the kernel however the holder ends, so a restart after a
+    crash finds the folder free."""
+    import fcntl
+    import os
+    if _LOCK and _LOCK[0][0] == out.resolve():
+        return None  # this process holds it already (a run resumed in the same process)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        handle = open(out / ".dstrain.lock", "a+")
+    except OSError as err:
+        return f"output.dir {out}: cannot be written ({err.strerror or err})"
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "?"
+        handle.close()
+        return f"output.dir {out} is in use by another run (process {holder}); wait for it or choose another output.dir"
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    _LOCK[:] = [(out.resolve(), handle)]
+    return None
+
+
+def _resume_problem(cfg: RunConfig, ckpt_root: Path, tag: str) -> str | None:
+    """Why ``tag`` cannot be resumed by this run (a damaged checkpoint, another model), else None;
+    said before anything is planned or written (the folder's files stay the checkpoint's run's)."""
+    where = ckpt_root / tag
+    try:
+        state = json.loads((where / "trainer_state.json").read_text())
+        saved = json.loads((where / "run_config.json").read_text())
+        int(state["step"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return (f"checkpoint {where} is damaged ({type(err).__name__}: {err}); remove it (or its COMPLETE file) "
+                "to resume from the one before, or choose another output.dir")
+    mine = cfg.to_dict()["model"]
+    if isinstance(saved, dict) and saved.get("model", mine) != mine:
+        return (f"checkpoint {where} holds model {json.dumps(saved.get('model'))}, this run builds "
+                f"{json.dumps(mine)}; resume with the checkpoint's model section or choose another output.dir")
+    return None
+
+
+def stage_problem(ckpt_root: Path, tag: str, ds_config: dict) -> str | None:
+    """Why the plan's ZeRO stage cannot load ``tag`` (DeepSpeed cannot load optimizer states saved under
+    another stage's layout, and fails with a bare assertion); None when it can."""
+    try:
+        saved = json.loads((ckpt_root / tag / "ds_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    stage = lambda c: int((c.get("zero_optimization") or {}).get("stage", 0) or 0)  # noqa: E731
+    old, new = stage(saved), stage(ds_config)
+    if old == new or {old, new} == {1, 2}:  # (stages 1 and 2 save the same partitioned optimizer state)
+        return None
+    return (f"checkpoint {ckpt_root / tag} was written at ZeRO stage {old}, this run plans stage {new}: DeepSpeed "
+            f"cannot load one stage's optimizer state into the other; resume with the checkpoint's profile "
+            f"(leave deepspeed.profile at auto) or export the weights and start a new run")
 
 
 def pin_plan(cfg: RunConfig, ckpt_root: Path, tag: str) -> None:
@@ -50,16 +123,21 @@ def pin_plan(cfg: RunConfig, ckpt_root: Path, tag: str) -> None:
             setattr(ds, key, state[key])
 
 
-def plan_and_record(cfg: RunConfig, world: runtime.World, out: Path, extra_text: str = ""):
+def plan_and_record(cfg: RunConfig, world: runtime.World, out: Path, extra_text: str = "",
+                    resume: tuple[Path, str] | None = None):
     """Rank 0 plans the engine (``plan_engine``); every rank gets the plan. Rank 0 writes
-    ``run_config.json``, ``ds_config.json`` and ``plan.txt`` (plus ``extra_text``) and prints the plan."""
+    ``run_config.json``, ``ds_config.json`` and ``plan.txt`` (plus ``extra_text``) and prints the plan.
+    ``resume``: ``(checkpoint root, tag)`` the run will load, refused first if its ZeRO stage cannot."""
     from dstrain.config import save_run_config
     from dstrain.engine.factory import plan_engine
-    plan = None
+    plan, problem = None, None
     if world.is_main:
         plan = plan_engine(cfg, world.world_size, ranks_per_node=world.local_world_size,
                            device_type=world.device.type)
-    plan = runtime.broadcast_object(plan)
+        problem = stage_problem(*resume, plan.ds_config) if resume is not None and resume[1] else None
+    plan, problem = runtime.broadcast_object((plan, problem))
+    if problem:
+        raise RunFolderError(problem)
     if world.is_main:
         text = plan.explanation + (f"\n{extra_text}" if extra_text else "")
         out.mkdir(parents=True, exist_ok=True)
@@ -181,7 +259,13 @@ def load_checkpoint(engine, ckpt_root: Path, tag: str, world: runtime.World) -> 
         except reshard.ReshardError as err:
             raise RunFolderError(str(err)) from None
     else:
-        engine.load(str(ckpt_root), tag)
+        try:
+            engine.load(str(ckpt_root), tag)
+        except (RuntimeError, AssertionError, OSError, EOFError, ValueError) as err:  # a shard missing or cut short
+            raise RunFolderError(
+                f"checkpoint {ckpt_root / tag} could not be loaded ({type(err).__name__}: "
+                f"{' '.join(str(err).split())[:200] or 'a file is missing or unreadable'}); remove it (or its COMPLETE file) to resume from the one "
+                "before, or choose another output.dir") from err
     if (ckpt_root / tag / "rng" / f"rank_{world.rank}.pt").is_file():
         ckpt.load_rng(ckpt_root, tag, world.rank)
     else:
@@ -192,15 +276,17 @@ def load_checkpoint(engine, ckpt_root: Path, tag: str, world: runtime.World) -> 
 
 
 class StopFlag:
-    """Set by SIGTERM/SIGINT; the loop checkpoints and leaves at the next log step."""
+    """Set by SIGTERM, SIGINT (Ctrl-C) or SIGUSR1; the loop checkpoints and leaves at the next log step, or
+    at the next step where the non-finite guard's per-step agreement carries it (``RunGuards.stop_agreed``)."""
 
     def __init__(self):
         self.set = False
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
             signal.signal(sig, self._handle)
 
     def _handle(self, *_):
-        self.set = True
+        from dstrain import resilience
+        self.set = resilience.STOP_REQUESTED[0] = True
 
 
 class RunGuards:
@@ -219,10 +305,18 @@ class RunGuards:
         self.guard = (None if t.nonfinite == "off" else
                       NonFiniteGuard(t.nonfinite, t.max_consecutive_skips, world.rank, world.world_size))
         self.watchdog = Watchdog(world.rank, t.collective_timeout_s)
+        from dstrain import resilience
+        resilience.STOP_REQUESTED[0] = False  # (a run started in the same process after a stopped one)
         self.engines = dict(engines)
         for name, engine in self.engines.items():
             engine.watch(self.guard, self.watchdog, name)
         self._updates_at_begin = 0
+
+    @property
+    def stop_agreed(self) -> bool:
+        """Whether a stop signal reached some rank, agreed by every rank at the same step (through the
+        non-finite guard's per-step all-reduce; without the guard, the loops see it at their log step)."""
+        return self.guard is not None and self.guard.stop_agreed
 
     @property
     def skipped(self) -> int:

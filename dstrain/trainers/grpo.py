@@ -77,7 +77,7 @@ class GRPOTrainer(RLLoop):
         self.model_cfg = registry.make_model_config(cfg.model.name, cfg.model.size, cfg.model.args)
         if resume_tag is not None:
             pin_plan(cfg, self.ckpt_root, resume_tag)
-        self.plan = plan_and_record(cfg, self.world, self.out)
+        self.plan = plan_and_record(cfg, self.world, self.out, resume=(self.ckpt_root, resume_tag))
 
         runtime.seed_everything(cfg.train.seed)
         stage3 = self.plan.zero["stage"] == 3

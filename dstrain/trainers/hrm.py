@@ -108,7 +108,7 @@ class HRMTrainer:
         self.train_set = sudoku.SudokuGroups(tp, ts, self.task.augmentations, cfg.data.seed, self.task.mask_givens)
         self.eval_inputs, self.eval_labels = sudoku.encode(ep, es, self.task.mask_givens)
 
-        self.plan = plan_and_record(cfg, self.world, self.out)
+        self.plan = plan_and_record(cfg, self.world, self.out, resume=(self.ckpt_root, resume_tag))
 
         runtime.seed_everything(cfg.train.seed)
         self.engine = create_engine(lambda: self.spec.build(self.model_cfg), self.spec.parallelize,
@@ -248,7 +248,7 @@ class HRMTrainer:
                 for k, v in metrics.items():
                     sums[k] = sums[k] + v if k in sums else v.clone()
                 log.advance()
-                if step % t.log_every == 0 or step == t.steps:
+                if step % t.log_every == 0 or step == t.steps or self.guards.stop_agreed:  # a stop: log, save, leave
                     sums = {k: float(v) for k, v in sums.items()}  # the one wait for the device per log step
                     losses = torch.stack(losses).double().cpu().tolist()
                     now = time.perf_counter()

@@ -70,7 +70,7 @@ class LMTrainer:
             if cfg.parallel.pp == "auto":  # resume with the stages the checkpoint was written by
                 from dstrain.parallel.pipeline import stages_in_checkpoint
                 cfg.parallel.pp = stages_in_checkpoint(self.ckpt_root / resume_tag)
-        self.plan = plan_and_record(cfg, self.world, self.out)
+        self.plan = plan_and_record(cfg, self.world, self.out, resume=(self.ckpt_root, resume_tag))
         # After the plan: parallel.pp = auto is decided there.
         pp = self.plan.pipeline.pp if self.plan.pipeline is not None else 1
         self.parallel, self.dp_rank, self.dp_world = _parallel_layout(cfg, self.world, pp)
@@ -176,7 +176,7 @@ class LMTrainer:
                     losses.append(loss)
                 meter.add(tokens_per_step)
                 log.advance()
-                if step % t.log_every == 0 or step == t.steps:
+                if step % t.log_every == 0 or step == t.steps or self.guards.stop_agreed:  # a stop: log, save, leave
                     self.guards.phase("log", step)
                     rates = meter.read()
                     mean = {"loss": sum(losses) / len(losses)} if losses else {}  # none: every update skipped

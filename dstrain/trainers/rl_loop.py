@@ -99,7 +99,7 @@ class RLLoop:
                     self.guards.keep_last_good(step, self.start_step, last_saved, self.save, self.saver)
                     raise
                 log.advance()
-                if step % t.log_every == 0 or step == t.steps:
+                if step % t.log_every == 0 or step == t.steps or self.guards.stop_agreed:  # a stop: log, save, leave
                     len_window = len(window)
                     limit = self.task.time_limit_s
                     out_of_time = float(bool(limit) and time.perf_counter() - start > limit)

@@ -1,6 +1,6 @@
 """Failed launches leave nothing behind: refused before launch, or crashed and killed after the ranks started.
 
-A refusal is one line, exit 2, nothing started or written. After the ranks started, the
+A refusal is one message naming every problem, exit 2, nothing started or written. After the ranks started, the
 first rank to fail reports once (the others' collateral gloo errors stay quiet), and the
 ranks' shared-memory allreduce buffers in /dev/shm are gone when ``dstrain launch`` returns.
 """
@@ -28,8 +28,9 @@ def test_refused_before_launch_starts_and_writes_nothing(tmp_path):
     proc = launch([*overrides(out, 3), f"--deepspeed.profile={CONFIGS / 'megatron_gpt_fp16_zero1.json'}",
                    "--master-port", str(port)], check=False, timeout=300)
     assert proc.returncode == 2 and proc.stdout == ""
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "megatron_gpt_fp16_zero1.json: fp16.enabled" in lines[0]
+    lines = proc.stderr.strip().splitlines()  # every problem at once: the fp16 one and the run's disagreements
+    assert lines[0].startswith("dstrain: error: ") and "megatron_gpt_fp16_zero1.json: " in lines[0]
+    assert any(line.startswith("  - fp16.enabled: fp16 does not run on the CPU") for line in lines[1:]), lines
     assert not out.exists()
     assert shm_buffers(port) == before == []
 

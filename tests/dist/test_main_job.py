@@ -86,3 +86,28 @@ def test_sigterm_saves_a_checkpoint_and_resume_finishes(tmp_path):
                                        "--train.warmup_steps=2"), "--resume"])
     steps = harness.metrics(out)
     assert max(steps) == stopped_at + 3
+
+
+def test_ctrl_c_stops_at_the_next_step_saves_and_waits_for_its_ranks(tmp_path):
+    """Ctrl-C (SIGINT) to ``dstrain launch`` with the next log step far away: the ranks agree on the stop
+    at the next optimizer step (the non-finite guard's per-step all-reduce carries it), save, and leave;
+    the launcher returns 130 only once no process of the job is left, with no traceback."""
+    out = tmp_path / "run"
+    args = harness.overrides(out, 5000, "--checkpoint.every=0", "--train.log_every=1000", "--output.progress=true")
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    log = tmp_path / "launch.log"
+    with open(log, "w") as sink:
+        proc = subprocess.Popen([sys.executable, "-m", "dstrain.cli", "launch", "--nproc", "2",
+                                 str(harness.RECIPE), *args], cwd=harness.ROOT, env=env, stdout=sink, stderr=sink)
+        deadline = time.time() + 240
+        while time.time() < deadline and "train:" not in log.read_text():
+            time.sleep(0.5)
+        time.sleep(3)  # a few steps in
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == 128 + signal.SIGINT
+    text = log.read_text()
+    tag = ckpt.find_latest(out / "checkpoints")
+    assert tag is not None and 1 <= ckpt.step_of(tag) < 1000, text[-3000:]  # not held back to the log step
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+    ranks = subprocess.run(["pgrep", "-f", f"--output.dir={out}"], capture_output=True, text=True).stdout
+    assert ranks.strip() == "", ranks  # the launcher returned after its ranks were gone

@@ -1,0 +1,79 @@
+"""What a run checks about its output folder before it plans or writes anything: another run using it,
+a damaged or foreign checkpoint, a ZeRO stage the checkpoint cannot be loaded under, a folder that is a file."""
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+from dstrain.config import load_run_config
+from dstrain.trainers import common
+
+RECIPE = "models/gpt/recipes/tiny.json"
+
+
+def test_a_folder_in_use_by_another_process_is_refused(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from pathlib import Path; from dstrain.trainers import common\n"
+        f"assert common._lock_run_folder(Path({str(tmp_path)!r})) is None\n"
+        "print('locked', flush=True); time.sleep(60)")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        problem = common._lock_run_folder(tmp_path)
+        assert problem == (f"output.dir {tmp_path} is in use by another run (process {holder.pid}); wait for it "
+                           "or choose another output.dir")
+    finally:
+        holder.kill()
+        holder.wait()
+    assert common._lock_run_folder(tmp_path) is None  # the kernel released the dead holder's lock
+    assert common._lock_run_folder(tmp_path) is None  # and this process may take it again
+
+
+def _checkpoint(root, tag, model: dict, stage: int, state: str | None = None):
+    where = root / tag
+    where.mkdir(parents=True)
+    (where / "run_config.json").write_text(json.dumps({"model": model}))
+    (where / "ds_config.json").write_text(json.dumps({"zero_optimization": {"stage": stage}}))
+    (where / "trainer_state.json").write_text(state if state is not None else json.dumps({"step": 10}))
+
+
+def test_resume_refuses_a_damaged_or_foreign_checkpoint(tmp_path):
+    cfg = load_run_config(RECIPE)
+    mine = cfg.to_dict()["model"]
+    _checkpoint(tmp_path, "good", mine, 0)
+    assert common._resume_problem(cfg, tmp_path, "good") is None
+    _checkpoint(tmp_path, "garbled", mine, 0, state="garbage{{{")
+    problem = common._resume_problem(cfg, tmp_path, "garbled")
+    assert problem.startswith(f"checkpoint {tmp_path / 'garbled'} is damaged (JSONDecodeError")
+    assert "remove it (or its COMPLETE file) to resume from the one before" in problem
+    other = {**mine, "args": {**mine.get("args", {}), "n_layer": 2}}
+    _checkpoint(tmp_path, "other", other, 0)
+    assert "this run builds" in common._resume_problem(cfg, tmp_path, "other")
+
+
+def test_resume_under_a_stage_that_cannot_load_the_checkpoint_is_refused(tmp_path):
+    _checkpoint(tmp_path, "z2", {}, 2)
+    zero = lambda stage: {"zero_optimization": {"stage": stage}}  # noqa: E731
+    assert common.stage_problem(tmp_path, "z2", zero(2)) is None
+    assert common.stage_problem(tmp_path, "z2", zero(1)) is None  # stages 1 and 2 save the same state
+    assert "written at ZeRO stage 2, this run plans stage 3" in common.stage_problem(tmp_path, "z2", zero(3))
+    assert common.stage_problem(tmp_path, "z2", {}) is not None  # stage 0
+
+
+def test_output_dir_that_is_a_file_is_refused_before_launch(tmp_path):
+    from dstrain.cli import _output_problem
+    path = tmp_path / "afile"
+    path.write_text("")
+    assert _output_problem(SimpleNamespace(output=SimpleNamespace(dir=str(path)))) == \
+        f"output.dir {path}: is a file, not a folder"
+    assert _output_problem(SimpleNamespace(output=SimpleNamespace(dir=str(tmp_path / "new" / "run")))) is None
+
+
+def test_a_folder_holding_a_checkpoint_is_refused_before_launch_unless_resumed(tmp_path):
+    from dstrain.cli import _output_problem
+    tag = tmp_path / "checkpoints" / "step_00000300"
+    tag.mkdir(parents=True)
+    (tag / "COMPLETE").write_text("{}")
+    cfg = SimpleNamespace(output=SimpleNamespace(dir=str(tmp_path)))
+    assert _output_problem(cfg) == (f"{tmp_path} already holds checkpoint step_00000300; pass --resume to "
+                                    "continue it or choose another output.dir")
+    assert _output_problem(cfg, resume=True) is None
