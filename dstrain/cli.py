@@ -393,8 +393,17 @@ def cmd_check_config(args, overrides) -> int:
         data = None  # not plain JSON: a DeepSpeed file may still be (comments: DeepSpeed reads hjson)
     sections = {f for f in RunConfig.__dataclass_fields__}
     if data is not None and set(data) <= sections:
-        run_config_from_dict(data, args.file, overrides)
-        print(f"{args.file}: valid run config")
+        cfg = run_config_from_dict(data, args.file, overrides)
+        if cfg.deepspeed.profile != "auto":  # the DeepSpeed JSON it names, against it, as a launch checks it
+            from dstrain.engine.ds_check import this_device
+            from dstrain.engine.ds_preflight import adopt_file_values, check_run
+            world = args.world_size or 1
+            adopt_file_values(cfg, world)
+            for note in check_run(cfg, world, args.device or this_device()):
+                print(f"dstrain: note: {note}", file=sys.stderr)
+        print(f"{args.file}: valid run config"
+              + (f" with {cfg.deepspeed.profile} on {args.world_size or 1} rank(s)"
+                 if cfg.deepspeed.profile != "auto" else ""))
         return 0
     from dstrain.engine.ds_check import check_ds_file
     print(check_ds_file(args.file, device_type=args.device, world_size=args.world_size))

@@ -338,7 +338,7 @@ def format_plan(plan: Plan, stats: ModelStats, hw: Hardware, world_size: int, mi
     lines = [
         f"model: P={stats.params:,} params, L={stats.largest_module_params:,} (largest module), "
         f"hidden={stats.hidden_size}, layers={stats.num_layers}",
-        f"hardware: {hw.name or hw.device_type}, N={world_size} data-parallel ranks "
+        f"hardware: {hw.name or hw.device_type}, N={world_size} ranks sharing ZeRO's partitions (dp x sp) "
         f"({hw.ranks_per_node} per node), M={format_bytes(hw.device_memory)} per rank "
         f"(budget {format_bytes(plan.margin * hw.device_memory)}), host {format_bytes(hw.host_memory)} per node, "
         f"micro-batch {micro_batch}",

@@ -87,7 +87,12 @@ def _resume_problem(cfg: RunConfig, ckpt_root: Path, tag: str) -> str | None:
         return (f"checkpoint {where} is damaged ({type(err).__name__}: {err}); remove it (or its COMPLETE file) "
                 "to resume from the one before, or choose another output.dir")
     mine = cfg.to_dict()["model"]
-    if isinstance(saved, dict) and saved.get("model", mine) != mine:
+
+    def shape(model) -> dict:  # what decides the weights' layout: not where a warm start was loaded from
+        model = model if isinstance(model, dict) else {}
+        args = model.get("args") if isinstance(model.get("args"), dict) else {}
+        return {**model, "args": {k: v for k, v in args.items() if k != "path"}}
+    if isinstance(saved, dict) and shape(saved.get("model", mine)) != shape(mine):
         return (f"checkpoint {where} holds model {json.dumps(saved.get('model'))}, this run builds "
                 f"{json.dumps(mine)}; resume with the checkpoint's model section or choose another output.dir")
     return None

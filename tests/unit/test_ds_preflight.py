@@ -307,3 +307,15 @@ def test_config_check_keeps_an_accelerator_already_chosen():
     assert deepspeed_problems({"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2,
                                "zero_optimization": {"stage": 3}}) == []
     assert real_accelerator.ds_accelerator is chosen
+
+
+def test_check_config_of_a_run_config_checks_the_deepspeed_json_it_names(tmp_path, capsys):
+    """As ``launch`` would: a pass from check-config means the launch accepts the pair."""
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4}))
+    args = ["check-config", str(RECIPE), f"--deepspeed.profile={path}", "--world-size", "2", "--device", "cpu"]
+    assert cli.main(args) == 2
+    assert "the file disagrees with the run config: train_micro_batch_size_per_gpu: file says 4" in \
+        capsys.readouterr().err
+    assert cli.main([*args, "--deepspeed.values_from_file=true"]) == 0
+    assert "valid run config with" in capsys.readouterr().out

@@ -77,3 +77,11 @@ def test_a_folder_holding_a_checkpoint_is_refused_before_launch_unless_resumed(t
     assert _output_problem(cfg) == (f"{tmp_path} already holds checkpoint step_00000300; pass --resume to "
                                     "continue it or choose another output.dir")
     assert _output_problem(cfg, resume=True) is None
+
+
+def test_a_warm_start_path_is_not_another_model(tmp_path):
+    """GRPO and SCoRe record the warm start they loaded as model.args.path; a resumed run has not set it yet."""
+    cfg = load_run_config(RECIPE)
+    mine = cfg.to_dict()["model"]
+    _checkpoint(tmp_path, "warm", {**mine, "args": {**mine.get("args", {}), "path": str(tmp_path / "warm_start")}}, 0)
+    assert common._resume_problem(cfg, tmp_path, "warm") is None

@@ -1,4 +1,5 @@
 """dstrain.data.sudoku: solver, generator uniqueness, file reading, augmentation validity, batches."""
+import os
 from pathlib import Path
 
 import numpy as np
@@ -7,7 +8,7 @@ import pytest
 from dstrain.data import sudoku as S
 
 ROOT = Path(__file__).resolve().parents[2]
-DIABOLICAL = ROOT.parent / "shared" / "data" / "sudoku_diabolical.txt"
+DIABOLICAL = Path(os.environ.get("DSTRAIN_DATA_DIR") or ROOT.parent / "shared" / "data") / "sudoku_diabolical.txt"
 
 # A well-known puzzle with a unique solution (and that solution).
 PUZZLE = ("530070000600195000098000060800060003400803001700020006060000280000419005000080079")
@@ -118,7 +119,7 @@ def test_file_reader(tmp_path):
         S.read_puzzle_file(tmp_path / "missing.txt")
 
 
-@pytest.mark.skipif(not DIABOLICAL.is_file(), reason="shared data not present")
+@pytest.mark.skipif(not DIABOLICAL.is_file(), reason=f"shared data not in {DIABOLICAL.parent} (set DSTRAIN_DATA_DIR)")
 def test_reads_and_solves_diabolical_puzzles():
     puzzles, solutions = S.read_puzzle_file(DIABOLICAL, limit=20)
     assert puzzles.shape == (20, 81) and (puzzles == 0).sum(1).min() > 40

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -11,14 +12,15 @@ from dstrain.data.tasks import (MBPP_SPLITS, Task, load_gsm8k, load_mbpp, load_t
                                 make_program_tasks, split_tasks)
 from dstrain.rewards import SandboxLimits, SandboxPool, evaluate_tasks, maths_reward, score_tasks
 
-DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
+# real public data: $DSTRAIN_DATA_DIR, else shared/data beside the clone
+DATA = Path(os.environ.get("DSTRAIN_DATA_DIR") or Path(__file__).resolve().parents[2].parent / "shared" / "data")
 LIMITS = SandboxLimits(wall_seconds=5.0, memory_bytes=512 << 20)
 
 
 def data_file(name: str) -> Path:
     path = DATA / name
     if not path.exists():
-        pytest.skip(f"shared data file {name} not available")
+        pytest.skip(f"shared data file {name} not in {DATA} (set DSTRAIN_DATA_DIR to the folder holding it)")
     return path
 
 
