@@ -267,10 +267,10 @@ def load_checkpoint(engine, ckpt_root: Path, tag: str, world: runtime.World) -> 
         try:
             engine.load(str(ckpt_root), tag)
         except (RuntimeError, AssertionError, OSError, EOFError, ValueError) as err:  # a shard missing or cut short
+            why = " ".join(str(err).split())[:200] or "a file is missing or unreadable"
             raise RunFolderError(
-                f"checkpoint {ckpt_root / tag} could not be loaded ({type(err).__name__}: "
-                f"{' '.join(str(err).split())[:200] or 'a file is missing or unreadable'}); remove it (or its COMPLETE file) to resume from the one "
-                "before, or choose another output.dir") from err
+                f"checkpoint {ckpt_root / tag} could not be loaded ({type(err).__name__}: {why}); remove it (or "
+                "its COMPLETE file) to resume from the one before, or choose another output.dir") from err
     if (ckpt_root / tag / "rng" / f"rank_{world.rank}.pt").is_file():
         ckpt.load_rng(ckpt_root, tag, world.rank)
     else:
