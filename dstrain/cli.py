@@ -286,6 +286,15 @@ def _output_problem(cfg, resume: bool = False) -> str | None:
     out = Path(cfg.output.dir)
     if out.exists() and not out.is_dir():
         return f"output.dir {out}: is a file, not a folder"
+    lock = out / ".dstrain.lock"  # held by a run's rank 0 while it runs (dstrain.trainers.common)
+    if lock.is_file():
+        import fcntl
+        with open(lock) as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return (f"output.dir {out} is in use by another run (process {handle.read().strip() or '?'}); "
+                        "wait for it or choose another output.dir")
     latest = None if resume else ckpt.find_latest(out / "checkpoints")
     if latest is not None:
         return f"{out} already holds checkpoint {latest}; pass --resume to continue it or choose another output.dir"

@@ -85,3 +85,20 @@ def test_a_warm_start_path_is_not_another_model(tmp_path):
     mine = cfg.to_dict()["model"]
     _checkpoint(tmp_path, "warm", {**mine, "args": {**mine.get("args", {}), "path": str(tmp_path / "warm_start")}}, 0)
     assert common._resume_problem(cfg, tmp_path, "warm") is None
+
+
+def test_a_folder_in_use_is_refused_before_launch(tmp_path):
+    from dstrain.cli import _output_problem
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import time; from pathlib import Path; from dstrain.trainers import common\n"
+        f"assert common._lock_run_folder(Path({str(tmp_path)!r})) is None\n"
+        "print('locked', flush=True); time.sleep(60)")], stdout=subprocess.PIPE, text=True)
+    cfg = SimpleNamespace(output=SimpleNamespace(dir=str(tmp_path)))
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert _output_problem(cfg, resume=True) == (f"output.dir {tmp_path} is in use by another run (process "
+                                                     f"{holder.pid}); wait for it or choose another output.dir")
+    finally:
+        holder.kill()
+        holder.wait()
+    assert _output_problem(cfg, resume=True) is None
