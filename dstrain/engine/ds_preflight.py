@@ -81,8 +81,9 @@ def adopt_file_values(cfg: RunConfig, world_size: int) -> list[tuple[str, object
     eps and weight_decay, gradient_clipping, the scheduler's warm-up steps, warm-up peak
     (as lr, when the optimizer block gives none) and cosine floor, and bf16 / fp16 as the
     precision; where the file leaves gradient_clipping or an Adam block's numbers out, what
-    DeepSpeed would use (:func:`_deepspeed_defaults`). The scheduler's ``total_num_steps`` is not adopted: ``train.steps`` decides
-    how long the run is. Returns ``(run key, value, from where)`` for each value changed.
+    DeepSpeed would use (:func:`_deepspeed_defaults`). The scheduler's ``total_num_steps`` is
+    not adopted: ``train.steps`` decides how long the run is. Returns ``(run key, value, from
+    where)`` for each value changed.
     """
     template, source = _template(cfg)
     if template is None or not cfg.deepspeed.values_from_file:
