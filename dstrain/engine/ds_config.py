@@ -12,6 +12,7 @@ The module is pure: no deepspeed or torch import.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -329,9 +330,11 @@ def _offloads(zo: dict, key: str, legacy: str) -> bool:
     return zo.get(legacy) is True
 
 
+@functools.cache
 def zero_defaults() -> dict[str, object]:
     """DeepSpeed's default of each ``zero_optimization`` key with a plain (number / bool) default, by
-    name and alias: what its parser uses for a key set to "auto" (it drops "auto" values)."""
+    name and alias: what its parser uses for a key set to "auto" (it drops "auto" values). Read once
+    (the section check and the filling both ask); callers only read it."""
     from dstrain.engine.ds_check import accelerator_untouched
     with accelerator_untouched():
         from deepspeed.runtime.zero.config import DeepSpeedZeroConfig

@@ -67,9 +67,7 @@ def _guard_rewrite(node, state):
         node.operand = w(node.operand)
     elif isinstance(node, ast.BoolOp):
         node.values = [w(v) for v in node.values]
-    elif isinstance(node, (ast.IfExp, ast.If, ast.While)):
-        node.test = w(node.test)
-    elif isinstance(node, ast.Assert):
+    elif isinstance(node, (ast.IfExp, ast.If, ast.While, ast.Assert)):
         node.test = w(node.test)
     elif isinstance(node, ast.Match):  # its patterns compare the subject natively
         node.subject = w(node.subject)
