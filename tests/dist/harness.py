@@ -47,3 +47,18 @@ def metrics(out: Path, key: str = "train/loss") -> dict[int, float]:
 
 def run_config(out: Path, steps: int, *extra: str):
     return load_run_config(RECIPE, overrides(out, steps, *extra))
+
+
+def tiny_engine(world: int, overrides: list[str]):
+    """``(engine, plan)``: the tiny GPT recipe with ``overrides``, planned for ``world`` CPU ranks and
+    built in this process with seed 0, for tests that drive the engine themselves (inside ``spawn.run``)."""
+    import torch
+
+    from dstrain.engine.factory import create_engine, plan_engine
+    from models import registry
+    cfg = load_run_config(str(RECIPE), overrides)
+    spec = registry.get_spec("gpt")
+    mcfg = registry.make_model_config("gpt", "tiny", {})
+    plan = plan_engine(cfg, world, ranks_per_node=world, device_type="cpu")
+    torch.manual_seed(0)
+    return create_engine(lambda: spec.build(mcfg), spec.parallelize, plan, cfg.train), plan

@@ -12,19 +12,12 @@ MICRO = 2
 def _train(rank, world, mixed: str, clip: float, deepspeeds_clip: bool, steps: int = 3):
     import torch
 
-    from dstrain.config import load_run_config
-    from dstrain.engine.factory import create_engine, plan_engine
-    from models import registry
+    from tests.dist.harness import tiny_engine
     precision = "fp32" if mixed == "fp32" else "bf16"
-    cfg = load_run_config("models/gpt/recipes/tiny.json", [
+    engine, plan = tiny_engine(world, [
         "--train.micro_batch=2", f"--train.grad_accum={MICRO}", "--data.seq_len=32", f"--deepspeed.precision={precision}",
         "--deepspeed.profile=zero0", "--deepspeed.mixed_precision=autocast", "--train.warmup_steps=1",
         f"--train.steps={steps}", f"--train.grad_clip={clip}"])
-    spec = registry.get_spec("gpt")
-    mcfg = registry.make_model_config("gpt", "tiny", {})
-    plan = plan_engine(cfg, world, ranks_per_node=world, device_type="cpu")
-    torch.manual_seed(0)
-    engine = create_engine(lambda: spec.build(mcfg), spec.parallelize, plan, cfg.train)
     replaced = "clip_fp32_gradients" in vars(engine.ds)
     if deepspeeds_clip and replaced:
         del engine.ds.clip_fp32_gradients  # DeepSpeed's own method again
@@ -68,18 +61,11 @@ def test_norm_is_kept_without_clipping_too():
 def _zero_step(rank, world, stage: int, precision: str, deepspeeds: bool):
     import torch
 
-    from dstrain.config import load_run_config
-    from dstrain.engine.factory import create_engine, plan_engine
-    from models import registry
-    cfg = load_run_config("models/gpt/recipes/tiny.json", [
+    from tests.dist.harness import tiny_engine
+    engine, plan = tiny_engine(world, [
         "--train.micro_batch=2", "--train.grad_accum=1", "--data.seq_len=32", f"--deepspeed.precision={precision}",
         f"--deepspeed.profile=zero{stage}", "--deepspeed.mixed_precision=deepspeed", "--train.warmup_steps=1",
         "--train.steps=2", "--train.grad_clip=0.05"])
-    spec = registry.get_spec("gpt")
-    mcfg = registry.make_model_config("gpt", "tiny", {})
-    plan = plan_engine(cfg, world, ranks_per_node=world, device_type="cpu")
-    torch.manual_seed(0)
-    engine = create_engine(lambda: spec.build(mcfg), spec.parallelize, plan, cfg.train)
     replaced = "get_grad_norm_direct" in vars(engine.ds.optimizer)
     if deepspeeds and replaced:
         del engine.ds.optimizer.get_grad_norm_direct

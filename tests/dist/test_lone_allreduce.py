@@ -6,17 +6,10 @@ from tests.dist import spawn
 def _train(rank, world, allreduce_on: bool):
     import torch
 
-    from dstrain.config import load_run_config
-    from dstrain.engine.factory import create_engine, plan_engine
-    from models import registry
-    cfg = load_run_config("models/gpt/recipes/tiny.json", [
+    from tests.dist.harness import tiny_engine
+    engine, plan = tiny_engine(world, [
         "--train.micro_batch=2", "--train.grad_accum=2", "--data.seq_len=32", "--deepspeed.precision=fp32",
         "--deepspeed.profile=zero0", "--train.warmup_steps=1", "--train.steps=3"])
-    spec = registry.get_spec("gpt")
-    mcfg = registry.make_model_config("gpt", "tiny", {})
-    plan = plan_engine(cfg, world, ranks_per_node=world, device_type="cpu")
-    torch.manual_seed(0)
-    engine = create_engine(lambda: spec.build(mcfg), spec.parallelize, plan, cfg.train)
     default = engine.ds.enable_backward_allreduce
     engine.ds.enable_backward_allreduce = allreduce_on
     gen = torch.Generator().manual_seed(1)

@@ -9,19 +9,10 @@ from tests.dist import spawn
 
 
 def _group_decays(rank, world, profile: str, overrides: list[str]):
-    import torch
-
-    from dstrain.config import load_run_config
-    from dstrain.engine.factory import create_engine, plan_engine
-    from models import registry
-    cfg = load_run_config("models/gpt/recipes/tiny.json", [
+    from tests.dist.harness import tiny_engine
+    engine, plan = tiny_engine(world, [
         "--train.micro_batch=2", "--data.seq_len=16", "--deepspeed.precision=fp32",
         f"--deepspeed.profile={profile}", "--train.steps=2", *overrides])
-    spec = registry.get_spec("gpt")
-    mcfg = registry.make_model_config("gpt", "tiny", {})
-    plan = plan_engine(cfg, world, ranks_per_node=world, device_type="cpu")
-    torch.manual_seed(0)
-    engine = create_engine(lambda: spec.build(mcfg), spec.parallelize, plan, cfg.train)
     opt = engine.ds.optimizer
     return type(opt).__name__, [g["weight_decay"] for g in opt.param_groups], plan.optimizer.description
 
