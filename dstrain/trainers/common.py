@@ -244,6 +244,17 @@ class CheckpointSaver:
             runtime.barrier()
 
 
+def _device_or_comm_error(err: BaseException) -> bool:
+    """A CUDA out-of-memory or other accelerator error, or a collective's failure (NCCL): RuntimeErrors
+    that say nothing about the checkpoint's files."""
+    import torch
+    import torch.distributed as dist
+    kinds = tuple(k for k in (getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None),
+                              getattr(torch, "AcceleratorError", None), getattr(dist, "DistError", None))
+                  if isinstance(k, type))
+    return isinstance(err, kinds)
+
+
 def load_checkpoint(engine, ckpt_root: Path, tag: str, world: runtime.World) -> dict:
     """Load DeepSpeed's state and this rank's RNG from ``tag``; return the trainer state.
 
@@ -267,6 +278,8 @@ def load_checkpoint(engine, ckpt_root: Path, tag: str, world: runtime.World) -> 
         try:
             engine.load(str(ckpt_root), tag)
         except (RuntimeError, AssertionError, OSError, EOFError, ValueError) as err:  # a shard missing or cut short
+            if _device_or_comm_error(err):
+                raise  # the GPU or the process group failed, not the checkpoint: never advise removing it
             why = " ".join(str(err).split())[:200] or "a file is missing or unreadable"
             raise RunFolderError(
                 f"checkpoint {ckpt_root / tag} could not be loaded ({type(err).__name__}: {why}); remove it (or "

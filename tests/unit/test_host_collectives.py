@@ -104,3 +104,21 @@ def test_no_other_module_calls_tensor_collectives_directly():
                     and rel not in DEVICE_TENSOR_COLLECTIVES):
                 offenders.append(f"{rel}:{node.lineno} dist.{node.func.attr}")
     assert not offenders, offenders
+
+
+def test_a_stop_signal_rides_the_guards_per_step_all_reduce(fake_group, monkeypatch):
+    """Rank 0 got no signal, rank 1 did: rank 0 learns the stop from the guard's one all-reduce of the step,
+    whose tensor is on runtime.comm_device() (this rank's GPU under NCCL), not a separate collective."""
+    from dstrain import resilience
+    other_rank = torch.tensor([2, 2, 1])  # rank 1: finite loss and gradients, stop requested
+
+    def all_reduce(t, op=dist.ReduceOp.SUM):
+        fake_group.append(("all_reduce", t.device, op))
+        assert op == dist.ReduceOp.MIN
+        t.copy_(torch.minimum(t, other_rank.to(t.device)))
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(resilience, "STOP_REQUESTED", [False])
+    guard = resilience.NonFiniteGuard("stop", 3, rank=0, world_size=2)
+    assert guard.check([torch.tensor(1.0)], step=5) is False and guard.stop_agreed
+    assert [(kind, dev) for kind, dev, _ in fake_group] == [("all_reduce", runtime.comm_device())]

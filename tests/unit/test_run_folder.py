@@ -102,3 +102,36 @@ def test_a_folder_in_use_is_refused_before_launch(tmp_path):
         holder.kill()
         holder.wait()
     assert _output_problem(cfg, resume=True) is None
+
+
+def _loading(tmp_path, error):
+    """``common.load_checkpoint`` of a checkpoint whose ``engine.load`` raises ``error``."""
+    import torch
+
+    from dstrain.runtime import World
+    _checkpoint(tmp_path, "step_00000010", {}, 0, state=json.dumps({"step": 10, "world_size": 1}))
+
+    class Engine:
+        def load(self, root, tag):
+            raise error
+    return lambda: common.load_checkpoint(Engine(), tmp_path, "step_00000010", World(0, 1, 0, 1, torch.device("cpu")))
+
+
+def test_a_checkpoint_cut_short_is_refused_as_damaged(tmp_path):
+    import pytest
+    from dstrain.config import RunFolderError
+    with pytest.raises(RunFolderError, match="could not be loaded .*remove it"):
+        _loading(tmp_path, RuntimeError("PytorchStreamReader failed reading zip archive: failed finding central "
+                                        "directory"))()
+
+
+def test_a_gpu_or_nccl_failure_while_loading_is_not_blamed_on_the_checkpoint(tmp_path):
+    """torch's CUDA out-of-memory, accelerator and NCCL errors are RuntimeErrors: resuming on a GPU that runs
+    short of memory must show that error, not tell the user to remove a good checkpoint."""
+    import pytest
+    import torch
+    import torch.distributed as dist
+    for error in (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+                  dist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp, unhandled cuda error")):
+        with pytest.raises(type(error), match="CUDA|NCCL"):
+            _loading(tmp_path / type(error).__name__, error)()
