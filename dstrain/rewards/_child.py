@@ -27,8 +27,8 @@ pipe and leaves with ``os._exit``.
 
 How tests are judged (every value a test operates on must be made of classes that existed,
 unchanged, before the program ran; builtins and loaded modules as they were then) is in
-``_judge.py`` (and how tests are rewritten for it in ``_rewrite.py``), whose texts run in front of
-this file's in the same globals.
+``_judge.py`` and ``_guards.py`` (and how tests are rewritten for them in ``_rewrite.py``), whose
+texts run in front of this file's in the same globals.
 """
 
 STUB = "import sys; exec(compile(sys.argv[1], '<sandbox>', 'exec'), {'__name__': '__sandbox__'})"
@@ -37,8 +37,9 @@ CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x20000, 0x10000000, 0x
 PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 24, 38
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_NOATIME, MS_NODIRATIME = 1, 2, 4, 8, 32, 1024, 2048
 MS_BIND, MS_REC, MS_PRIVATE, MS_RELATIME = 4096, 16384, 1 << 18, 1 << 21
-TMPFS_BYTES = 64 << 20
-"""Size of the tmpfs a sandboxed program (or a fork server's programs, one at a time) may fill."""
+TMPFS_BYTES, TMPFS_INODES = 64 << 20, 8192
+"""Size and files (and folders) of the tmpfs a sandboxed program (or a fork server's programs, one at a time)
+may fill: the fork server removes a job's folder before the next job starts, so its entries are capped."""
 
 # Audit events that are always refused and counted as violations.
 _DENY = frozenset({
@@ -47,6 +48,7 @@ _DENY = frozenset({
     "os.lchflags", "os.setxattr", "os.removexattr", "os.startfile", "sys.addaudithook",
     "sys.settrace", "sys.setprofile", "sys._current_frames", "sys._current_exceptions",
     "gc.get_objects", "gc.get_referrers", "gc.get_referents", "webbrowser.open",
+    "sys.monitoring.register_callback", "sys.remote_exec",  # (3.12+, 3.14+): callbacks get the judge's callables
     "code.__new__", "marshal.loads", "marshal.load",  # hand-made bytecode reads and writes memory at will
     # The working directory stays the program's folder: the hook resolves a relative path against
     # it, and cannot see the ``dir_fd`` an ``open`` is relative to, so a program that moved deeper
@@ -58,7 +60,7 @@ _DENY = frozenset({
 # readline's history files, ``/etc/shadow``, the system log, ``/dev/shm``): refused by name or file
 # name, however they are loaded.
 _DENY_MODULES = ("_posixsubprocess", "_ctypes", "_test", "_xx", "xx", "_tkinter", "readline", "spwd", "syslog",
-                 "_posixshmem", "_multiprocessing")
+                 "_posixshmem", "_multiprocessing", "_ssl")  # (_ssl: OpenSSL reads certificate files anywhere)
 _DENY_PREFIXES = ("socket.", "ctypes.", "_ctypes.", "sqlite3.", "winreg.", "msvcrt.")
 # Calls with no audit event that reach other processes of the same user, make special files or
 # expose the judge: removed from the modules before the program runs (:func:`_drop_unaudited`). With
@@ -68,7 +70,7 @@ _DENY_PREFIXES = ("socket.", "ctypes.", "_ctypes.", "sqlite3.", "winreg.", "msvc
 # ``mknod`` / ``mkfifo`` create files outside the program's folder.
 # (C module, the Python module that re-exports it, names)
 _UNAUDITED = (("posix", "os", ("pidfd_open", "mknod", "mkfifo", "setpriority", "sched_setaffinity",
-                               "sched_setscheduler", "sched_setparam")),
+                               "sched_setscheduler", "sched_setparam", "sync")),  # (sync: every disk's writeback)
               # a handler runs in the main thread, with its frame (f_back, f_locals and f_globals are not audited):
               # the program never runs there but as a finalizer of a collection the main thread's allocation starts
               ("_signal", "signal", ("pidfd_send_signal", "signal", "set_wakeup_fd")),
@@ -200,7 +202,7 @@ def _private_mounts(libc, cfg: dict) -> str:
     keep = {b"nosuid": MS_NOSUID, b"nodev": MS_NODEV, b"noexec": MS_NOEXEC, b"noatime": MS_NOATIME,
             b"nodiratime": MS_NODIRATIME, b"relatime": MS_RELATIME}
     here = os.getcwd()
-    opts = f"size={TMPFS_BYTES},mode=0700"
+    opts = f"size={TMPFS_BYTES},nr_inodes={TMPFS_INODES},mode=0700"
     if cfg.get("uid") is not None:
         opts += f",uid={cfg['uid']},gid={cfg['gid']}"
     if libc.mount(b"tmpfs", os.fsencode(here), b"tmpfs", MS_NOSUID | MS_NODEV, opts.encode()) != 0:
@@ -590,6 +592,6 @@ if __name__ == "__sandbox__":
         _launch(_json.loads(_sys.argv[3]), int(_sys.argv[4]))
     elif _sys.argv[2] == "serve":
         exec(compile(_sys.argv[3], "<sandbox-server>", "exec"), globals())
-        _serve(_sys.argv[4])
+        _serve(_sys.argv[4])  # noqa: F821  (from _server.py, executed into these globals just above)
     else:
         _run(int(_sys.argv[3]), _sys.argv[4], int(_sys.argv[5]))

@@ -1,7 +1,7 @@
 """How a sandboxed program's tests are judged; runs only inside a sandbox child.
 
 Its text is put after ``_rewrite.py``'s (how tests are rewritten for these guards) and in front of
-``_child.py``'s, and executed in the same private globals
+``_guards.py``'s (the guards a test calls) and ``_child.py``'s, and executed in the same private globals
 (see ``sandbox.py``). Importing it in the trainer defines functions and runs nothing.
 
 A reward hack does not compute the answer: it returns an object that makes the test's own
@@ -141,11 +141,12 @@ def _make_trust(snapshot: dict, modules: dict | None = None, codes: dict | None 
     code_kinds = (types.FunctionType, types.BuiltinFunctionType, type, classmethod, staticmethod, property,
                   types.ModuleType)
 
-    def module_intact(name, depth: int = 1) -> bool:
+    def module_intact(name, depth: int = 1, caches: bool = False) -> bool:
         """Whether the globals that a library's Python code runs with (its module's, and those of the
         modules it holds, ``depth`` levels down: ``re`` -> ``re._compiler``) still hold what they held:
         no function, class or module replaced, no name added that hides a builtin (``collections.all
-        = ...`` would decide ``Counter.__eq__``)."""
+        = ...`` would decide ``Counter.__eq__``); with ``caches``, no private dict of the module itself
+        replaced either (``re._cache``: a dict subclass would answer for any pattern)."""
         rec = module_named.get(name) if type(name) is str else None
         if rec is None:
             return True  # not a module of the snapshot's (then its classes were not either)
@@ -159,6 +160,8 @@ def _make_trust(snapshot: dict, modules: dict | None = None, codes: dict | None 
                     return False
             elif v is not was and issubclass(type(was), code_kinds):  # (isinstance would read ``__class__``)
                 return False
+            elif caches and v is not was and k.startswith("_") and type(was) is dict:  # (threading's sets are
+                return False  # rebound in every forked child)
             elif depth and type(v) is types.ModuleType and v is not rec[0]:
                 inner = module_by_id.get(id(v))
                 if inner is not None and inner[0] is v and not module_intact(inner[2], depth - 1):
@@ -360,192 +363,4 @@ def _make_trust(snapshot: dict, modules: dict | None = None, codes: dict | None 
     def library_class(cls) -> bool:
         return snapshot.get(id(cls), (None,))[0] is cls
 
-    return trusted, overridden, _operators(), frozenset(codes or ()), module_intact, library_class
-
-
-def _guard_tools(quiet: set) -> tuple:
-    """What the guards call, taken before the program runs (it could patch the modules);
-    ``quiet``: the audit hook lets a thread listed there call ``sys.setprofile``."""
-    import _thread
-    import decimal
-    import gc
-    import sys
-
-    # (decimal's context as it was: an operation on a ``Decimal`` runs in it, not in one the program set, where
-    # ``Emin=0`` would round a wrong answer's difference to zero)
-    context = (decimal.getcontext, decimal.setcontext, decimal.Context())
-    return _thread._count, gc.disable, gc.callbacks, sys.setprofile, _thread.get_ident, quiet, context
-
-
-def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dict, test_names: tuple, tools: tuple):
-    """The functions a prepared test receives: ``value(v)`` (check a value a test operates
-    on), ``call(fn, *args, **kw)`` (check the arguments unless ``fn`` is the program's own
-    function or method), ``name(n)`` (a builtin or module name: see below) and
-    ``attr(obj, n)`` (an attribute of a module loaded before the program is read as it was
-    then, so ``math.isclose = lambda *a, **k: True`` does not reach the test; a method the
-    program put in place of a library one fails: see ``overridden``). A failed
-    check is recorded in ``bad`` (so that catching the exception does not help) and raises.
-
-    ``name``: a builtin name means the real builtin, unless the program defines it and the
-    test names none of the program's other globals (the tested function itself is called
-    ``sum``); a module name means that module when the test reads an attribute of it
-    (``math.isclose``), otherwise unless the program bound something else to that name
-    (``from datetime import datetime``, a global ``string = ...``)."""
-    trusted, overridden, operators, library_code, module_intact, library_class = judge
-    function, module_type, missing = type(_make_guards), type(_judge_sys), object()
-    shadow_ok = not any(n not in builtins and n in ns for n in test_names)
-    by_name = {rec[2]: rec[0] for rec in modules.values()}
-
-    def name(n, as_module=False):
-        if as_module and n in by_name:  # ``math.isclose``: the module, whatever the program bound to the name
-            return by_name[n]
-        if n in builtins:
-            if shadow_ok and n in ns:
-                return ns[n]
-            return builtins[n]
-        v = ns.get(n, missing)
-        real = by_name.get(n)
-        if real is not None and (v is missing or type(v) is module_type):
-            return real  # (identity tests only: a metaclass's __eq__ must not decide this)
-        if v is missing:
-            raise NameError(f"name {n!r} is not defined")
-        return v
-
-    def attr(obj, n):
-        if type(obj) is module_type:
-            rec = modules.get(id(obj))
-            if rec is not None and rec[0] is obj and n in rec[1]:
-                return rec[1][n]
-        elif overridden(obj, n):
-            bad.append(f"{type(obj).__name__}.{n} is the program's, in place of the library's")
-            raise AssertionError(bad[-1])
-        return getattr(obj, n)
-
-    count, gc_disable, gc_callbacks, set_profile, get_ident, quiet, (get_context, set_context, context) = tools
-    method, builtin_method = type(_make_guards.__get__(0)), type([].append)  # bound methods
-    mro_of, dict_of = type.__dict__["__mro__"].__get__, type.__dict__["__dict__"].__get__
-    judge_globals = _make_guards.__globals__
-    real_globals = {id(vars(rec[0])): rec[2] for rec in modules.values()}
-
-    kept = []  # the program's gc callbacks, held until the test ends: dropped here, their finalizers would run
-
-    def value(v):
-        gc_disable()  # no finalizer or gc callback of the program between this check and the operation
-        kept.extend(gc_callbacks)
-        del gc_callbacks[:]
-        if count() != 1:
-            bad.append("a thread of the program was running while a result was judged")
-        elif not trusted(v):
-            bad.append(f"untrusted value of type {type(v).__name__}")
-        else:
-            return v
-        raise AssertionError(bad[-1])
-
-    def own(fn) -> bool:
-        """The program's function or method, or a class it made (calling it runs the program's code,
-        which is what is tested, and its result is checked where it is used)."""
-        if type(fn) is method:
-            fn = fn.__func__
-        if isinstance(fn, type):
-            return not library_class(fn)
-        return type(fn) is function and fn.__globals__ is ns and fn.__code__.co_filename != "<test>"  # (not the test's lambda)
-
-    def materialized(x):
-        """An iterator the program made (a generator, ``map`` over its function) as a list: its code
-        runs here, as the program's own computation, not inside a guarded library operation."""
-        return list(x) if any("__next__" in dict_of(c) for c in mro_of(type(x))) else x
-
-    def call(fn, *args, **kw):
-        if own(fn):
-            return fn(*args, **kw)
-        if type(fn) is method:
-            fn_globals = fn.__func__.__globals__ if type(fn.__func__) is function else None
-        else:
-            fn_globals = fn.__globals__ if type(fn) is function else None
-        name_of = real_globals.get(id(fn_globals)) if fn_globals is not None else None
-        if name_of is not None and not module_intact(name_of):  # ``re._compile`` replaced under ``re.match``
-            bad.append(f"module {name_of} was changed by the program")
-            raise AssertionError(bad[-1])
-        for a in args:
-            value(a)
-        for a in kw.values():
-            value(a)
-        receiver = getattr(fn, "__self__", None) if type(fn) is method or type(fn) is builtin_method else None
-        if receiver is None or type(receiver) is module_type:
-            programs_context = get_context()
-            set_context(context.copy())  # (``abs(d)`` rounds in it)
-            try:
-                return fn(*args, **kw)
-            finally:
-                set_context(programs_context)
-        # a library method of a value (``u.startswith``, ``c.most_common``): the program's code must not
-        # run inside it (a ``str`` subclass held as ``UserString.data``, a ``Counter`` subclass's ``items``)
-        args = [materialized(a) for a in args]
-        for a in args:
-            value(a)
-        return guarded("the test's call of " + getattr(fn, "__name__", "a method"), fn, *args, **kw)
-
-    flagged = []
-
-    def watch(frame, event, arg):
-        if event == "call" and not flagged and frame.f_globals is not judge_globals \
-                and id(frame.f_code) not in library_code:
-            flagged.append(frame.f_code.co_name)
-
-    def guarded(what: str, fn, *args, **kw):
-        """``fn(*args, **kw)`` with no Python code but the library's (and the judge's) allowed to run."""
-        ident = get_ident()
-        del flagged[:]
-        programs_context = get_context()
-        set_context(context.copy())
-        gc_disable()  # a finalizer run while ``quiet`` would be the program's code with the hook silent
-        quiet.add(ident)
-        set_profile(watch)
-        quiet.discard(ident)
-        try:
-            result = fn(*args, **kw)
-        finally:
-            gc_disable()  # (the program's code, flagged, may have enabled it again inside ``fn``)
-            quiet.add(ident)
-            set_profile(None)
-            quiet.discard(ident)
-            set_context(programs_context)
-        if flagged:
-            bad.append(f"the program's code ({flagged[0]}) ran inside {what}")
-            raise AssertionError(bad[-1])
-        return result
-
-    def operate(op, a, b):
-        """``a <op> b`` for one comparison or arithmetic operator, both operands checked only
-        once both exist (the program's code that computed ``b`` cannot change ``a`` after its check).
-        While it runs, any Python code that is not the library's (a metaclass's ``__subclasscheck__``
-        reached through an ABC check, a function put into a library module, a generator's body, a
-        ``defaultdict`` factory under ``Counter.__eq__``) fails the test."""
-        if op == "chain":  # ``a < b < c``: a (the operator names), b (every operand, already evaluated)
-            result = True
-            for i, name_ in enumerate(a):
-                result = operate(name_, b[i], b[i + 1])
-                if not result:
-                    break
-            return result
-        if op in ("in_", "not_in"):  # ``3 in gen``: the program's generator runs first, as its own code
-            b = materialized(b)
-        value(a)
-        value(b)
-        result = value(guarded(f"the test's {op}", operators[op], a, b))
-        value(a)  # again: a C-level callable of the program's that the library reached (a metaclass's
-        value(b)  # ``__subclasscheck__`` in an ABC check) runs no Python frame for the profile guard to flag
-        return result
-
-    return value, call, name, attr, operate
-
-
-def _operators() -> dict:
-    import operator
-
-    ops = {name: getattr(operator, name) for name in (
-        "eq", "ne", "lt", "le", "gt", "ge", "is_", "is_not", "add", "sub", "mul", "truediv", "floordiv",
-        "mod", "pow", "lshift", "rshift", "and_", "or_", "xor", "matmul")}
-    ops["in_"] = lambda a, b: a in b
-    ops["not_in"] = lambda a, b: a not in b
-    return ops
+    return trusted, overridden, _operators(), frozenset(codes or ()), module_intact, library_class  # noqa: F821

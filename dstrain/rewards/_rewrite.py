@@ -1,9 +1,9 @@
 """How a test is rewritten so that every value it operates on goes through the judge's guards; runs
 only inside a sandbox child.
 
-Its text is put in front of ``_judge.py``'s (and ``_child.py``'s) and executed in the same private
-globals (see ``sandbox.py``): :func:`_prepare_test` compiles one test statement as the body of a
-function of the five guards ``_judge._make_guards`` builds. Importing it in the trainer defines
+Its text is put in front of ``_judge.py``'s (and ``_guards.py``'s and ``_child.py``'s) and executed in the
+same private globals (see ``sandbox.py``): :func:`_prepare_test` compiles one test statement as the body of a
+function of the five guards ``_guards._make_guards`` builds. Importing it in the trainer defines
 functions and runs nothing.
 """
 
@@ -12,7 +12,12 @@ _V, _CALL, _NAME, _ATTR, _OP = "_sbx_value_", "_sbx_call_", "_sbx_name_", "_sbx_
 _OP_NAMES = {"Eq": "eq", "NotEq": "ne", "Lt": "lt", "LtE": "le", "Gt": "gt", "GtE": "ge", "Is": "is_",
              "IsNot": "is_not", "In": "in_", "NotIn": "not_in", "Add": "add", "Sub": "sub", "Mult": "mul",
              "Div": "truediv", "FloorDiv": "floordiv", "Mod": "mod", "Pow": "pow", "LShift": "lshift",
-             "RShift": "rshift", "BitAnd": "and_", "BitOr": "or_", "BitXor": "xor", "MatMult": "matmul"}
+             "RShift": "rshift", "BitAnd": "and_", "BitOr": "or_", "BitXor": "xor", "MatMult": "matmul",
+             "Subscript": "getitem"}
+# Builtins whose lambda argument (map's and filter's function, the others' ``key=``) has its body guarded: they
+# only call it (the guards make map and filter generators), so its closure, which leads to the guards, never
+# reaches the program; ``_make_guards``' ``call`` refuses to hand such a lambda to anything else.
+_LAMBDA_CALLS = {"map": 0, "filter": 0, "sorted": "key", "min": "key", "max": "key"}
 
 
 # The test rewriter is made of plain functions, not a class: every class is reachable from the
@@ -21,13 +26,19 @@ _OP_NAMES = {"Eq": "eq", "NotEq": "ne", "Lt": "lt", "LtE": "le", "Gt": "gt", "Gt
 
 def _guard_visit(node, state):
     """Rewrite the AST ``node`` of a test so that every value it operates on goes through the
-    guards (see :func:`_make_guards`). Lambda bodies are left alone: a lambda may be handed to the
-    program, and its closure must not lead to the guards. ``state``: (names to route through
-    ``name``: builtins and loaded modules, names the test binds, the set of free names read)."""
+    guards (see :func:`_make_guards`). Lambda bodies are left alone (a lambda may be handed to the
+    program, and its closure must not lead to the guards) but where :data:`_LAMBDA_CALLS` says.
+    ``state``: (names to route through ``name``: builtins and loaded modules, names the test binds,
+    the set of free names read)."""
     import ast
 
-    if isinstance(node, ast.Lambda):
+    if isinstance(node, ast.Lambda) and not getattr(node, "sbx_guarded", False):
         return node
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _LAMBDA_CALLS:
+        where = _LAMBDA_CALLS[node.func.id]
+        for arg in node.args[:1] if where == 0 else [k.value for k in node.keywords if k.arg == where]:
+            if isinstance(arg, ast.Lambda):
+                arg.sbx_guarded = True
     if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
         node.value.sbx_module = True  # a name used as ``name.attr`` means the module of that name
     for field, old in ast.iter_fields(node):
@@ -59,6 +70,9 @@ def _guard_rewrite(node, state):
         return _guard_operate(type(node.ops[0]).__name__, node.left, node.comparators[0])
     if isinstance(node, ast.BinOp):
         return _guard_operate(type(node.op).__name__, node.left, node.right)
+    if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and not isinstance(node.slice, ast.Slice) \
+            and not (isinstance(node.slice, ast.Tuple) and any(isinstance(e, ast.Slice) for e in node.slice.elts)):
+        return _guard_operate("Subscript", node.value, node.slice)  # (a slice is no expression: left as it is)
     if isinstance(node, ast.Compare):  # a chain (a < b < c): every operand first, then each comparison guarded
         ops = ast.Tuple([ast.Constant(_OP_NAMES[type(o).__name__]) for o in node.ops], ast.Load())
         return ast.Call(ast.Name(_OP, ast.Load()), [ast.Constant("chain"), ops,

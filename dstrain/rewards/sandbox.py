@@ -48,7 +48,7 @@ The result line carries a random nonce passed on stdin, which the child reads be
 any untrusted code runs and keeps only in the frame of its main thread, while the
 program runs in another thread; frame access is refused, so the program cannot print
 a forged "all passed" line. Tests are judged so that they cannot be won without computing
-the answer (``_judge.py``): every value a test operates on (comparison and arithmetic
+the answer (``_judge.py``, ``_guards.py``): every value a test operates on (comparison and arithmetic
 operands, arguments of library calls, the asserted value) must be built, deeply, from
 classes that existed with the same comparison, arithmetic and truth methods before the
 program ran, so an always-equal object (however its class was made), a patched
@@ -70,7 +70,8 @@ capabilities, so the read-only mounts and the audit hook are what keep it from f
 denial of service within the limits (CPU, memory, 64 MiB of tmpfs); reading files on the
 import path (standard library, site-packages) and under ``/usr/lib``, ``/usr/share`` and
 ``/lib``; a test that hands a lambda to the program (lambda bodies in tests are not
-guarded); a program that patches a module it imported itself and the test then uses (only
+guarded, but for those given to ``map``, ``filter`` and the ``key`` of ``sorted``, ``min`` and
+``max``); a program that patches a module it imported itself and the test then uses (only
 modules loaded before the program ran are restored); stdlib classes with Python-level
 comparison methods first imported by the program (their instances then count as
 untrusted: a correct program returning one scores 0). Without namespaces (no root, no
@@ -110,8 +111,8 @@ MODES = ("fork_server", "spawn")
 def default_mode() -> str:
     """``"fork_server"`` on Linux (it relies on ``fork`` and ``/proc``), ``"spawn"`` elsewhere."""
     return "fork_server" if sys.platform.startswith("linux") else "spawn"
-_CHILD_SOURCE = "".join((Path(_child.__file__).parent / name).read_text() for name in ("_rewrite.py", "_judge.py")) \
-    + Path(_child.__file__).read_text()
+_CHILD_SOURCE = "".join((Path(_child.__file__).parent / name).read_text()
+                        for name in ("_rewrite.py", "_judge.py", "_guards.py", "_child.py"))
 _RESULT_CAP = 1 << 16
 
 
