@@ -203,21 +203,32 @@ def trace_activations(build: Callable[[], torch.nn.Module], make_inputs: Callabl
                        autocast=None if autocast is None else tuple(autocast))
 
 
-# Dense peak of common GPUs (FLOP/s) for MFU, by substring of the device name.
+# Dense (no 2:4 sparsity) datasheet peak of common GPUs (FLOP/s) for MFU, by substring of the device
+# name; the longest matching name wins ("H100 PCIe" before "H100", "A100" before "A10"). fp16 and bf16
+# share the tensor-core rate; fp32 is the plain (non-TF32) rate, as dstrain leaves TF32 off.
 GPU_PEAK_FLOPS = {
-    ("H200", "bf16"): 989e12, ("H100", "bf16"): 989e12, ("A100", "bf16"): 312e12,
-    ("H200", "fp32"): 67e12, ("H100", "fp32"): 67e12, ("A100", "fp32"): 19.5e12,
-    ("L40S", "bf16"): 362e12, ("A10", "bf16"): 125e12, ("V100", "fp16"): 125e12,
+    ("H200", "bf16"): 989e12, ("H200", "fp16"): 989e12, ("H200", "fp32"): 67e12,
+    ("H100", "bf16"): 989e12, ("H100", "fp16"): 989e12, ("H100", "fp32"): 67e12,  # SXM (HBM3)
+    ("H100 PCIe", "bf16"): 756e12, ("H100 PCIe", "fp16"): 756e12, ("H100 PCIe", "fp32"): 51e12,
+    ("H100 NVL", "bf16"): 835e12, ("H100 NVL", "fp16"): 835e12, ("H100 NVL", "fp32"): 60e12,
+    ("A100", "bf16"): 312e12, ("A100", "fp16"): 312e12, ("A100", "fp32"): 19.5e12,
+    ("L40S", "bf16"): 362e12, ("L40S", "fp16"): 362e12, ("A10", "bf16"): 125e12, ("V100", "fp16"): 125e12,
 }
+
+
+def gpu_peak(name: str, precision: str) -> float | None:
+    """The datasheet peak of the device called ``name`` at ``precision`` (longest matching key)."""
+    hits = [(len(key), value) for (key, prec), value in GPU_PEAK_FLOPS.items() if key in name and prec == precision]
+    return max(hits)[1] if hits else None
 
 
 def peak_flops(precision: str, measure_cpu: bool = True) -> tuple[float | None, str]:
     """Peak FLOP/s for MFU: the GPU's datasheet figure, or a matmul measured on this CPU."""
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name()
-        for (key, prec), value in GPU_PEAK_FLOPS.items():
-            if key in name and prec == precision:
-                return value, f"{name} {precision} datasheet peak"
+        value = gpu_peak(name, precision)
+        if value is not None:
+            return value, f"{name} {precision} datasheet peak"
         return None, f"no peak known for {name} {precision}"
     if not measure_cpu:
         return None, "not measured"

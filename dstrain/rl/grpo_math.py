@@ -49,17 +49,20 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool = True,
     if rewards.ndim != 1 or rewards.numel() % group_size:
         raise ValueError(f"rewards must be 1-D with a multiple of group_size={group_size} entries, "
                          f"got shape {tuple(rewards.shape)}")
-    groups = rewards.float().view(-1, group_size)
+    # float64: in float32 the mean of equal rewards (e.g. 0.1 x 8) is off by an ulp, and that
+    # ulp divided by (std + eps) left advantages of up to 6e-4 in groups that have no spread
+    groups = rewards.to(torch.float64).view(-1, group_size)
     centred = groups - groups.mean(dim=1, keepdim=True)
     if scale:
         std = groups.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(centred[:, :1])
         centred = centred / (std + eps)
-    return centred.reshape(-1)
+    flat = groups.max(dim=1, keepdim=True).values == groups.min(dim=1, keepdim=True).values
+    return centred.masked_fill(flat, 0.0).reshape(-1).float()
 
 
 def zero_variance_fraction(rewards: torch.Tensor, group_size: int) -> float:
     """Fraction of groups whose samples all got the same reward (they teach nothing)."""
-    groups = rewards.float().view(-1, group_size)
+    groups = rewards.to(torch.float64).view(-1, group_size)
     return (groups.max(dim=1).values == groups.min(dim=1).values).float().mean().item()
 
 
@@ -116,6 +119,18 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str,
             raise ValueError("loss_type dr_grpo needs max_completion_length")
         return total / (per_token.shape[0] * max_completion_length)
     raise ValueError(f"unknown loss_type {loss_type!r}; one of {', '.join(LOSS_TYPES)}")
+
+
+def backward_scale(loss_type: str, short: bool, grad_accum: int, world_size: int) -> float:
+    """Factor on each micro-batch's :func:`grpo_loss` before ``engine.backward``.
+
+    DeepSpeed divides by ``grad_accum`` and averages over ranks, i.e. takes the mean of the
+    micro-batch losses. That mean is the step's loss for ``grpo``, ``bnpo`` and ``dr_grpo`` (equal
+    micro-batches); ``dapo`` and every short batch divide by global counts instead, so their
+    micro-batch losses add up to the step's loss and the mean is undone. The mean over
+    micro-batches and ranks of ``loss x backward_scale`` is the step's loss in every case.
+    """
+    return float(grad_accum * world_size) if short or loss_type == "dapo" else 1.0
 
 
 @dataclass(frozen=True)

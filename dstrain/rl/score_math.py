@@ -137,12 +137,12 @@ def group_advantages(rewards: Tensor, group_size: int, scale: bool = True, eps: 
     if rewards.ndim != 1 or rewards.numel() % group_size:
         raise ValueError(f"rewards must be 1-D with a multiple of group_size={group_size} entries, "
                          f"got shape {tuple(rewards.shape)}")
-    groups = rewards.view(-1, group_size)
+    groups = rewards.to(torch.float64).view(-1, group_size)  # float32's mean of equal rewards is an ulp off
     centred = groups - groups.mean(dim=1, keepdim=True)
     if scale and group_size > 1:
-        std = groups.std(dim=1, keepdim=True)
-        centred = torch.where(std > 0, centred / (std + eps), torch.zeros_like(centred))
-    return centred.reshape(-1)
+        centred = centred / (groups.std(dim=1, keepdim=True) + eps)
+    flat = groups.max(dim=1, keepdim=True).values == groups.min(dim=1, keepdim=True).values
+    return centred.masked_fill(flat, 0.0).reshape(-1).float()
 
 
 def _policy_gradient(turn: TurnBatch, adv: Tensor, clip_eps: float | None) -> tuple[Tensor, Tensor]:

@@ -128,17 +128,28 @@ def pin_plan(cfg: RunConfig, ckpt_root: Path, tag: str) -> None:
             setattr(ds, key, state[key])
 
 
+def scale_schedule_horizon(ds_config: dict, updates_per_step: int) -> None:
+    """A DeepSpeed ``scheduler`` block counts optimizer updates; its ``total_num_steps`` was filled
+    from (or checked against) ``train.steps``. A trainer that takes ``updates_per_step`` updates per
+    run step (GRPO's ``num_iterations``) stretches it to match, as its fallback cosine does."""
+    params = (ds_config.get("scheduler") or {}).get("params")
+    if updates_per_step != 1 and isinstance(params, dict) and isinstance(params.get("total_num_steps"), int):
+        params["total_num_steps"] *= updates_per_step
+
+
 def plan_and_record(cfg: RunConfig, world: runtime.World, out: Path, extra_text: str = "",
-                    resume: tuple[Path, str] | None = None):
+                    resume: tuple[Path, str] | None = None, updates_per_step: int = 1):
     """Rank 0 plans the engine (``plan_engine``); every rank gets the plan. Rank 0 writes
     ``run_config.json``, ``ds_config.json`` and ``plan.txt`` (plus ``extra_text``) and prints the plan.
-    ``resume``: ``(checkpoint root, tag)`` the run will load, refused first if its ZeRO stage cannot."""
+    ``resume``: ``(checkpoint root, tag)`` the run will load, refused first if its ZeRO stage cannot.
+    ``updates_per_step``: optimizer updates per run step (:func:`scale_schedule_horizon`)."""
     from dstrain.config import save_run_config
     from dstrain.engine.factory import plan_engine
     plan, problem = None, None
     if world.is_main:
         plan = plan_engine(cfg, world.world_size, ranks_per_node=world.local_world_size,
                            device_type=world.device.type)
+        scale_schedule_horizon(plan.ds_config, updates_per_step)
         problem = stage_problem(*resume, plan.ds_config) if resume is not None and resume[1] else None
     plan, problem = runtime.broadcast_object((plan, problem))
     if problem:

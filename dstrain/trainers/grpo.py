@@ -77,7 +77,8 @@ class GRPOTrainer(RLLoop):
         self.model_cfg = registry.make_model_config(cfg.model.name, cfg.model.size, cfg.model.args)
         if resume_tag is not None:
             pin_plan(cfg, self.ckpt_root, resume_tag)
-        self.plan = plan_and_record(cfg, self.world, self.out, resume=(self.ckpt_root, resume_tag))
+        self.plan = plan_and_record(cfg, self.world, self.out, resume=(self.ckpt_root, resume_tag),
+                                    updates_per_step=self.task.num_iterations)
 
         runtime.seed_everything(cfg.train.seed)
         stage3 = self.plan.zero["stage"] == 3
@@ -156,10 +157,7 @@ class GRPOTrainer(RLLoop):
         tokens_global = _sum_all(mask.sum().item())
         rows_global = _sum_all(weights.sum().item())
         short = rows_global < self.samples_per_step  # padding or filtered rows: normalise over the rest
-        if short or self.task.loss_type == "dapo":
-            scale = t.grad_accum * self.world.world_size  # undo DeepSpeed's mean over micro-batches and ranks
-        else:
-            scale = 1.0
+        scale = gm.backward_scale(self.task.loss_type, short, t.grad_accum, self.world.world_size)
         sums = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0}
         ent_sum, count, counted = 0.0, 0, 0
         for _ in range(self.task.num_iterations):
@@ -174,7 +172,7 @@ class GRPOTrainer(RLLoop):
                 with torch.no_grad():
                     ent = self.rl.token_entropy(logits.detach(), temperature=self.task.temperature)
                     ent_sum += (ent * mask[m]).sum().item()
-                sums["loss"] += loss.item()
+                sums["loss"] += loss.item() * scale  # the mean over micro-batches and ranks is the step's loss
                 count += 1
                 if mask[m].sum() > 0:  # token means of a micro-batch of padding alone say nothing
                     sums["kl"] += stats.get("kl", 0.0)
