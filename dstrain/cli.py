@@ -81,6 +81,7 @@ def _reports_failure() -> bool:
 def cmd_train(args, overrides) -> int:
     """One rank: the checks ``dstrain launch`` runs (refused before anything is written), then the trainer."""
     global _TRAIN_STARTED
+    from dstrain import rank_exit
     cfg = _load(args.recipe, overrides, args.resume)
     from dstrain.runtime import release_cpu_comm_buffer, shutdown_distributed, use_cpu_accelerator_if_no_gpu
     use_cpu_accelerator_if_no_gpu()
@@ -100,6 +101,7 @@ def cmd_train(args, overrides) -> int:
     _TRAIN_STARTED = True
     try:
         summary = get_trainer(cfg.trainer).train(cfg)
+        code = rank_exit.stop_exit_code(summary, cfg.train.steps)  # stopped early by a signal: 128 + N
     except BaseException:
         if os.environ.get("DS_ACCELERATOR") == "cpu":  # peers are failing too; the file goes either way
             release_cpu_comm_buffer(int(os.environ.get("RANK", 0)))
@@ -111,7 +113,11 @@ def cmd_train(args, overrides) -> int:
         release_cpu_comm_buffer(int(os.environ.get("RANK", 0)))
     if int(os.environ.get("RANK", 0)) == 0:
         print(json.dumps(summary), flush=True)
-    return 0
+        if code:
+            print(rank_exit.stop_line(summary, cfg.train.steps, out / "checkpoints", code), file=sys.stderr, flush=True)
+    if code:
+        rank_exit.note_stopped(code)
+    return code
 
 
 def _remove_if_only_cache(out: Path) -> None:
@@ -143,7 +149,7 @@ def cmd_launch(args, overrides) -> int:
     import signal
     import tempfile
 
-    from dstrain import launcher
+    from dstrain import launcher, rank_exit
     try:
         sizes = launcher.launch_world_size(launcher.spec_from_args(args, []), torchrun=args.launcher == "torchrun")
     except (ValueError, OSError):
@@ -236,9 +242,12 @@ def cmd_launch(args, overrides) -> int:
             if env.get("DS_ACCELERATOR") == "cpu":  # ranks that crashed or were killed leave theirs behind
                 from dstrain.runtime import release_job_comm_buffers
                 release_job_comm_buffers(args.master_port)
+            stopped = rank_exit.stopped_code(failures)  # a rank stopped by a signal sent to it, not to us
             shutil.rmtree(failures, ignore_errors=True)
         if got:
             return 128 + got[0]
+        if stopped and code:  # (torchrun reports a rank's 128 + N as 1)
+            return stopped
         if 128 + 64 < code < 256:  # DeepSpeed's launcher exits with -N when a rank died of signal N
             print(f"dstrain: a rank was killed by signal {256 - code} ({signal.Signals(256 - code).name}"
                   f"{': out of memory, or killed by hand' if code == 256 - 9 else ''})", file=sys.stderr, flush=True)
@@ -502,6 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     from dstrain.config import ConfigError, RunFolderError
     from dstrain.engine.ds_config import DSConfigError
     from dstrain.engine.profiles import PlanError
+    from dstrain.rank_exit import CheckpointWriteError
     from dstrain.resilience import NonFiniteError
 
     parser = build_parser()
@@ -519,6 +529,10 @@ def main(argv: list[str] | None = None) -> int:
         if _reports_failure():
             print(f"dstrain: error: {err}", file=sys.stderr)
         return err.exit_code
+    except CheckpointWriteError as err:  # disk full while saving: the folder, its free space, what is kept
+        if args.command != "train" or _reports_failure():
+            print(f"dstrain: error: {err}", file=sys.stderr)
+        return 1
     except (FileNotFoundError, ValueError) as err:
         if args.command in ("export", "check-config", "plan"):
             print(f"dstrain: error: {err}", file=sys.stderr)
@@ -533,13 +547,23 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _rank_failed() -> int:
-    """A rank's unexpected error: its traceback if it is the first rank to fail, else nothing (exit 1)."""
+    """A rank's unexpected error: its traceback if it is the first rank to fail, else nothing (exit 1).
+    A collective that lost its peer (killed, out of memory) is one line, not gloo's or NCCL's traceback."""
     if _reports_failure():
-        import traceback
-        traceback.print_exc()
+        from dstrain.rank_exit import peer_lost_line
+        from dstrain.resilience import Watchdog
+        line = peer_lost_line(sys.exc_info()[1], os.environ.get("RANK", "0"), Watchdog.last)
+        if line:
+            print(line, file=sys.stderr, flush=True)
+        else:
+            import traceback
+            traceback.print_exc()
     return 1
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["train"]:  # a rank (launchers run `python -m dstrain.cli train`): a stop while starting
+        from dstrain.rank_exit import hold_stop_signals  # is kept for the trainer, not fatal
+        hold_stop_signals()
     code = main()
     if sys.argv[1:2] == ["train"]:  # a rank started by the launcher: skip the native teardown
         from dstrain.runtime import exit_rank

@@ -57,8 +57,9 @@ class NonFiniteError(RuntimeError):
         self.rank = rank
 
 
-#: Set by the trainers' stop signal handler (``trainers.common.StopFlag``); carried to every rank by the
-#: guard's per-step agreement (``NonFiniteGuard.stop_agreed``).
+#: The number of the first stop signal this rank got (0 or False: none), set by the trainers' signal handler
+#: (``trainers.common.StopFlag``); carried to every rank by the guard's per-step agreement
+#: (``NonFiniteGuard.stop_agreed``), and the exit status (128 + N) of a run it stopped early.
 STOP_REQUESTED = [False]
 
 
@@ -196,12 +197,16 @@ class Watchdog:
         self._thread = threading.Thread(target=self._watch, name="dstrain-watchdog", daemon=True)
         self._thread.start()
 
+    last: tuple[str | None, int] = (None, 0)
+    """(phase, step) this process was last in, kept after ``close`` (named when a collective fails)."""
+
     def phase(self, name: str, step: int | None = None) -> None:
         with self._lock:
             self._phase = name
             if step is not None:
                 self._step = step
             self._since = time.monotonic()
+            Watchdog.last = (name, self._step)
 
     def pause(self) -> None:
         with self._lock:

@@ -1,6 +1,7 @@
 """What every trainer shares: the resume decision, the plan (kept on resume), checkpoints, fault guards."""
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 from pathlib import Path
@@ -172,17 +173,36 @@ def save_checkpoint(engine, ckpt_root: Path, step: int, world: runtime.World, cf
     if world.is_main:
         ckpt.prepare_tag_dir(ckpt_root, tag)
     runtime.barrier()
-    engine.save(str(ckpt_root), tag, client_state={"step": step})
-    ckpt.save_rng(ckpt_root, tag, world.rank)
-    if write_extra is not None:
-        write_extra(ckpt_root / tag)
+    with writing(ckpt_root, tag):
+        engine.save(str(ckpt_root), tag, client_state={"step": step})
+        ckpt.save_rng(ckpt_root, tag, world.rank)
+        if write_extra is not None:
+            write_extra(ckpt_root / tag)
     runtime.barrier()
     fault("DSTRAIN_FAULT_IN_SAVE", step)
     if world.is_main:
-        ckpt.mark_complete(ckpt_root, tag, cfg.to_dict(), plan.ds_config,
-                           _trainer_state(step, world, plan, state),
-                           keep=cfg.checkpoint.keep, param_groups=engine.param_group_names)
+        with writing(ckpt_root, tag):
+            ckpt.mark_complete(ckpt_root, tag, cfg.to_dict(), plan.ds_config,
+                               _trainer_state(step, world, plan, state),
+                               keep=cfg.checkpoint.keep, param_groups=engine.param_group_names)
     runtime.barrier()
+
+
+@contextlib.contextmanager
+def writing(ckpt_root: Path, tag: str):
+    """A file write failing inside (disk full, quota, read-only) leaves as one ``CheckpointWriteError`` that
+    names the folder, the free space and the checkpoint still the latest; the incomplete ``tag`` is removed.
+    Other errors (a peer lost in a collective) pass unchanged."""
+    try:
+        yield
+    except (OSError, RuntimeError) as err:
+        from dstrain.rank_exit import CheckpointWriteError, checkpoint_write_error
+        if isinstance(err, CheckpointWriteError):
+            raise
+        error = checkpoint_write_error(err, ckpt_root, tag)
+        if error is None:
+            raise
+        raise error from err
 
 
 def _trainer_state(step: int, world: runtime.World, plan, state: dict | None) -> dict:
@@ -226,16 +246,21 @@ class CheckpointSaver:
         if world.is_main:
             ckpt.prepare_tag_dir(self.ckpt_root, tag)
         runtime.barrier()
-        self.engine.save(str(self.ckpt_root), tag, client_state={"step": step})  # host copies, queued
-        ckpt.save_rng(self.ckpt_root, tag, world.rank)
-        if write_extra is not None:
-            write_extra(self.ckpt_root / tag)
+        with writing(self.ckpt_root, tag):
+            self.engine.save(str(self.ckpt_root), tag, client_state={"step": step})  # host copies, queued
+            ckpt.save_rng(self.ckpt_root, tag, world.rank)
+            if write_extra is not None:
+                write_extra(self.ckpt_root / tag)
         meta = (self.cfg.to_dict(), self.plan.ds_config, _trainer_state(step, world, self.plan, state),
                 self.engine.param_group_names)
         self.breakdown.append({"wait_previous_s": round(waited, 4), "host_copy_s": round(self.writer.copy_s, 4)})
         self.finisher.submit(lambda: self._finish(tag, step, meta))
 
     def _finish(self, tag: str, step: int, meta) -> None:
+        with writing(self.ckpt_root, tag):  # raised to the trainer by the next save's (or the last) wait
+            self._finish_writes(tag, step, meta)
+
+    def _finish_writes(self, tag: str, step: int, meta) -> None:
         from dstrain import async_checkpoint
         self.writer.wait()
         fault("DSTRAIN_FAULT_IN_SAVE", step)
@@ -304,18 +329,51 @@ def load_checkpoint(engine, ckpt_root: Path, tag: str, world: runtime.World) -> 
     return state
 
 
+def batch_change_message(where: Path, step: int, steps: int, old: int, new: int) -> str | None:
+    """What resuming checkpoint ``where`` (taken at ``step``, ``old`` samples per step) with ``new`` samples
+    per step changes (the data position, the schedule's meaning); None when the global batch is kept.
+
+    Every trainer's data order is indexed by step x global batch (``WindowSampler``, the task samplers), so
+    the samples the checkpoint's run would have taken next are not the ones this run takes next."""
+    if not old or not new or int(old) == int(new):
+        return None
+    reached, starts = step * old, step * new
+    jump = (f"samples {reached}..{starts - 1} of the order are skipped" if starts > reached
+            else f"samples {starts}..{reached - 1} are trained on again")
+    return (f"resuming {where} with a global batch of {new} samples per step where it was trained with {old} "
+            f"(micro_batch x grad_accum x data-parallel ranks): the data order is indexed by step x global batch, "
+            f"so step {step + 1} starts at sample {starts}, not {reached} ({jump}); the learning-rate schedule "
+            f"counts steps (warm-up, decay to train.steps={steps}), so its remaining {max(steps - step, 0)} steps "
+            f"now take {new / old:.3g}x the samples each, and train.lr is not rescaled. To continue the same "
+            f"run, keep micro_batch x grad_accum x data-parallel ranks = {old}")
+
+
+def warn_batch_change(world: runtime.World, where: Path, step: int, steps: int, old, new) -> None:
+    """Rank 0 prints :func:`batch_change_message` as a warning, when there is one."""
+    message = batch_change_message(where, step, steps, int(old or 0), int(new or 0))
+    if message and world.is_main:
+        import sys
+        print(f"dstrain: warning: {message}", file=sys.stderr, flush=True)
+
+
 class StopFlag:
     """Set by SIGTERM, SIGINT (Ctrl-C) or SIGUSR1; the loop checkpoints and leaves at the next log step, or
-    at the next step where the non-finite guard's per-step agreement carries it (``RunGuards.stop_agreed``)."""
+    at the next step where the non-finite guard's per-step agreement carries it (``RunGuards.stop_agreed``).
+    The rank then exits 128 + the signal's number (``dstrain.rank_exit.stop_exit_code``)."""
 
     def __init__(self):
+        from dstrain import rank_exit
         self.set = False
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        pending, rank_exit.PENDING_STOP[0] = rank_exit.PENDING_STOP[0], 0  # one that came while starting
+        for sig in rank_exit.STOP_SIGNALS:
             signal.signal(sig, self._handle)
+        if pending:
+            self._handle(pending, None)
 
-    def _handle(self, *_):
+    def _handle(self, signum, _frame):
         from dstrain import resilience
-        self.set = resilience.STOP_REQUESTED[0] = True
+        self.set = True
+        resilience.STOP_REQUESTED[0] = resilience.STOP_REQUESTED[0] or signum  # the first signal: the exit status
 
 
 class RunGuards:

@@ -38,7 +38,7 @@ from dstrain.trainers import policy_rl as prl
 from dstrain.trainers import task_config
 from dstrain.resilience import torch_timeout_s
 from dstrain.trainers.common import (CheckpointSaver, RunGuards, StopFlag, decide_resume, load_checkpoint, pin_plan,
-                                     plan_and_record)
+                                     plan_and_record, warn_batch_change)
 from dstrain.trainers.grpo_config import PolicyTaskConfig
 from dstrain.trainers.grpo_sampling import StepBatch, step_batch
 from dstrain.trainers.rl_loop import RLLoop, batch_layout, sandbox_pool
@@ -106,6 +106,8 @@ class GRPOTrainer(RLLoop):
         if resume_tag is not None:
             state = load_checkpoint(self.engine, self.ckpt_root, resume_tag, self.world)
             self.start_step, self.guards.skipped = int(state["step"]), int(state.get("skipped_steps", 0))
+            warn_batch_change(self.world, self.ckpt_root / resume_tag, self.start_step, t.steps,
+                              state.get("samples_per_step"), self.samples_per_step)
             from dstrain.rl.dapo import KeepRate, PromptRest
             if "dynamic_keep_rate" in state:  # dynamic sampling's running estimate: a resumed run sizes rounds alike
                 self.keep_rate = KeepRate(rate=float(state["dynamic_keep_rate"]))

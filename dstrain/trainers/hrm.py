@@ -25,7 +25,7 @@ from dstrain import runtime
 from dstrain.resilience import NonFiniteError, torch_timeout_s
 from dstrain.trainers.common import (CheckpointSaver, RunGuards, StopFlag, decide_resume, fault, load_checkpoint,
                                      pin_plan, plan_and_record)
-from dstrain.config import ConfigError, RunConfig
+from dstrain.config import ConfigError, RunConfig, RunFolderError
 from dstrain.data import sudoku
 from dstrain.engine.factory import create_engine
 from dstrain.metrics import RunLogger, reduce_mean
@@ -151,6 +151,7 @@ class HRMTrainer:
         self.saver.save(step, {"global_batch": self.global_batch, "skipped_steps": self.guards.skipped}, write_state)
 
     def _resume(self, tag: str) -> None:
+        self._check_carry_layout(tag)
         state = load_checkpoint(self.engine, self.ckpt_root, tag, self.world)
         state_dir = self.ckpt_root / tag / "hrm"
         if self.puzzle_emb is not None:
@@ -161,6 +162,17 @@ class HRMTrainer:
         if self.ema is not None:
             self.ema.load_state_dict(torch.load(state_dir / "ema.pt", weights_only=True, map_location=self.device))
         self.start_step, self.guards.skipped = int(state["step"]), int(state.get("skipped_steps", 0))
+
+    def _check_carry_layout(self, tag: str) -> None:
+        """Refuse, before loading, a checkpoint whose ACT carry (each rank's rows, mid-puzzle) this run cannot take
+        over: another global batch or number of ranks (the puzzles in flight would be lost or misplaced)."""
+        state = json.loads((self.ckpt_root / tag / "trainer_state.json").read_text())
+        old = int(state.get("global_batch", self.global_batch)), int(state.get("world_size", self.world.world_size))
+        if old != (self.global_batch, self.world.world_size):
+            raise RunFolderError(
+                f"checkpoint {self.ckpt_root / tag} holds the ACT carry of {old[0]} puzzles over {old[1]} rank(s) "
+                f"(each row mid-puzzle); this run has {self.global_batch} over {self.world.world_size}: resume with "
+                f"task.global_batch={old[0]} on {old[1]} rank(s), or start a new run from exported weights")
 
     # ---------------------------------------------------------------- steps
     def _ids(self, groups: torch.Tensor) -> torch.Tensor:

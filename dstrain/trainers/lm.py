@@ -22,7 +22,7 @@ import torch
 from dstrain import runtime
 from dstrain.trainers.common import (CheckpointSaver, RunGuards, StopFlag, decide_resume, fault, fault_hang,
                                      fault_raise,
-                                     load_checkpoint, pin_plan, plan_and_record)
+                                     load_checkpoint, pin_plan, plan_and_record, warn_batch_change)
 from dstrain.resilience import NonFiniteError, torch_timeout_s
 from dstrain.config import ConfigError, RunConfig
 from dstrain.data.corpus import ByteTokenizer, build_token_streams, load_documents
@@ -98,6 +98,9 @@ class LMTrainer:
     def _resume(self, tag: str) -> None:
         state = load_checkpoint(self.engine, self.ckpt_root, tag, self.world)
         self.start_step = int(state["step"])
+        saved = json.loads((self.ckpt_root / tag / "ds_config.json").read_text())  # micro x accum x dp, resolved
+        warn_batch_change(self.world, self.ckpt_root / tag, self.start_step, self.cfg.train.steps,
+                          saved.get("train_batch_size"), self.plan.ds_config.get("train_batch_size"))
         self.guards.skipped = int(state.get("skipped_steps", 0))
 
     def save(self, step: int) -> None:

@@ -35,7 +35,8 @@ from dstrain.trainers import policy_rl as prl
 from dstrain.trainers import score_models as sc
 from dstrain.trainers import score_warm, task_config
 from dstrain.resilience import torch_timeout_s
-from dstrain.trainers.common import CheckpointSaver, RunGuards, StopFlag, decide_resume, load_checkpoint, pin_plan
+from dstrain.trainers.common import (CheckpointSaver, RunGuards, StopFlag, decide_resume, load_checkpoint, pin_plan,
+                                     warn_batch_change)
 from dstrain.trainers.rl_loop import RLLoop, batch_layout, sandbox_pool
 from dstrain.trainers.score_config import ScoreTaskConfig
 from dstrain.trainers.score_step import ScoreModels, ScoreStep
@@ -101,6 +102,8 @@ class ScoreTrainer(RLLoop):
         if resume_tag is not None:
             state = load_checkpoint(self.models.policy, self.ckpt_root, resume_tag, w)
             self.start_step, self.guards.skipped = int(state["step"]), int(state.get("skipped_steps", 0))
+            warn_batch_change(w, self.ckpt_root / resume_tag, self.start_step, cfg.train.steps,
+                              state.get("samples_per_step"), self.samples_per_step)
             sc.load_extra(self.ckpt_root / resume_tag, self._extra_engines(), self.models.critic_target)
         self.stop = StopFlag()
 

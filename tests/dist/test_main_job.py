@@ -65,25 +65,49 @@ def test_main_job_leaves_events_checkpoints_and_resolved_configs(tmp_path):
     assert sum(losses) / len(losses) == pytest.approx(summary["val_loss"], rel=tolerance)
 
 
-def test_sigterm_saves_a_checkpoint_and_resume_finishes(tmp_path):
+def _rank_pid(launcher_pid: int, rank: int, deadline: float) -> int:
+    """The pid of rank ``rank`` among the launcher's descendants (its RANK variable)."""
+    import psutil
+    while time.time() < deadline:
+        for child in psutil.Process(launcher_pid).children(recursive=True):
+            try:
+                if "dstrain.cli" in child.cmdline() and child.environ().get("RANK") == str(rank):
+                    return child.pid
+            except psutil.Error:
+                continue
+        time.sleep(0.2)
+    raise AssertionError(f"rank {rank} not found")
+
+
+def test_sigterm_to_one_rank_saves_exits_143_unrestarted_and_resume_warns_of_the_batch(tmp_path):
+    """SIGTERM to one rank (a scheduler's preemption, ``kill``), not to the launcher: every rank saves, the job
+    exits 128 + 15 (not 0: it did not finish), ``--max-restarts`` leaves it stopped, and ``--resume`` continues;
+    resumed with another global batch, it says what that changes."""
     out = tmp_path / "run"
     args = harness.overrides(out, 400, "--checkpoint.every=0", "--train.warmup_steps=2")
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "dstrain.cli", "launch", "--nproc", "2",
-                             str(harness.RECIPE), *args], cwd=harness.ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    metrics = out / "metrics.jsonl"
-    deadline = time.time() + 240
-    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-        time.sleep(0.5)
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=120)
+    log = tmp_path / "launch.log"
+    with open(log, "w") as sink:
+        proc = subprocess.Popen([sys.executable, "-m", "dstrain.cli", "launch", "--nproc", "2", "--max-restarts", "1",
+                                 str(harness.RECIPE), *args], cwd=harness.ROOT, env=env, stdout=sink, stderr=sink)
+        metrics = out / "metrics.jsonl"
+        deadline = time.time() + 240
+        while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            time.sleep(0.5)
+        os.kill(_rank_pid(proc.pid, 1, deadline), signal.SIGTERM)
+        assert proc.wait(timeout=120) == 128 + signal.SIGTERM
+    text = log.read_text()
     tag = ckpt.find_latest(out / "checkpoints")
     assert tag is not None, "no checkpoint written on SIGTERM"
     stopped_at = ckpt.step_of(tag)
     assert 3 <= stopped_at < 400
-    harness.launch([*harness.overrides(out, stopped_at + 3, "--checkpoint.every=0",
-                                       "--train.warmup_steps=2"), "--resume"])
+    assert (f"dstrain: stopped at step {stopped_at} of 400 by SIGTERM (exit 143, not a finished run): checkpoint "
+            f"{out / 'checkpoints' / tag} is saved; --resume continues from it") in text, text[-3000:]
+    assert "restart" not in text and "Traceback" not in text, text[-3000:]
+    proc = harness.launch([*harness.overrides(out, stopped_at + 3, "--checkpoint.every=0", "--train.warmup_steps=2",
+                                              "--train.grad_accum=1"), "--resume"])
+    assert (f"dstrain: warning: resuming {out / 'checkpoints' / tag} with a global batch of 4 samples per step "
+            "where it was trained with 8") in proc.stderr, proc.stderr[-3000:]
     steps = harness.metrics(out)
     assert max(steps) == stopped_at + 3
 

@@ -447,7 +447,7 @@ def test_launch_scripts_parse(script):
 def test_slurm_script_header_and_srun():
     text = (REPO / "launch" / "slurm.sbatch").read_text()
     assert "#SBATCH --nodes=2" in text and "#SBATCH --ntasks-per-node=" in text
-    assert '-m dstrain.cli train "$RECIPE" "$@"' in text
+    assert '-m dstrain.cli train "$RECIPE" ${args[@]+"${args[@]}"}' in text
 
 
 def test_hostfile_example_parses():

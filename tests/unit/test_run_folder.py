@@ -135,3 +135,45 @@ def test_a_gpu_or_nccl_failure_while_loading_is_not_blamed_on_the_checkpoint(tmp
                   dist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp, unhandled cuda error")):
         with pytest.raises(type(error), match="CUDA|NCCL"):
             _loading(tmp_path / type(error).__name__, error)()
+
+
+def test_resume_with_another_global_batch_names_what_changes(tmp_path, capsys):
+    """The data order is step x global batch: resuming step 10 of 16 samples per step with 8 (or 32) moves the
+    data position, and the steps of the LR schedule no longer mean the same number of samples."""
+    where = tmp_path / "step_00000010"
+    assert common.batch_change_message(where, 10, 300, 16, 16) is None
+    fewer = common.batch_change_message(where, 10, 300, 16, 8)
+    assert fewer == (
+        f"resuming {where} with a global batch of 8 samples per step where it was trained with 16 (micro_batch x "
+        "grad_accum x data-parallel ranks): the data order is indexed by step x global batch, so step 11 starts "
+        "at sample 80, not 160 (samples 80..159 are trained on again); the learning-rate schedule counts steps "
+        "(warm-up, decay to train.steps=300), so its remaining 290 steps now take 0.5x the samples each, and "
+        "train.lr is not rescaled. To continue the same run, keep micro_batch x grad_accum x data-parallel "
+        "ranks = 16")
+    more = common.batch_change_message(where, 10, 300, 16, 32)
+    assert "step 11 starts at sample 320, not 160 (samples 160..319 of the order are skipped)" in more
+    assert "take 2x the samples each" in more
+    for rank in (1, 0):  # rank 0 says it, once
+        common.warn_batch_change(SimpleNamespace(is_main=rank == 0), where, 10, 300, 16, 8)
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"dstrain: warning: {fewer}"]
+    common.warn_batch_change(SimpleNamespace(is_main=True), where, 10, 300, None, 8)  # an old checkpoint: no figure
+    assert capsys.readouterr().err == ""
+
+
+def test_hrm_resume_refuses_another_carry_layout(tmp_path):
+    """HRM's checkpoint holds each rank's ACT carry (puzzles mid-way): another global batch or number of ranks
+    cannot take it over, and is refused before anything is loaded."""
+    import pytest
+
+    from dstrain.config import RunFolderError
+    from dstrain.trainers.hrm import HRMTrainer
+    (tmp_path / "step_00000010").mkdir()
+    (tmp_path / "step_00000010" / "trainer_state.json").write_text(
+        json.dumps({"step": 10, "global_batch": 8, "world_size": 2}))
+    same = SimpleNamespace(ckpt_root=tmp_path, global_batch=8, world=SimpleNamespace(world_size=2))
+    HRMTrainer._check_carry_layout(same, "step_00000010")
+    other = SimpleNamespace(ckpt_root=tmp_path, global_batch=16, world=SimpleNamespace(world_size=4))
+    with pytest.raises(RunFolderError, match=r"holds the ACT carry of 8 puzzles over 2 rank\(s\) .* this run has 16 "
+                                             r"over 4: resume with task.global_batch=8 on 2 rank\(s\)"):
+        HRMTrainer._check_carry_layout(other, "step_00000010")

@@ -19,6 +19,7 @@ def _script(codes):
     ([17, 17, 17, 17], 2, 17, [False, True, True]),  # gives up after K restarts
     ([2], 3, 2, [False]),                          # a config refusal fails the same way again
     ([130], 3, 130, [False]),                      # Ctrl-C is the user's wish
+    ([138], 3, 138, [False]),                      # a rank stopped on SIGUSR1 (saved): the sender decides
     ([3], 3, 3, [False]),                          # stopped on a non-finite loss: it would meet it again
     ([124, 0], 3, 0, [False, True]),               # the hang watchdog ended a rank: restarted
     ([17], 0, 17, [False]),                        # K = 0: no restart

@@ -1,0 +1,191 @@
+"""How a rank ends when the run does not reach ``train.steps``, and what it says.
+
+* **Stopped by a signal** (SIGTERM, SIGINT, SIGUSR1 to any rank, or to ``dstrain launch``, which forwards
+  it): every rank saves, then exits ``128 + N`` (N: the signal's number; the highest, if ranks got
+  different ones), the status a shell gives a process killed by that signal, so schedulers and
+  launchers do not take the early stop for a finished run. A run that reached ``train.steps`` exits 0.
+  Each rank also leaves the status in ``$DSTRAIN_FAILURE_DIR/stopped`` for ``dstrain launch``, which
+  returns it even where the launcher in between (torchrun) reports every non-zero rank as exit 1.
+* **A checkpoint that could not be written** (disk full, quota, a read-only folder): one line naming
+  the folder, the free space there and the checkpoint that is still the latest
+  (:class:`CheckpointWriteError`); the incomplete folder is removed.
+* **A peer that died** (SIGKILL, out of memory, a crashed host): the survivors' collective fails
+  with gloo's or NCCL's connection error; :func:`peer_lost` turns it into one line.
+
+Nothing here imports torch at module level (``dstrain.cli`` imports it for every subcommand).
+"""
+from __future__ import annotations
+
+import errno
+import os
+import re
+import shutil
+import signal
+from pathlib import Path
+
+STOPPED_FILE = "stopped"
+"""In ``$DSTRAIN_FAILURE_DIR``: the exit status of a run stopped by a signal."""
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+PENDING_STOP = [0]
+"""A stop signal that reached this rank while it was starting, kept for the trainer's ``StopFlag``."""
+
+
+def hold_stop_signals() -> None:
+    """Until the trainer's ``StopFlag`` takes over, keep a stop signal for it instead of dying of it.
+
+    A rank still starting (DeepSpeed's set-up, data, the plan) when the job is stopped would otherwise be
+    killed by the signal, and its peers, already training, would lose it instead of saving with it; with
+    this, the ranks agree on the stop at their first step."""
+    def keep(signum, _frame):
+        PENDING_STOP[0] = PENDING_STOP[0] or signum
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, keep)
+
+
+# ---------------------------------------------------------------- stopped by a signal
+
+def stop_exit_code(summary: dict, steps: int) -> int:
+    """0 when the run reached ``steps`` (or was not stopped); else ``128 + N``, N the stop signal agreed by
+    every rank (an all-reduce: call it on every rank, while the process group is up)."""
+    if not (isinstance(summary, dict) and summary.get("stopped")) or int(summary.get("step", 0)) >= steps:
+        return 0
+    import torch
+
+    from dstrain import resilience, runtime
+    mine = int(resilience.STOP_REQUESTED[0] or 0)
+    signum = int(runtime.all_reduce(torch.tensor([mine], dtype=torch.int64), "max").item())
+    return 128 + (signum or signal.SIGTERM)
+
+
+def signal_name(code: int) -> str:
+    try:
+        return signal.Signals(code - 128).name
+    except ValueError:
+        return f"signal {code - 128}"
+
+
+def stop_line(summary: dict, steps: int, ckpt_root: Path, code: int) -> str:
+    """What rank 0 prints when the run stopped early: step, signal, exit status, the checkpoint to resume."""
+    from dstrain import checkpoint as ckpt
+    latest = ckpt.find_latest(ckpt_root)
+    where = (f"checkpoint {ckpt_root / latest} is saved; --resume continues from it" if latest
+             else "no checkpoint was written; --resume starts from step 0")
+    return (f"dstrain: stopped at step {summary.get('step')} of {steps} by {signal_name(code)} "
+            f"(exit {code}, not a finished run): {where}")
+
+
+def note_stopped(code: int) -> None:
+    """Leave ``code`` for ``dstrain launch`` (no-op for ranks it did not start, or on another host)."""
+    folder = os.environ.get("DSTRAIN_FAILURE_DIR")
+    if not folder:
+        return
+    try:
+        (Path(folder) / STOPPED_FILE).write_text(f"{code}\n")
+    except OSError:
+        pass
+
+
+def stopped_code(folder: str | Path) -> int | None:
+    """The status the ranks of a job stopped by a signal left in ``folder``, else None."""
+    try:
+        code = int((Path(folder) / STOPPED_FILE).read_text().strip())
+    except (OSError, ValueError):
+        return None
+    return code if 128 < code < 128 + 65 else None
+
+
+# ---------------------------------------------------------------- a checkpoint that could not be written
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint's files could not be written (one-line message); the previous checkpoint stands."""
+
+
+# What torch's zip writer says when a write() failed underneath it (it drops the errno).
+_TORCH_WRITE_FAILURES = ("iostream error", "file write failed", "unexpected pos", "PytorchStreamWriter failed")
+
+
+def write_failure(err: BaseException) -> str | None:
+    """Why a file write failed, when ``err`` (or an error it was raised from) is one; else None.
+
+    Connection and timeout errors are not write failures (a peer died; a rank was late)."""
+    seen, cause = set(), err
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, OSError) and not isinstance(cause, (ConnectionError, TimeoutError)):
+            if cause.errno in (errno.ENOSPC, errno.EDQUOT):
+                return "no space left on device" if cause.errno == errno.ENOSPC else "disk quota exceeded"
+            return cause.strerror or str(cause)
+        if isinstance(cause, RuntimeError) and any(s in str(cause) for s in _TORCH_WRITE_FAILURES):
+            return "a file write failed"
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
+def _size(num: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if num < 1000 or unit == "TB":
+            return f"{num:.0f} {unit}" if unit == "B" else f"{num:.1f} {unit}"
+        num /= 1000
+    return ""
+
+
+def _free_bytes(path: Path) -> int | None:
+    there = next((p for p in (path, *path.parents) if p.exists()), None)
+    try:
+        return shutil.disk_usage(there).free if there is not None else None
+    except OSError:
+        return None
+
+
+def checkpoint_write_error(err: BaseException, ckpt_root: Path, tag: str) -> CheckpointWriteError | None:
+    """The one-line error for ``err`` raised while writing checkpoint ``tag``, or None when it is not a
+    write failure. Removes the incomplete ``tag`` folder (never one marked complete) to give its space back."""
+    why = write_failure(err)
+    if why is None:
+        return None
+    from dstrain import checkpoint as ckpt
+    tag_dir = Path(ckpt_root) / tag
+    free = _free_bytes(tag_dir)
+    if why == "a file write failed" and free is not None and free < 64 * 2**20:
+        why = "no space left on device"  # torch's writer hides the errno; the file system says it
+    removed = ""
+    if tag_dir.is_dir() and not ckpt.is_complete(tag_dir):
+        shutil.rmtree(tag_dir, ignore_errors=True)
+        removed = f"; the incomplete {tag} was removed"
+    latest = ckpt.find_latest(ckpt_root)
+    kept = (f"checkpoint {latest} is intact and stays the latest: free space, then --resume continues from it"
+            if latest and latest != tag else
+            f"checkpoint {tag} is complete" if latest == tag else
+            "there is no earlier checkpoint: free space and start again")
+    space = f"{_size(free)} free there" if free is not None else "free space unknown"
+    return CheckpointWriteError(f"checkpoint {tag} could not be written to {ckpt_root}: {why} ({space}{removed}); "
+                                f"{kept}")
+
+
+# ---------------------------------------------------------------- a peer that died
+
+# gloo (tcp pair), NCCL and torch's store: the messages of a collective whose peer process went away.
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+              "remote process exited or there was a network error", "NCCL communicator was aborted")
+
+
+def peer_lost(err: BaseException) -> str | None:
+    """The transport's own words, shortened, when ``err`` is a collective that lost a peer; else None."""
+    if not isinstance(err, RuntimeError):
+        return None
+    text = " ".join(str(err).split())
+    for marker in _PEER_LOST:
+        at = text.find(marker)
+        if at >= 0:
+            head = re.sub(r"^\[[^\]]*\]\s*", "", text[:at])  # gloo's "[.../pair.cc:537] " source position
+            return (head + marker)[-200:]
+    return None
+
+
+def peer_lost_line(err: BaseException, rank: int | str, where: tuple[str | None, int] | None = None) -> str | None:
+    """``dstrain: rank R lost contact with the job (a peer died or left) in PHASE of step S: WHAT``, or None."""
+    what = peer_lost(err)
+    if what is None:
+        return None
+    phase = f" in {where[0]} of step {where[1]}" if where and where[0] else ""
+    return f"dstrain: rank {rank} lost contact with the job{phase} (a peer process died or left): {what}"
