@@ -511,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     from dstrain.config import ConfigError, RunFolderError
     from dstrain.engine.ds_config import DSConfigError
     from dstrain.engine.profiles import PlanError
-    from dstrain.rank_exit import CheckpointWriteError
+    from dstrain.rank_exit import EXIT_CHECKPOINT_WRITE, CheckpointWriteError
     from dstrain.resilience import NonFiniteError
 
     parser = build_parser()
@@ -532,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointWriteError as err:  # disk full while saving: the folder, its free space, what is kept
         if args.command != "train" or _reports_failure():
             print(f"dstrain: error: {err}", file=sys.stderr)
-        return 1
+        return EXIT_CHECKPOINT_WRITE
     except (FileNotFoundError, ValueError) as err:
         if args.command in ("export", "check-config", "plan"):
             print(f"dstrain: error: {err}", file=sys.stderr)

@@ -96,6 +96,11 @@ def stopped_code(folder: str | Path) -> int | None:
 
 # ---------------------------------------------------------------- a checkpoint that could not be written
 
+EXIT_CHECKPOINT_WRITE = 4
+"""Exit status of a run whose checkpoint could not be written (disk full, quota, read-only): not restarted by
+``--max-restarts`` (``supervise.NO_RESTART``), since each retry would train up to the same save and fail there."""
+
+
 class CheckpointWriteError(RuntimeError):
     """A checkpoint's files could not be written (one-line message); the previous checkpoint stands."""
 

@@ -8,7 +8,8 @@ the latest complete checkpoint, at most K times. Lost work is at most one checkp
 interval. Not restarted: success, a configuration refusal (exit 2: it would fail the
 same way), a run stopped on a non-finite loss (exit 3, ``train.nonfinite=stop``: its
 checkpoint holds the last good state, and a deterministic run would meet the same
-numbers again), and a stop asked for by a signal (128 + N: SIGINT/SIGTERM/SIGHUP to the launcher, or
+numbers again), a checkpoint the disk could not hold (exit 4: every retry would fail at the
+same save), and a stop asked for by a signal (128 + N: SIGINT/SIGTERM/SIGHUP to the launcher, or
 SIGINT/SIGTERM/SIGUSR1 to a rank, which saves a checkpoint and exits 128 + N: whoever sent it, a user
 or a scheduler's preemption, decides whether the run continues, with ``--resume``).
 A rank ended by the hang watchdog (exit 124) is restarted like any failure.
@@ -20,7 +21,7 @@ import time
 from typing import Callable
 
 #: Exit statuses that are not failures to retry.
-NO_RESTART = {0, 2, 3} | {128 + s for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)}
+NO_RESTART = {0, 2, 3, 4} | {128 + s for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)}
 
 
 def run_with_restarts(attempt: Callable[[bool], int], max_restarts: int, log: Callable[[str], None],

@@ -261,19 +261,20 @@ class FailingTrainer:
         raise self.err
 
 
-@pytest.mark.parametrize("err, line", [
+@pytest.mark.parametrize("err, line, code", [
     (rank_exit.CheckpointWriteError("checkpoint step_00000004 could not be written to X: no space left on device"),
-     "dstrain: error: checkpoint step_00000004 could not be written to X: no space left on device"),
+     "dstrain: error: checkpoint step_00000004 could not be written to X: no space left on device", 4),
     (RuntimeError(GLOO), "dstrain: rank 0 lost contact with the job in allreduce of step 7 (a peer process died or "
-                         "left): Read error [127.0.0.1]:54672: Connection reset by peer"),
+                         "left): Read error [127.0.0.1]:54672: Connection reset by peer", 1),
 ])
-def test_rank_failure_is_one_line(capsys, monkeypatch, tmp_path, err, line):
+def test_rank_failure_is_one_line(capsys, monkeypatch, tmp_path, err, line, code):
+    """A failed checkpoint write exits 4 (``--max-restarts`` would only meet the full disk again); a lost peer 1."""
     from dstrain import trainers
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     monkeypatch.setattr(trainers, "get_trainer", lambda name: FailingTrainer(err))
     monkeypatch.setattr(cli, "_TRAIN_STARTED", False)
     monkeypatch.setattr(resilience.Watchdog, "last", ("allreduce", 7))
-    assert cli.main(["train", RECIPE, f"--output.dir={tmp_path / 'run'}", "--deepspeed.profile=zero1"]) == 1
+    assert cli.main(["train", RECIPE, f"--output.dir={tmp_path / 'run'}", "--deepspeed.profile=zero1"]) == code
     assert capsys.readouterr().err.strip().splitlines() == [line]
 
 

@@ -21,6 +21,7 @@ def _script(codes):
     ([130], 3, 130, [False]),                      # Ctrl-C is the user's wish
     ([138], 3, 138, [False]),                      # a rank stopped on SIGUSR1 (saved): the sender decides
     ([3], 3, 3, [False]),                          # stopped on a non-finite loss: it would meet it again
+    ([4], 3, 4, [False]),                          # a checkpoint the disk could not hold: so would a retry
     ([124, 0], 3, 0, [False, True]),               # the hang watchdog ended a rank: restarted
     ([17], 0, 17, [False]),                        # K = 0: no restart
 ])
