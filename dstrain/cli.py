@@ -410,7 +410,7 @@ def cmd_check_config(args, overrides) -> int:
     except ConfigError:
         data = None  # not plain JSON: a DeepSpeed file may still be (comments: DeepSpeed reads hjson)
     sections = {f for f in RunConfig.__dataclass_fields__}
-    if data is not None and set(data) <= sections:
+    if data and set(data) <= sections:  # an empty {} is a DeepSpeed JSON that leaves everything to the run
         cfg = run_config_from_dict(data, args.file, overrides)
         if cfg.deepspeed.profile != "auto":  # the DeepSpeed JSON it names, against it, as a launch checks it
             from dstrain.engine.ds_check import this_device

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from dstrain.config import TrainConfig
 from dstrain.engine.ds_config import (DSConfigError, RunValues, describe_zero, fill_ds_config,
-                                      load_ds_json)
+                                      load_ds_json, number_problem, param_dtype)
 
 
 def _explicit(value):
@@ -29,6 +29,8 @@ def _number(cfg: dict, path: str, kind, positive: bool = True):
     if value is None:
         return None, None
     ok = isinstance(value, kind) and not isinstance(value, bool) and (value > 0 if positive else value >= 0)
+    if not ok and isinstance(value, str):  # a number in quotes
+        return None, number_problem(path, value)
     if not ok:
         want = "a positive integer" if kind is int else ("a positive number" if positive else "a number >= 0")
         return None, f"{path}: must be {want} or \"auto\", file says {value!r}"
@@ -71,6 +73,9 @@ def values_from_file(cfg: dict, hidden_size: int = 1024, world_size: int | None 
     params = params if isinstance(params, dict) else {}
     betas = _explicit(params.get("betas"))
     precision = "fp32"
+    open_ = all(not isinstance(cfg.get(k), dict) or _explicit(cfg[k].get("enabled")) is None for k in ("bf16", "fp16"))
+    if open_:  # the weights' dtype DeepSpeed asserts, where bf16 / fp16 leave it open
+        precision = param_dtype(cfg) or precision
     for key in ("bf16", "fp16"):
         section = cfg.get(key)
         if isinstance(section, dict) and section.get("enabled") is True:
@@ -124,6 +129,9 @@ def _pydantic_problems(section: str, model, err: Exception) -> list[str]:
             close = difflib.get_close_matches(name, known, n=1) if len(item.get("loc", ())) == 1 else []
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             out.append(f"{loc}: unknown key{hint}; DeepSpeed rejects it")
+        elif not item.get("loc"):  # a check of the whole section: its input is the parsed section, not the file's
+            msg = str(item.get("msg", "invalid")).removeprefix("Assertion failed, ").removeprefix("Value error, ")
+            out.append(f"{loc}: {msg.rstrip('.')}; DeepSpeed rejects it")
         else:
             out.append(f"{loc}: {item.get('msg', 'invalid')}, file says {item.get('input')!r}")
     return out

@@ -157,12 +157,22 @@ def _fill(section: dict, key: str, value, path: str, problems: list[str], *,
     current = section[key]
     if _is_auto(current):
         section[key] = value
+    elif not _is_number_like(current, value):
+        problems.append(number_problem(path, current, pair=isinstance(value, (list, tuple))))
     elif not _same(current, value):
         text = f"{path}: file says {_fmt(current)}, run gives {run_text or _fmt(value)}"
-        if isinstance(problems, _Problems) and _is_number_like(current, value):
+        if isinstance(problems, _Problems):
             problems.mismatch(text, RUN_KEYS.get(path), current)
         else:
             problems.append(text)
+
+
+def number_problem(path: str, value, pair: bool = False) -> str:
+    """The refusal of a value that is not a number (or two): DeepSpeed would hand a string on as text."""
+    quoted = any(isinstance(v, str) for v in (value if isinstance(value, (list, tuple)) else [value]))
+    return (f"{path}: must be {'two numbers' if pair else 'a number'} or \"auto\", file says {_fmt(value)}"
+            + (" (a string: write the number without quotes; DeepSpeed would pass the text on and fail)"
+               if quoted else ""))
 
 
 def _is_number_like(file_value, run_value) -> bool:
@@ -295,19 +305,23 @@ def _fill_scheduler(cfg: dict, v: RunValues, problems: list[str]) -> None:
 
 def _fill_precision(cfg: dict, v: RunValues, problems: list[str]) -> None:
     bf16_key = "bf16" if "bf16" in cfg or "bfloat16" not in cfg else "bfloat16"
-    enabled = {}
+    if all(isinstance(cfg.get(k), dict) and cfg[k].get("enabled") is True for k in (bf16_key, "fp16")):
+        problems.append(f"{bf16_key}.enabled, fp16.enabled: both true; DeepSpeed allows only one (it asserts at "
+                        "start-up): set one of them to false")
+        return
+    said = {}  # what the file itself sets bf16 / fp16 "enabled" to
     for key, kind in ((bf16_key, "bf16"), ("fp16", "fp16")):
         want = v.precision == kind
         section = cfg.get(key)
         if section is None:
             if want:
                 cfg[key] = {"enabled": True}
-            enabled[kind] = want
             continue
         if not isinstance(section, dict):
             problems.append(f"{key}: must be an object, file says {_fmt(section)}")
             continue
         current = section.get("enabled", AUTO)
+        said[kind] = current
         if _is_auto(current):
             section["enabled"] = want
         elif not isinstance(current, bool):
@@ -318,9 +332,42 @@ def _fill_precision(cfg: dict, v: RunValues, problems: list[str]) -> None:
                 problems.mismatch(text, "deepspeed.precision", kind)
             else:
                 problems.append(text)
-        enabled[kind] = section.get("enabled") is True
-    if enabled.get("bf16") and enabled.get("fp16"):
-        problems.append("fp16.enabled and bf16.enabled are both true; DeepSpeed allows only one")
+    on = [kind for kind, value in said.items() if value is True]
+    fixed = on[0] if on else "fp32" if said and all(value is False for value in said.values()) else None
+    _check_param_dtype(cfg, v, problems, fixed)
+
+
+#: DeepSpeed's DtypeEnum spellings of the weights' dtypes.
+_WEIGHT_DTYPES = {**dict.fromkeys(("fp32", "float32", "float", "torch.float32"), "fp32"),
+                  **dict.fromkeys(("bf16", "bfloat16", "torch.bfloat16"), "bf16"),
+                  **dict.fromkeys(("fp16", "float16", "half", "torch.float16"), "fp16")}
+
+
+def param_dtype(cfg: dict) -> str | None:
+    """The weights' dtype ``data_types.param_dtype`` names (fp32, bf16, fp16); None where it names none."""
+    dt = cfg.get("data_types")
+    value = dt.get("param_dtype") if isinstance(dt, dict) else None
+    return None if value is None or _is_auto(value) else _WEIGHT_DTYPES.get(str(value).lower())
+
+
+def _check_param_dtype(cfg: dict, v: RunValues, problems: list[str], fixed: str | None) -> None:
+    """``data_types.param_dtype`` must be the weights' dtype: DeepSpeed asserts it at start-up. ``fixed`` is the
+    weights' precision when the file's bf16 / fp16 sections decide it: a disagreement is then the file's own."""
+    dt = cfg.get("data_types")
+    value = dt.get("param_dtype") if isinstance(dt, dict) else None
+    if value is None or _is_auto(value):
+        return
+    kind = _WEIGHT_DTYPES.get(str(value).lower())
+    if kind is None:
+        problems.append(f"data_types.param_dtype: must be one of fp32, bf16, fp16, file says {_fmt(value)}")
+    elif kind != (fixed or v.precision):
+        text = (f"data_types.param_dtype: file says {_fmt(value)}, "
+                + (f"its bf16 / fp16 sections make the weights {fixed}" if fixed
+                   else f"run precision is {v.precision}") + " (DeepSpeed asserts they match at start-up)")
+        if isinstance(problems, _Problems) and not fixed:
+            problems.mismatch(text, "deepspeed.precision", kind)
+        else:
+            problems.append(text)
 
 
 def _offloads(zo: dict, key: str, legacy: str) -> bool:

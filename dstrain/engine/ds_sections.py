@@ -60,9 +60,12 @@ FILLED_ZERO_KEYS = frozenset({"reduce_bucket_size", "allgather_bucket_size", "st
 STAGE12_ONLY = frozenset({"round_robin_gradients", "use_multi_rank_bucket_allreduce", "allgather_bucket_size",
                           "ignore_unused_parameters", "parameter_alignment", "elastic_checkpoint"})
 
-#: Optimizer types whose DeepSpeed kernels exist only for CUDA (or need NCCL and cupy).
-CUDA_ONLY_OPTIMIZERS = {"lamb": "FusedLamb", "onebitadam": "1-bit Adam", "zerooneadam": "0/1 Adam",
-                        "onebitlamb": "1-bit LAMB"}
+#: Optimizer types whose DeepSpeed kernels exist only for CUDA.
+CUDA_ONLY_OPTIMIZERS = {"lamb": "FusedLamb"}
+
+#: DeepSpeed's communication-compressed optimizers, gone from 0.19.8 (it then looks the name up in torch.optim
+#: and stops at start-up, on every device).
+REMOVED_OPTIMIZERS = {"onebitadam": "1-bit Adam", "zerooneadam": "0/1 Adam", "onebitlamb": "1-bit LAMB"}
 
 #: Optimizer types DeepSpeed builds itself (lower case); any other name is looked up in torch.optim as spelled.
 DEEPSPEED_OPTIMIZER_TYPES = frozenset({"adam", "adamw", "adagrad", "lamb", "lion", "muadam", "muadamw", "musgd",
@@ -107,7 +110,7 @@ def _zero_problems(cfg: dict, device_type: str, problems: list[str], notes: list
         known = [f"{k} {defaults[k]:g}" if not isinstance(defaults[k], bool) else f"{k} {defaults[k]}"
                  for k in autos if k in defaults]
         if known:
-            notes.append(f"zero_optimization: \"auto\" is DeepSpeed's default there (its parser drops \"auto\"): "
+            notes.append("zero_optimization: \"auto\" is DeepSpeed's default there (its parser drops \"auto\"): "
                          + ", ".join(known))
     if stage == 0:
         off = zo.get("offload_optimizer")
@@ -145,6 +148,23 @@ def _zero_problems(cfg: dict, device_type: str, problems: list[str], notes: list
             elif not block.get("nvme_path") or not os.path.isdir(str(block.get("nvme_path"))):
                 problems.append(f"zero_optimization.{key}.nvme_path: NVMe offload needs an existing folder to "
                                 f"swap to, file says {block.get('nvme_path')!r}")
+
+
+def _gradient_scaling_problems(cfg: dict, problems: list[str]) -> None:
+    """``prescale_gradients`` / ``gradient_predivide_factor`` where DeepSpeed's ZeRO asserts them away: stage 3, and
+    stage 2 averaging gradients, each with reduce_scatter on (the default)."""
+    zo = cfg.get("zero_optimization") if isinstance(cfg.get("zero_optimization"), dict) else {}
+    stage = describe_zero(cfg)["stage"]
+    averaging = str(cfg.get("gradient_allreduce_op", "mean")).lower() != "sum"
+    if zo.get("reduce_scatter", True) is False or not (stage == 3 or (stage == 2 and averaging)):
+        return
+    keys = [k for k, off in (("prescale_gradients", False), ("gradient_predivide_factor", 1.0))
+            if k in cfg and cfg[k] != off]
+    if keys:
+        them = "it" if len(keys) == 1 else "them"
+        problems.append(f"{', '.join(keys)}: ZeRO stage {stage} with reduce_scatter does not support {them} "
+                        f"(DeepSpeed asserts at start-up: 'not yet supported with ZeRO-{stage} with reduce scatter "
+                        f"enabled'); remove {them}, or set zero_optimization.reduce_scatter to false")
 
 
 def _async_io_available() -> bool:
@@ -209,6 +229,11 @@ def _unused_sections(cfg: dict, problems: list[str]) -> None:
 
 
 def _monitor_problems(cfg: dict, problems: list[str], notes: list[str]) -> None:
+    spp = cfg.get("steps_per_print")
+    if spp is not None and not (isinstance(spp, str) and spp.strip().lower() == "auto") and \
+            (isinstance(spp, bool) or not isinstance(spp, (int, float)) or spp <= 0):
+        problems.append(f"steps_per_print: must be a positive number (or null), file says {spp!r} (DeepSpeed takes "
+                        "the step count modulo it at every step: 0 stops the first one with ZeroDivisionError)")
     for section, package in (("wandb", "wandb"), ("comet", "comet_ml")):
         if _enabled(cfg.get(section)) and importlib.util.find_spec(package) is None:
             problems.append(f"{section}.enabled: the {package} package is not installed here (pip install {package}; "
@@ -261,6 +286,11 @@ def _optimizer_problems(cfg: dict, device_type: str, problems: list[str]) -> Non
     if "max_grad_norm" in params:
         problems.append("optimizer.params.max_grad_norm: DeepSpeed refuses it; remove it and set the top-level "
                         "\"gradient_clipping\" instead")
+    if kind in REMOVED_OPTIMIZERS:
+        problems.append(f"optimizer.type: {name!r}: DeepSpeed 0.19 no longer has its {REMOVED_OPTIMIZERS[kind]} "
+                        f"optimizer (it would look for torch.optim.{name} and stop at start-up, on any device); use "
+                        "\"AdamW\" (or remove the optimizer block: dstrain then builds AdamW from the run config)")
+        return
     if device_type == "cpu" and (kind in CUDA_ONLY_OPTIMIZERS or (kind == "lion" and not offload)):
         kernel = CUDA_ONLY_OPTIMIZERS.get(kind, "FusedLion")
         alt = " (or offload the optimizer to \"cpu\": DeepSpeed's CPU Lion)" if kind == "lion" else \
@@ -299,6 +329,60 @@ def _optimizer_problems(cfg: dict, device_type: str, problems: list[str]) -> Non
                         "\"AdamW\"")
 
 
+def _scheduler_problems(cfg: dict, problems: list[str]) -> None:
+    """The scheduler block DeepSpeed builds as ``getattr(lr_schedules or torch.optim.lr_scheduler, type)(optimizer,
+    **params)``: a type it finds as spelled, params that class takes, the ones it needs (but those dstrain fills)."""
+    sched = cfg.get("scheduler")
+    if not isinstance(sched, dict) or not isinstance(sched.get("type"), str):
+        return
+    import inspect
+
+    import torch.optim.lr_scheduler as torch_schedules
+
+    from dstrain.engine.ds_check import accelerator_untouched
+    from dstrain.engine.ds_config import _SCHED_FILL_MISSING
+    with accelerator_untouched():
+        from deepspeed.runtime import lr_schedules
+    name = sched["type"]
+    ours = {n: getattr(lr_schedules, n) for n in lr_schedules.VALID_LR_SCHEDULES}
+    torch_classes = {n: c for n, c in vars(torch_schedules).items() if isinstance(c, type)
+                     and issubclass(c, torch_schedules.LRScheduler) and not n.startswith("_") and n != "LRScheduler"}
+    cls = ours.get(name) or torch_classes.get(name)
+    if cls is None:
+        import difflib
+        same = [n for n in [*ours, *torch_classes] if n.lower() == name.lower()]
+        close = same or difflib.get_close_matches(name, [*ours, *torch_classes], n=1)
+        hint = f" (did you mean {close[0]!r}?{' the names are case-sensitive' if same else ''})" if close else ""
+        problems.append(f"scheduler.type: {name!r} is neither one of DeepSpeed's schedulers ({', '.join(ours)}) nor "
+                        f"a torch.optim.lr_scheduler class{hint}; DeepSpeed would stop at start-up")
+        return
+    if name not in ours:  # torch's schedulers take only a torch.optim.Optimizer, and DeepSpeed hands them its own
+        half = {k for k in ("bf16", "fp16") if isinstance(cfg.get(k), dict)
+                and (cfg[k].get("enabled") is True or str(cfg[k].get("enabled")).strip().lower() == "auto")}
+        autocast = isinstance(cfg.get("torch_autocast"), dict) and cfg["torch_autocast"].get("enabled") is True
+        stage = describe_zero(cfg)["stage"]
+        if stage or "fp16" in half or ("bf16" in half and not autocast):
+            wrapper = f"ZeRO stage {stage}" if stage else f"{'/'.join(sorted(half))}"
+            problems.append(f"scheduler.type: torch.optim.lr_scheduler.{name} takes only a torch optimizer, and with "
+                            f"{wrapper} DeepSpeed hands it its optimizer wrapper (torch raises '... is not an "
+                            f"Optimizer' at start-up); use one of DeepSpeed's schedulers ({', '.join(ours)}), remove "
+                            "the block (dstrain's warm-up + cosine), or train at ZeRO stage 0 in fp32")
+    params = sched.get("params") if isinstance(sched.get("params"), dict) else {}
+    signature = list(inspect.signature(cls.__init__).parameters.values())[2:]  # self, optimizer
+    accepted = {p.name for p in signature}
+    extra = sorted(k for k in params if k not in accepted)
+    filled = _SCHED_FILL_MISSING.get(name.lower(), ())
+    missing = [p.name for p in signature if p.default is inspect.Parameter.empty and p.name not in params
+               and p.name not in filled and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if extra:
+        them = "it" if len(extra) == 1 else "them"
+        problems.append(f"scheduler.params.{', '.join(extra)}: {name} does not take {them} (it takes "
+                        f"{', '.join(sorted(accepted))}); DeepSpeed would stop at start-up")
+    if missing:
+        problems.append(f"scheduler.params: {name} needs {', '.join(missing)}, which the file does not give; "
+                        "DeepSpeed would stop at start-up")
+
+
 def _torch_optimizers() -> dict[str, type]:
     """torch.optim's optimizer classes by name."""
     import torch.optim
@@ -325,8 +409,10 @@ def section_problems(cfg: dict, device_type: str) -> tuple[list[str], list[str]]
         problems.append("fp16.enabled: fp16 does not run on the CPU accelerator (DeepSpeed raises 'Type fp16 is not "
                         "supported'); use bf16 (\"bf16\": {\"enabled\": true}) or fp32 (fp16.enabled false or \"auto\")")
     _optimizer_problems(cfg, device_type, problems)
+    _scheduler_problems(cfg, problems)
     _zero_problems(cfg, device_type, problems, notes)
     _dtype_problems(cfg, device_type, problems)
+    _gradient_scaling_problems(cfg, problems)
     _unused_sections(cfg, problems)
     _monitor_problems(cfg, problems, notes)
     _plain_section_keys(cfg, problems)

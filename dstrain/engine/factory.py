@@ -73,7 +73,7 @@ def _file_precision(template: dict) -> str | None:
             return key
     if any(isinstance(s, dict) and str(s.get("enabled")).lower() == "auto" for s in sections) or \
             (isinstance(template.get("torch_autocast"), dict) and template["torch_autocast"].get("enabled") is True):
-        return None
+        return dsc.param_dtype(template)  # DeepSpeed asserts the weights have data_types.param_dtype
     return "fp32"
 
 

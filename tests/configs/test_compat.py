@@ -32,7 +32,8 @@ EXPECT: dict[str, str | None] = {
     "activation_checkpointing_cpu.json": "activation_checkpointing.cpu_checkpointing:",
     "adam_max_grad_norm_param.json": "optimizer.params.max_grad_norm: DeepSpeed refuses it; remove it and set the "
                                      "top-level \"gradient_clipping\" instead",
-    "alignment_handbook_onebit_lamb.json": "optimizer.type: 'OneBitLamb' runs DeepSpeed's 1-bit LAMB CUDA kernel",
+    "alignment_handbook_onebit_lamb.json": "optimizer.type: 'OneBitLamb': DeepSpeed 0.19 no longer has its 1-bit LAMB "
+                                           "optimizer",
     "autotuning_section.json": "autotuning.enabled: dstrain does not run DeepSpeed's autotuner",
     "bf16_immediate_grad_update.json": None,
     "checkpoint_tag_validation_universal.json": None,
@@ -115,6 +116,58 @@ EXPECT.update({
     # a bf16 section with fp16's loss-scale keys: every problem in one refusal (DeepSpeed rejects the keys)
     "bf16_with_fp16_loss_scale_keys.json": "bf16.loss_scale: unknown key; DeepSpeed rejects it",
 })
+# Round 3: Megatron-DeepSpeed / GPT-NeoX templates, DeepSpeed's tutorials (1-bit and 0/1 Adam, schedulers,
+# data_types, timers, checkpoint), HF-style "auto" files without a scheduler, and file-format accidents.
+EXPECT.update({
+    "adam_bias_correction_false.json": None,  # bing_bert's Adam: DeepSpeed builds it (no torch counterpart)
+    "apex_amp_o1_section.json": "top-level key 'amp' is no longer supported",
+    "batch_triple_for_four_gpus.json": "train_batch_size 32 != train_micro_batch_size_per_gpu 4 x "
+                                       "gradient_accumulation_steps 2 x 2 data-parallel ranks = 16",
+    "bert_sparse_gradients.json": "top-level key 'sparse_gradients' is no longer supported",
+    "bf16_and_fp16_both_enabled.json": "bf16.enabled, fp16.enabled: both true; DeepSpeed allows only one",
+    "checkpoint_node_local_storage.json": None,
+    "comet_monitor.json": "comet.enabled: the comet_ml package is not installed",
+    "data_efficiency_disabled_block.json": None,  # a disabled data_efficiency block is fine
+    "data_types_param_dtype_bf16.json": None,  # param_dtype bf16 with bf16 "auto": the weights are bf16
+    "duplicate_keys_merge_leftover.json": "duplicate key 'stage'",
+    "empty_object.json": None,  # {}: everything from the run
+    "ga_only.json": None,
+    "gpt_neox_onebitadam_fp16.json": "optimizer.type: 'OneBitAdam': DeepSpeed 0.19 no longer has its 1-bit Adam "
+                                     "optimizer",
+    "gradient_allreduce_op_sum.json": None,  # summed gradients, as DeepSpeed runs them
+    "hf_lr_auto_no_scheduler.json": None,  # no scheduler block: dstrain's warm-up + cosine at the run's lr
+    "lowercase_warmuplr_scheduler.json": "scheduler.type: 'warmuplr' is neither one of DeepSpeed's schedulers",
+    "megatron_ds_train_batch_only_wallclock.json": None,  # train_batch_size alone: micro 8 x 2 ranks, accumulation 1
+    "megatron_fp16_off_bf16_on_loss_scale_keys.json": None,
+    "micro_batch_only_zero1.json": None,
+    "numbers_as_strings.json": "optimizer.params.lr: must be a number or \"auto\", file says \"1e-5\" (a string",
+    "param_dtype_bf16_with_bf16_off.json": "data_types.param_dtype: file says \"bf16\", its bf16 / fp16 sections "
+                                           "make the weights fp32",
+    "prescale_predivide_zero2.json": "prescale_gradients, gradient_predivide_factor: ZeRO stage 2 with reduce_scatter "
+                                     "does not support them",
+    "stage0_offload_none_leftovers.json": None,  # offload "none" at stage 0; the unused keys get a note
+    "tb_and_ga_only.json": None,
+    "timers_throughput_steps_per_print.json": None,
+    "top_level_list.json": "top level must be a JSON object, got list",
+    "torch_autocast_lower_precision_modules.json": None,
+    "torch_cosine_annealing_scheduler.json": "scheduler.type: torch.optim.lr_scheduler.CosineAnnealingLR takes only "
+                                             "a torch optimizer, and with ZeRO stage 1",
+    "torch_steplr_zero0_fp32.json": None,  # a torch scheduler on the client optimizer itself (stage 0, fp32)
+    "utf8_bom_windows_editor.json": None,
+    "warmup_cosine_min_ratio_linear.json": None,
+    "warmupdecay_nonzero_min_lr_log.json": None,
+    "warmuplr_linear_type_fixed.json": None,
+    "warmuplr_with_total_num_steps.json": "scheduler.params.total_num_steps: WarmupLR does not take it",
+    "zero2_offload_ratio_stage3_only.json": "zero_optimization: Partial offloading only supported for ZeRO Stage 3",
+    "zero3_float_bucket_sizes.json": None,
+    "zero_one_adam_var_freeze.json": "optimizer.type: 'ZeroOneAdam': DeepSpeed 0.19 no longer has its 0/1 Adam",
+    "steps_per_print_zero.json": "steps_per_print: must be a positive number (or null), file says 0",
+    "zero3_partial_offload_ratio.json": None,  # ZeRO-Offload++'s partial optimizer offload (ratio) at stage 3
+    "bf16_master_weights_optimizer_states.json": None,
+    "muon_optimizer_zero2.json": None,  # DeepSpeed's Muon (with its auxiliary Adam), built by DeepSpeed
+})
+if importlib.util.find_spec("comet_ml") is not None:
+    EXPECT["comet_monitor.json"] = None
 if importlib.util.find_spec("mup") is not None:
     EXPECT["muadamw_without_mup.json"] = None
 if importlib.util.find_spec("wandb") is not None:  # then it is honoured (offline) instead
@@ -280,6 +333,9 @@ ONE_PROCESS = {
     # an unused key is named, not dropped in silence (dstrain train prints the notes itself)
     "seq_parallel_comm_dtype_bf16.json": ({"seq_parallel_communication_data_type": "bf16", "bf16.enabled": True},
                                           "dstrain: note: seq_parallel_communication_data_type: unused"),
+    # a torch.optim.lr_scheduler class by name: DeepSpeed builds it on the client optimizer itself (stage 0, fp32)
+    "torch_steplr_zero0_fp32.json": ({"scheduler.type": "StepLR", "scheduler.params.step_size": 2,
+                                      "zero_optimization.stage": 0}, "learning-rate schedule: the DeepSpeed JSON's"),
 }
 
 
