@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from dstrain.rl import grpo_math as gm
+from tests.unit.test_grpo_dapo import _FakeEngine, _TinyLM
 
 EPS = 1e-4  # TRL's epsilon under the std
 
@@ -230,36 +231,7 @@ def test_all_zero_mask_gives_zero_loss_and_gradient():
 
 
 # ---------------------------------------------------------------- the trainer's logged loss
-
-class _LM(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(1)
-        self.emb, self.out = torch.nn.Embedding(11, 8), torch.nn.Linear(8, 11)
-
-    def forward(self, ids, attention_mask=None):
-        return self.out(torch.tanh(self.emb(ids)))
-
-
-class _Engine:
-    def __init__(self, module, grad_accum):
-        self.module, self.grad_accum, self.device = module, grad_accum, torch.device("cpu")
-
-    def __call__(self, ids, attention_mask=None):
-        return self.module(ids, attention_mask)
-
-    def backward(self, loss):
-        (loss / self.grad_accum).backward()
-
-    def step(self):
-        pass
-
-    def eval(self):
-        pass
-
-    def train(self):
-        pass
-
+# (the tiny LM and the engine with DeepSpeed's contract are test_grpo_dapo's)
 
 @pytest.mark.parametrize("loss_type", gm.LOSS_TYPES)
 def test_trainer_logs_the_step_loss_and_trains_on_its_gradient(loss_type):
@@ -278,7 +250,7 @@ def test_trainer_logs_the_step_loss_and_trains_on_its_gradient(loss_type):
     adv = torch.randn(B)
     tr = GRPOTrainer.__new__(GRPOTrainer)
     tr.cfg = types.SimpleNamespace(train=types.SimpleNamespace(micro_batch=B // GA, grad_accum=GA))
-    tr.engine = _Engine(_LM(), GA)
+    tr.engine = _FakeEngine(_TinyLM(), GA)
     tr.task = PolicyTaskConfig(loss_type=loss_type, max_new_tokens=T)
     tr.world = types.SimpleNamespace(world_size=1, rank=0)
     tr.samples_per_step, tr.reference = B, None
