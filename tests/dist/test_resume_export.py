@@ -20,7 +20,7 @@ def _export(out, dest):
     return load_file(str(dest if dest.suffix == ".safetensors" else dest / "model.safetensors"))
 
 
-@pytest.mark.parametrize("profile", ["zero1", "zero3"])
+@pytest.mark.parametrize("profile", [pytest.param("zero1", marks=pytest.mark.slow), "zero3"])  # (suite time: zero3 by default)
 def test_killed_during_save_then_resumed_equals_uninterrupted(profile, tmp_path):
     extra = (f"--deepspeed.profile={profile}", f"--checkpoint.every={EVERY}", "--checkpoint.keep=3")
     full, broken = tmp_path / "full", tmp_path / "broken"

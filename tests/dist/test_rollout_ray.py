@@ -51,6 +51,7 @@ def test_ray_rollouts_train_like_local_ones(tmp_path):
     assert not any("time/weight_sync" in r for r in local_records)
 
 
+@pytest.mark.slow  # (suite time: the GRPO twin above runs by default)
 def test_ray_rollouts_give_score_the_same_episodes(tmp_path):
     """SCoRe's two policy turns (and their rewards) on the actors; the guidance model stays in the ranks."""
     pytest.importorskip("ray")
