@@ -118,7 +118,11 @@ def run_scaling(opts, argv: list[str]) -> int:
     from dstrain.engine.ds_config import resolve_profile_path
 
     cfg = load_run_config(opts.recipe, opts.overrides)
-    jobs = scaling_jobs(opts.scaling, cfg.train.grad_accum)
+    try:
+        jobs = scaling_jobs(opts.scaling, cfg.train.grad_accum)
+    except ValueError as err:  # a grad_accum the world sizes cannot split: one line, no traceback
+        print(f"dstrain bench: error: {err}", file=sys.stderr)
+        return 2
     cuda, overrides, note = bench.job_overrides(opts, cfg)
     overrides.append("--output.comms=true")
     profile = (opts.profiles or bench.default_profiles(cfg, max(opts.scaling)))[0]

@@ -1,6 +1,8 @@
 """Scaling benchmark arithmetic: which jobs run, efficiencies, per-point communication share."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from dstrain import bench
@@ -41,3 +43,14 @@ def test_scaling_option_parses_and_insists_on_one_rank():
     assert opts.scaling == [1, 2, 4]
     with pytest.raises(SystemExit):
         bench.parse_args(["r.json", "--scaling", "2,4"])
+
+
+def test_a_grad_accum_the_ranks_cannot_split_is_one_line_and_exit_2(capsys):
+    # tiny.json has grad_accum 1: 2 ranks cannot split it for strong scaling; said before any job starts
+    from dstrain.bench_scaling import run_scaling
+    recipe = Path(__file__).resolve().parents[2] / "models" / "gpt" / "recipes" / "tiny.json"
+    opts = bench.parse_args([str(recipe), "--scaling", "1,2", "--profiles", "zero2"])
+    assert run_scaling(opts, []) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dstrain bench: error: strong scaling keeps the global batch")
+    assert "--train.grad_accum=2" in err and "Traceback" not in err
