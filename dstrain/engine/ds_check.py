@@ -13,7 +13,7 @@ from pathlib import Path
 
 from dstrain.config import TrainConfig
 from dstrain.engine.ds_config import (DSConfigError, RunValues, describe_zero, fill_ds_config,
-                                      load_ds_json, number_problem, param_dtype)
+                                      load_ds_json, number_problem, open_weights_dtype)
 
 
 def _explicit(value):
@@ -72,10 +72,7 @@ def values_from_file(cfg: dict, hidden_size: int = 1024, world_size: int | None 
     params = cfg.get("optimizer", {}).get("params", {}) if isinstance(cfg.get("optimizer"), dict) else {}
     params = params if isinstance(params, dict) else {}
     betas = _explicit(params.get("betas"))
-    precision = "fp32"
-    open_ = all(not isinstance(cfg.get(k), dict) or _explicit(cfg[k].get("enabled")) is None for k in ("bf16", "fp16"))
-    if open_:  # the weights' dtype DeepSpeed asserts, where bf16 / fp16 leave it open
-        precision = param_dtype(cfg) or precision
+    precision = open_weights_dtype(cfg) or "fp32"  # the weights' dtype DeepSpeed asserts, where bf16 / fp16 leave it open
     for key in ("bf16", "fp16"):
         section = cfg.get(key)
         if isinstance(section, dict) and section.get("enabled") is True:

@@ -343,19 +343,35 @@ _WEIGHT_DTYPES = {**dict.fromkeys(("fp32", "float32", "float", "torch.float32"),
                   **dict.fromkeys(("fp16", "float16", "half", "torch.float16"), "fp16")}
 
 
-def param_dtype(cfg: dict) -> str | None:
-    """The weights' dtype ``data_types.param_dtype`` names (fp32, bf16, fp16); None where it names none."""
+def _param_dtype_value(cfg: dict):
+    """``data_types.param_dtype`` as the file writes it; None when absent or "auto"."""
     dt = cfg.get("data_types")
     value = dt.get("param_dtype") if isinstance(dt, dict) else None
-    return None if value is None or _is_auto(value) else _WEIGHT_DTYPES.get(str(value).lower())
+    return None if value is None or _is_auto(value) else value
+
+
+def param_dtype(cfg: dict) -> str | None:
+    """The weights' dtype ``data_types.param_dtype`` names (fp32, bf16, fp16); None where it names none."""
+    value = _param_dtype_value(cfg)
+    return None if value is None else _WEIGHT_DTYPES.get(str(value).lower())
+
+
+def open_weights_dtype(cfg: dict) -> str | None:
+    """:func:`param_dtype` where the file's bf16 / fp16 sections leave the precision open (neither sets
+    ``enabled`` other than "auto"): the weights' dtype DeepSpeed then asserts. None otherwise."""
+    for key in ("bf16", "fp16"):
+        section = cfg.get(key)
+        said = section.get("enabled") if isinstance(section, dict) else None
+        if said is not None and not _is_auto(said):
+            return None
+    return param_dtype(cfg)
 
 
 def _check_param_dtype(cfg: dict, v: RunValues, problems: list[str], fixed: str | None) -> None:
     """``data_types.param_dtype`` must be the weights' dtype: DeepSpeed asserts it at start-up. ``fixed`` is the
     weights' precision when the file's bf16 / fp16 sections decide it: a disagreement is then the file's own."""
-    dt = cfg.get("data_types")
-    value = dt.get("param_dtype") if isinstance(dt, dict) else None
-    if value is None or _is_auto(value):
+    value = _param_dtype_value(cfg)
+    if value is None:
         return
     kind = _WEIGHT_DTYPES.get(str(value).lower())
     if kind is None:

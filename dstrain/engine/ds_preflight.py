@@ -117,10 +117,8 @@ def adopt_file_values(cfg: RunConfig, world_size: int) -> list[tuple[str, object
     enabled = [kind for kind in ("bf16", "fp16") if _explicit(template, f"{kind}.enabled") is True]
     if len(enabled) == 1:  # both: refused by the checks that follow (DeepSpeed allows only one)
         wanted.append(("deepspeed.precision", enabled[0], f"{enabled[0]}.enabled"))
-    elif all(_explicit(template, f"{kind}.enabled") is None for kind in ("bf16", "fp16")):
-        weights = dsc.param_dtype(template)
-        if weights is not None:  # the weights' dtype DeepSpeed asserts, where bf16 / fp16 leave it open
-            wanted.append(("deepspeed.precision", weights, "data_types.param_dtype"))
+    elif (weights := dsc.open_weights_dtype(template)) is not None:  # the weights' dtype DeepSpeed asserts
+        wanted.append(("deepspeed.precision", weights, "data_types.param_dtype"))
     adopted = []
     for key, value, path in wanted:
         section, name = key.split(".")
@@ -139,14 +137,6 @@ def adopt_file_values(cfg: RunConfig, world_size: int) -> list[tuple[str, object
         raise ConfigError(source, err.key, f"{err.problem} (taken from the file by deepspeed.values_from_file)") \
             from None
     return adopted
-
-
-def _open_precision(template: dict) -> str:
-    """The stand-in precision where the file sets neither bf16 nor fp16 true: the weights' dtype its
-    ``data_types.param_dtype`` names (the factory takes it too) where bf16 / fp16 leave it open, else fp32."""
-    if any(_explicit(template, f"{k}.enabled") is not None for k in ("bf16", "fp16")):
-        return "fp32"
-    return dsc.param_dtype(template) or "fp32"
 
 
 def adopted_overrides(adopted: list[tuple[str, object, str]]) -> list[str]:
@@ -187,7 +177,7 @@ def check_run(cfg: RunConfig, world_size: int, device_type: str, strict: bool = 
     precision = cfg.deepspeed.precision
     if precision == "auto":
         precision = next((k for k in ("bf16", "fp16") if _explicit(template, f"{k}.enabled") is True), None) \
-            or _open_precision(template)
+            or dsc.open_weights_dtype(template) or "fp32"
     t = cfg.train
     try:
         values = dsc.RunValues(
