@@ -511,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     from dstrain.config import ConfigError, RunFolderError
     from dstrain.engine.ds_config import DSConfigError
     from dstrain.engine.profiles import PlanError
-    from dstrain.rank_exit import EXIT_CHECKPOINT_WRITE, CheckpointWriteError
+    from dstrain.rank_exit import CheckpointWriteError
     from dstrain.resilience import NonFiniteError
 
     parser = build_parser()
@@ -525,14 +525,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command != "train" or _reports_failure():
             print(f"dstrain: error: {err}", file=sys.stderr)
         return EXIT_CONFIG
-    except NonFiniteError as err:  # every rank agrees; the first to report says it in one line
+    except (NonFiniteError, CheckpointWriteError) as err:  # a training stop in one line, by the first to report
         if _reports_failure():
             print(f"dstrain: error: {err}", file=sys.stderr)
         return err.exit_code
-    except CheckpointWriteError as err:  # disk full while saving: the folder, its free space, what is kept
-        if args.command != "train" or _reports_failure():
-            print(f"dstrain: error: {err}", file=sys.stderr)
-        return EXIT_CHECKPOINT_WRITE
     except (FileNotFoundError, ValueError) as err:
         if args.command in ("export", "check-config", "plan"):
             print(f"dstrain: error: {err}", file=sys.stderr)

@@ -104,6 +104,8 @@ EXIT_CHECKPOINT_WRITE = 4
 class CheckpointWriteError(RuntimeError):
     """A checkpoint's files could not be written (one-line message); the previous checkpoint stands."""
 
+    exit_code = EXIT_CHECKPOINT_WRITE
+
 
 # What torch's zip writer says when a write() failed underneath it (it drops the errno).
 _TORCH_WRITE_FAILURES = ("iostream error", "file write failed", "unexpected pos", "PytorchStreamWriter failed")
@@ -124,14 +126,6 @@ def write_failure(err: BaseException) -> str | None:
             return "a file write failed"
         cause = cause.__cause__ or cause.__context__
     return None
-
-
-def _size(num: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if num < 1000 or unit == "TB":
-            return f"{num:.0f} {unit}" if unit == "B" else f"{num:.1f} {unit}"
-        num /= 1000
-    return ""
 
 
 def _free_bytes(path: Path) -> int | None:
@@ -162,7 +156,8 @@ def checkpoint_write_error(err: BaseException, ckpt_root: Path, tag: str) -> Che
             if latest and latest != tag else
             f"checkpoint {tag} is complete" if latest == tag else
             "there is no earlier checkpoint: free space and start again")
-    space = f"{_size(free)} free there" if free is not None else "free space unknown"
+    from dstrain.engine.profiles import format_bytes
+    space = f"{format_bytes(free)} free there" if free is not None else "free space unknown"
     return CheckpointWriteError(f"checkpoint {tag} could not be written to {ckpt_root}: {why} ({space}{removed}); "
                                 f"{kept}")
 
