@@ -254,8 +254,6 @@ class _FakeEngine:
 
 
 def _step_trainer(loss_type, weights):
-    from dstrain.trainers.grpo import GRPOTrainer
-    from models.policy.model import token_entropy, token_logprobs
     torch.manual_seed(2)
     B, T, GA = 8, 7, 2
     ids = torch.randint(1, 11, (B, T))
@@ -263,17 +261,26 @@ def _step_trainer(loss_type, weights):
     cmask[:, 3:] = 1
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "completion_mask": cmask}
     adv = torch.randn(B) * weights
+    sb = gs.StepBatch(batch, adv, weights, {"reward_mean": 0.5}, {"generation": 0.01, "reward": 0.02}, 10)
+    return fake_step_trainer(loss_type, sb, GA), batch, adv
+
+
+def fake_step_trainer(loss_type: str, sb, grad_accum: int):
+    """A GRPOTrainer (one rank, no reference model) whose every step trains on the StepBatch ``sb`` through
+    :class:`_FakeEngine` over :class:`_TinyLM`, in ``grad_accum`` micro-batches."""
+    from dstrain.trainers.grpo import GRPOTrainer
+    from models.policy.model import token_entropy, token_logprobs
+    B, T = sb.batch["input_ids"].shape
     tr = GRPOTrainer.__new__(GRPOTrainer)
-    tr.cfg = types.SimpleNamespace(train=types.SimpleNamespace(micro_batch=B // GA, grad_accum=GA))
-    tr.engine = _FakeEngine(_TinyLM(), GA)
+    tr.cfg = types.SimpleNamespace(train=types.SimpleNamespace(micro_batch=B // grad_accum, grad_accum=grad_accum))
+    tr.engine = _FakeEngine(_TinyLM(), grad_accum)
     tr.task = PolicyTaskConfig(loss_type=loss_type, max_new_tokens=T)
     tr.world = types.SimpleNamespace(world_size=1, rank=0)
     tr.samples_per_step, tr.reference = B, None
     tr.loss_cfg = gm.GRPOLossConfig(loss_type=loss_type, max_completion_length=T)
     tr.rl = types.SimpleNamespace(token_logprobs=token_logprobs, token_entropy=token_entropy)
-    sb = gs.StepBatch(batch, adv, weights, {"reward_mean": 0.5}, {"generation": 0.01, "reward": 0.02}, 10)
     tr.sample = lambda step: sb
-    return tr, batch, adv
+    return tr
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])

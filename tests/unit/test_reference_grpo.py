@@ -6,13 +6,12 @@ when the batch is split over micro-batches and ranks as DeepSpeed reduces them."
 from __future__ import annotations
 
 import math
-import types
 
 import pytest
 import torch
 
 from dstrain.rl import grpo_math as gm
-from tests.unit.test_grpo_dapo import _FakeEngine, _TinyLM
+from tests.unit.test_grpo_dapo import fake_step_trainer
 
 EPS = 1e-4  # TRL's epsilon under the std
 
@@ -231,15 +230,13 @@ def test_all_zero_mask_gives_zero_loss_and_gradient():
 
 
 # ---------------------------------------------------------------- the trainer's logged loss
-# (the tiny LM and the engine with DeepSpeed's contract are test_grpo_dapo's)
+# (the trainer over a tiny LM and an engine with DeepSpeed's contract is test_grpo_dapo's)
 
 @pytest.mark.parametrize("loss_type", gm.LOSS_TYPES)
 def test_trainer_logs_the_step_loss_and_trains_on_its_gradient(loss_type):
     """grad_accum 4: the logged ``loss`` is the batch's loss (it was the dapo loss / grad_accum)."""
     from dstrain.trainers import grpo_sampling as gs
-    from dstrain.trainers.grpo import GRPOTrainer
-    from dstrain.trainers.grpo_config import PolicyTaskConfig
-    from models.policy.model import token_entropy, token_logprobs
+    from models.policy.model import token_logprobs
     torch.manual_seed(5)
     B, T, GA = 8, 9, 4
     ids = torch.randint(1, 11, (B, T))
@@ -248,15 +245,8 @@ def test_trainer_logs_the_step_loss_and_trains_on_its_gradient(loss_type):
         cmask[i, 3:3 + 1 + i % 5] = 1  # completions of 1..5 tokens
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "completion_mask": cmask}
     adv = torch.randn(B)
-    tr = GRPOTrainer.__new__(GRPOTrainer)
-    tr.cfg = types.SimpleNamespace(train=types.SimpleNamespace(micro_batch=B // GA, grad_accum=GA))
-    tr.engine = _FakeEngine(_TinyLM(), GA)
-    tr.task = PolicyTaskConfig(loss_type=loss_type, max_new_tokens=T)
-    tr.world = types.SimpleNamespace(world_size=1, rank=0)
-    tr.samples_per_step, tr.reference = B, None
-    tr.loss_cfg = gm.GRPOLossConfig(loss_type=loss_type, max_completion_length=T)
-    tr.rl = types.SimpleNamespace(token_logprobs=token_logprobs, token_entropy=token_entropy)
-    tr.sample = lambda step: gs.StepBatch(batch, adv, torch.ones(B), {}, {"generation": 0.0, "reward": 0.0}, 0)
+    tr = fake_step_trainer(loss_type, gs.StepBatch(batch, adv, torch.ones(B), {}, {"generation": 0.0, "reward": 0.0}, 0),
+                           GA)
     out = tr.train_step(0)
 
     model = tr.engine.module
