@@ -14,7 +14,10 @@ sparse sign-SGD update of the shared puzzle embedding.
 Puzzles are generated beforehand and held on the device.
 
 Options that change the loop: ``--compile`` (``torch.compile(model, dynamic=False)``, as
-``train.compile`` does inside the engine; ``--compile-mode reduce-overhead`` as ``train.compile_mode``), ``--precision bf16`` (autocast, as the
+``train.compile`` does inside the engine; ``--compile-mode reduce-overhead`` as ``train.compile_mode``;
+``--compile-scope`` auto (default, as ``train.compile_scope``: the H and L modules only, the whole
+model under CUDA graphs), regions or model;
+``warmup_seconds`` in the results is the time of the first steps, compilation included), ``--precision bf16`` (autocast, as the
 factory's bf16 on GPUs), ``--sync-every-step`` (read the loss and metrics on the host
 every step, as the trainer did before: on a GPU each read waits for the device).
 
@@ -56,7 +59,15 @@ def time_size(size: str, args, device: torch.device) -> dict:
     torch.manual_seed(0)
     model = registry.get_spec("hrm").build(cfg).to(device).train()
     dense = sum(p.numel() for p in model.parameters())
-    step_fn = torch.compile(model, **compile_kwargs(args.compile_mode)) if args.compile else model
+    step_fn = model
+    scope = args.compile_scope
+    if scope == "auto":
+        scope = "model" if records_cuda_graphs(args.compile_mode) else "regions"
+    if args.compile and scope == "regions":
+        for region in registry.get_spec("hrm").compile_regions(model):
+            region.compile(**compile_kwargs(args.compile_mode))
+    elif args.compile:
+        step_fn = torch.compile(model, **compile_kwargs(args.compile_mode))
     graphs = args.compile and records_cuda_graphs(args.compile_mode)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1,
                             foreach=True)
@@ -74,6 +85,7 @@ def time_size(size: str, args, device: torch.device) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
+    began = time.perf_counter()
     for step in range(total):
         if step == args.warmup:
             sync()
@@ -107,6 +119,7 @@ def time_size(size: str, args, device: torch.device) -> dict:
     recipe = json.loads(Path(args.recipe).read_text())
     recipe_segments = recipe["train"]["steps"] * recipe["task"]["global_batch"]
     return {"size": size, "dense_params": dense, "batch": b, "steps": args.steps, "s_per_step": per_step,
+            "warmup_seconds": start - began,  # the first steps, compilation included
             "segments_per_s": seg_s, "recipe_segments": recipe_segments,
             "projected_recipe_hours": recipe_segments / seg_s / 3600,
             "flops_per_segment_token": model.flops_per_segment_token(),
@@ -138,6 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--compile-mode", default="default", choices=COMPILE_MODES,
                         help="torch.compile mode with --compile (reduce-overhead: CUDA graphs)")
+    parser.add_argument("--compile-scope", default="auto", choices=("auto", "model", "regions"),
+                        help="with --compile: the whole forward (model) or only the H and L reasoning modules "
+                             "(regions: far less to compile); auto: as train.compile_scope=auto (regions unless "
+                             "the mode records CUDA graphs)")
     parser.add_argument("--sync-every-step", action="store_true")
     parser.add_argument("--recipe", default=str(ROOT / "models" / "hrm" / "recipes" / "sudoku_extreme.json"))
     parser.add_argument("--grid", type=int, default=9, choices=(4, 6, 9), help="side of the generated puzzles")
@@ -151,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--model-args must be a JSON object: {e}")
     if not isinstance(args.model_args, dict):
         parser.error("--model-args must be a JSON object")
+    if args.compile_scope == "regions" and records_cuda_graphs(args.compile_mode):
+        parser.error(f"--compile-scope regions cannot run under --compile-mode {args.compile_mode} (CUDA graphs: "
+                     "a region called several times per step would replay over its own outputs)")
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be at least 1 and --warmup not negative")
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
@@ -162,11 +182,11 @@ def main(argv: list[str] | None = None) -> int:
         results.append(r)
         print(f"{size}: {r['dense_params']:,} params, batch {r['batch']}: {r['s_per_step'] * 1000:.1f} ms/step, "
               f"{r['segments_per_s']:.0f} segments/s, recipe ({r['recipe_segments']:,} segments) "
-              f"~{r['projected_recipe_hours']:.2f} h", flush=True)
+              f"~{r['projected_recipe_hours']:.2f} h; first {args.warmup} steps {r['warmup_seconds']:.1f} s", flush=True)
     from dstrain.bench import _portable  # no paths of this machine in a results file
-    record = {"command": _portable("python " + " ".join([str(Path(sys.argv[0]).relative_to(ROOT))
-                                                         if Path(sys.argv[0]).is_absolute() else sys.argv[0],
-                                                         *(argv if argv is not None else sys.argv[1:])])),
+    args_given = argv if argv is not None else sys.argv[1:]
+    record = {"command": _portable("python benchmarks/hrm_speed.py " + " ".join(
+                  "OUT" if x.startswith("/") else x for x in args_given)),  # no paths of this machine
               "options": {k: v for k, v in vars(args).items() if k not in ("out", "recipe")},
               "recipe": str(Path(args.recipe).resolve().relative_to(ROOT)), "machine": machine(device),
               "results": results}

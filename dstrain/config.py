@@ -25,6 +25,8 @@ from typing import Any, Mapping, Sequence
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 """torch.compile modes ``train.compile_mode`` accepts."""
+COMPILE_SCOPES = ("auto", "model", "regions")
+"""What ``train.compile_scope`` may name (see dstrain.engine.compiling)."""
 
 
 def compile_kwargs(mode: str) -> dict:
@@ -117,6 +119,10 @@ class TrainConfig:
     compile_mode: str = "default"
     """torch.compile's mode when compiling: default | reduce-overhead (CUDA graphs: fewer launches, for
     small or recurrent steps) | max-autotune | max-autotune-no-cudagraphs (slower compiles, tuned kernels)."""
+    compile_scope: str = "auto"
+    """What is compiled: auto | model (the whole module) | regions (the submodules the model names, e.g.
+    HRM's H and L modules: far less to compile; see dstrain.engine.compiling). auto: regions where the
+    model names them and compile_mode records no CUDA graphs, else model."""
     optimizer: str = "auto"
     """Optimizer implementation: auto | torch_fused | torch_foreach | deepspeed. auto: PyTorch's fused AdamW
     on CUDA, its foreach AdamW on CPU, DeepSpeed's CPU Adam under optimizer offload (see dstrain.engine.optim)."""
@@ -430,6 +436,8 @@ def validate(cfg: RunConfig, source: str) -> None:
            f"must be auto, true or false, got {json.dumps(t.compile)}")
     _check(t.compile_mode in COMPILE_MODES, source, "train.compile_mode",
            f"must be one of {', '.join(COMPILE_MODES)}, got {json.dumps(t.compile_mode)}")
+    _check(t.compile_scope in COMPILE_SCOPES, source, "train.compile_scope",
+           f"must be one of {', '.join(COMPILE_SCOPES)}, got {json.dumps(t.compile_scope)}")
     _check(t.optimizer in ("auto", "torch_fused", "torch_foreach", "deepspeed"), source, "train.optimizer",
            f"must be auto, torch_fused, torch_foreach or deepspeed, got {t.optimizer!r}")
     _check(t.optimizer_type in ("adamw", "adam_atan2"), source, "train.optimizer_type",

@@ -44,6 +44,9 @@ class ModelSpec:
             ``reference(config, placement, train_ds_config=None)``); None for other models.
         pipeline: ``pipeline(config, activation_checkpointing) -> dstrain.parallel.pipeline.PipelineParts``
             for models that can be cut into pipeline stages (``parallel.pp > 1``); None otherwise.
+        compile_regions: ``compile_regions(model) -> [nn.Module]``: the submodules
+            ``train.compile_scope=regions`` (and ``auto``) compiles one by one instead of the whole
+            model, for models that call the same module many times per forward; None otherwise.
     """
 
     name: str
@@ -54,6 +57,7 @@ class ModelSpec:
     example_inputs: Callable[[Any, int, int], tuple] | None = None
     rl: Any = None
     pipeline: Callable[..., Any] | None = None
+    compile_regions: Callable[[torch.nn.Module], list] | None = None
 
     def inputs_for_trace(self, config: Any, micro_batch: int, seq_len: int) -> tuple:
         """Arguments of one loss-returning forward (see ``example_inputs``)."""

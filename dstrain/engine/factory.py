@@ -14,9 +14,9 @@ import math
 
 import torch
 
-from dstrain.config import RunConfig, TrainConfig, compile_kwargs, copy_graph_outputs, records_cuda_graphs
+from dstrain.config import RunConfig, TrainConfig, copy_graph_outputs, records_cuda_graphs
 from dstrain.comms import comms_sections
-from dstrain.engine import cuda_env
+from dstrain.engine import compiling, cuda_env
 from dstrain.engine import ds_config as dsc
 from dstrain.engine import hardware
 from dstrain.engine.grad_norm import NormKeeper, fast_zero_norm, keep_grad_norm
@@ -48,6 +48,8 @@ class EnginePlan:
     """``torch.compile`` the model inside the engine (``train.compile``)."""
     compile_mode: str = "default"
     """``train.compile_mode``: torch.compile's ``mode`` ("default" passes none)."""
+    compile_regions: Callable | None = None
+    """``train.compile_scope`` regions: module -> the submodules compiled one by one (None: the whole model)."""
     pipeline: Any = None
     """``dstrain.parallel.pipeline.PipelineSetup`` when ``parallel.pp > 1`` (the stage split), else None."""
 
@@ -141,7 +143,8 @@ def plan_engine(cfg: RunConfig, world_size: int, hw=None, hw_notes: str = "",
     resolved, section_notes = user_sections(resolved, cfg.output.dir, source)
     resolved, comm_notes = comms_sections(resolved, cfg.output.comms, ds.comm_dtype, source)
     section_notes += comm_notes
-    compile_, compile_why = _compile_choice(cfg, hw.device_type, pipe is not None)
+    compile_, compile_why = compiling.compile_choice(cfg, hw.device_type, pipe is not None)
+    scope = compiling.compile_scope(cfg, spec.compile_regions) if compile_ else "model"
     table = ("" if ds.profile == "auto" else "the factory's own choice, NOT used (the run names a profile, below):\n") \
         + format_plan(plan, stats, hw, dims.replica_size, cfg.train.micro_batch)
     layout = (f"parallel layout: dp {dims.dp} x tp {dims.tp} x sp {dims.sp} = {world_size} ranks; model states "
@@ -154,7 +157,8 @@ def plan_engine(cfg: RunConfig, world_size: int, hw=None, hw_notes: str = "",
                                         f"precision {precision}, activation checkpointing "
                                         f"{'on' if ckpt else 'off'}, torch.compile {'on' if compile_ else 'off'}"
                                         f" (train.compile={cfg.train.compile}{compile_why}"
-                                        f"{', mode ' + cfg.train.compile_mode if compile_ else ''})",
+                                        f"{', mode ' + cfg.train.compile_mode if compile_ else ''}"
+                                        f"{compiling.describe(scope, cfg.model.name) if compile_ else ''})",
                                         amp_note, overflow_note, optimizer.description,
                                         "learning-rate schedule: the DeepSpeed JSON's scheduler block"
                                         if "scheduler" in resolved else "learning-rate schedule: dstrain's "
@@ -167,7 +171,8 @@ def plan_engine(cfg: RunConfig, world_size: int, hw=None, hw_notes: str = "",
     return EnginePlan(profile=profile, ds_config=resolved, precision=precision,
                       activation_checkpointing=ckpt, explanation=explanation, plan=plan,
                       shard_at_build=shard and pipe is None, optimizer=optimizer, compile=compile_,
-                      compile_mode=cfg.train.compile_mode, pipeline=pipe)
+                      compile_mode=cfg.train.compile_mode, pipeline=pipe,
+                      compile_regions=spec.compile_regions if scope == "regions" else None)
 
 
 def _auto_pp(spec, mcfg, cfg, stats, hw, acts, world_size) -> tuple[int, str]:
@@ -537,22 +542,8 @@ def create_engine(build_model: Callable[[], torch.nn.Module],
     fast_zero_norm(ds_engine)
     drop_stale_optimizer_state(ds_engine)
     if plan.compile:
-        compile_engine(ds_engine, plan.compile_mode)
+        compiling.compile_engine(ds_engine, plan.compile_mode, plan.compile_regions)
     return Engine(ds_engine, plan, group_names, parallel, keep_grad_norm(ds_engine, parallel))
-
-
-def _compile_choice(cfg: RunConfig, device_type: str, pipeline: bool) -> tuple[bool, str]:
-    """``(compile, why)``: ``train.compile`` if set; auto compiles on CUDA, except for trainers whose
-    shapes change every step (``trainers.VARIABLE_SHAPES``). The pipeline engine runs uncompiled."""
-    from dstrain.trainers import VARIABLE_SHAPES
-    if pipeline:
-        return False, ": the pipeline engine runs its layers uncompiled"
-    if isinstance(cfg.train.compile, bool):
-        return cfg.train.compile, ""
-    if device_type == "cuda" and cfg.trainer in VARIABLE_SHAPES:
-        return False, (f": the {cfg.trainer} trainer's sequence widths change every step, and static-shape "
-                       "compilation would compile again for each")
-    return device_type == "cuda", ""
 
 
 def skip_lone_allreduce(ds_engine, plan: EnginePlan) -> bool:
@@ -587,12 +578,3 @@ def _create_pipeline_engine(build_model, pipeline_parts, plan: EnginePlan, train
     ds_engine, _, _, _ = deepspeed.initialize(
         model=module, model_parameters=groups, optimizer=client, lr_scheduler=scheduler, config=plan.ds_config)
     return PipelineEngine(ds_engine, plan, group_names)
-
-
-def compile_engine(ds_engine, mode: str = "default") -> None:
-    """``torch.compile`` the model inside the DeepSpeed engine (static shapes, ``mode`` unless "default").
-
-    Through DeepSpeed's own ``engine.compile``, which compiles the module in place and
-    keeps ZeRO's hooks working (ZeRO-3's parameter hooks run as graph breaks).
-    """
-    ds_engine.compile(compile_kwargs=compile_kwargs(mode))

@@ -29,6 +29,7 @@ SPEC = ModelSpec(
     build=HRM,
     parallelize=parallelize_hrm,
     example_inputs=example_inputs,
+    compile_regions=HRM.compile_regions,
 )
 
 __all__ = ["HRM", "HRMConfig", "SIZES", "SPEC", "example_inputs", "parallelize_hrm"]

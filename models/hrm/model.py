@@ -181,6 +181,14 @@ class HRM(nn.Module):
         elif isinstance(module, nn.Linear):
             lecun_init_(module.weight)
 
+    def compile_regions(self) -> list[nn.Module]:
+        """The modules ``train.compile_scope=regions`` compiles one by one: the H and L reasoning
+        modules, which hold all but a few percent of the FLOPs. A segment calls them
+        ``H_cycles * (L_cycles + 1)`` times (twice that with the Q target), so compiling the whole
+        forward traces every call again; a region is traced once per grad mode and reused by
+        every call, and the ACT bookkeeping around it (the carry, halting, the loss) stays eager."""
+        return [self.H_level, self.L_level]
+
     @property
     def hidden_size(self) -> int:
         return self.config.hidden_size

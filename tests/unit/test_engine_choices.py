@@ -158,7 +158,8 @@ def test_compile_mode_reaches_torch_compile_and_the_plan(tmp_path):
     from types import SimpleNamespace
 
     from dstrain.config import ConfigError, load_run_config
-    from dstrain.engine.factory import compile_engine, plan_engine
+    from dstrain.engine.compiling import compile_engine
+    from dstrain.engine.factory import plan_engine
     from dstrain.engine.profiles import Hardware
     hw = Hardware("cuda", 80 * 10**9, 256 * 10**9, 8, True, True, "test GPU")
     cfg = load_run_config("models/gpt/recipes/tiny.json", [f"--output.dir={tmp_path}",
@@ -283,3 +284,81 @@ def test_a_file_that_never_enables_16_bit_trains_fp32(tmp_path, sections, expect
     hw = Hardware(device_type="cpu", device_memory=64 << 30, host_memory=64 << 30, ranks_per_node=2,
                   bf16_supported_fast=True, fp16_supported=False, name="test cpu")
     assert plan_engine(cfg, 2, hw=hw).precision == expected
+
+
+def test_compile_scope_regions_for_models_that_name_them(tmp_path):
+    """HRM names its H and L modules as compile regions: auto compiles those on a GPU (each traced once for the
+    many calls of a segment) unless the mode records CUDA graphs; the whole model otherwise, and for models
+    that name none. A scope that cannot be had is a config error naming the key."""
+    from dstrain.config import ConfigError, load_run_config
+    from dstrain.engine.factory import plan_engine
+    from dstrain.engine.profiles import Hardware
+    from models.hrm import SPEC
+    hw = Hardware("cuda", 80 * 10**9, 256 * 10**9, 8, True, True, "test GPU")
+    hrm = "models/hrm/recipes/sudoku_debug.json"
+
+    def plan(recipe, *extra):
+        return plan_engine(load_run_config(recipe, [f"--output.dir={tmp_path}", *extra]), 1, hw=hw)
+
+    auto = plan(hrm)
+    assert auto.compile and auto.compile_regions is SPEC.compile_regions
+    assert "scope regions: the modules the hrm model names" in auto.explanation
+    assert plan(hrm, "--train.compile_scope=model").compile_regions is None
+    graphs = plan(hrm, "--train.compile_mode=reduce-overhead")
+    assert graphs.compile and graphs.compile_regions is None and "scope regions" not in graphs.explanation
+    with pytest.raises(ConfigError, match="train.compile_scope: regions cannot run under compile_mode reduce-overhead"):
+        plan(hrm, "--train.compile_scope=regions", "--train.compile_mode=reduce-overhead")
+    gpt = plan("models/gpt/recipes/tiny.json")
+    assert gpt.compile and gpt.compile_regions is None
+    with pytest.raises(ConfigError, match="train.compile_scope: regions needs a model that names its compile regions; gpt"):
+        plan("models/gpt/recipes/tiny.json", "--train.compile_scope=regions")
+    with pytest.raises(ConfigError, match="train.compile_scope: must be one of auto, model, regions"):
+        load_run_config(hrm, [f"--output.dir={tmp_path}", "--train.compile_scope=layers"])
+
+
+def test_compile_engine_compiles_the_regions_in_place():
+    """compile_engine with regions marks HRM's H and L modules compiled in place (torch.compile is lazy: nothing
+    is traced here) and leaves the rest of the model, and every parameter name, as it was."""
+    from types import SimpleNamespace
+
+    from dstrain.engine.compiling import compile_engine
+    from models import registry
+    spec = registry.get_spec("hrm")
+    model = spec.build(registry.make_model_config("hrm", "tiny", {}))
+    names = [n for n, _ in model.named_parameters()]
+    compile_engine(SimpleNamespace(module=model), "default", spec.compile_regions)
+    regions = spec.compile_regions(model)
+    assert [id(r) for r in regions] == [id(model.H_level), id(model.L_level)]
+    assert all(r._compiled_call_impl is not None for r in regions)
+    assert model._compiled_call_impl is None and model.lm_head._compiled_call_impl is None
+    assert [n for n, _ in model.named_parameters()] == names
+
+
+@pytest.mark.slow  # about 20 s of Inductor compilation on 2 cores
+def test_compiled_regions_train_like_the_eager_model():
+    """compile_engine with regions compiles HRM's H and L modules in place (parameter names unchanged) and one
+    ACT segment's loss and gradients equal the eager model's."""
+    from types import SimpleNamespace
+
+    from dstrain.engine.compiling import compile_engine
+    from models import registry
+    spec = registry.get_spec("hrm")
+    cfg = registry.make_model_config("hrm", "tiny", {})
+    torch.manual_seed(0)
+    eager = spec.build(cfg).train()
+    compiled = spec.build(cfg).train()
+    compiled.load_state_dict(eager.state_dict())
+    names = [n for n, _ in compiled.named_parameters()]
+    compile_engine(SimpleNamespace(module=compiled), "default", spec.compile_regions)
+    assert [n for n, _ in compiled.named_parameters()] == names
+    assert all(r._compiled_call_impl is not None for r in spec.compile_regions(compiled))
+    x = torch.randint(1, cfg.vocab_size, (4, cfg.seq_len))
+    losses = []
+    for model in (eager, compiled):
+        torch.manual_seed(1)  # the same exploration draws
+        loss, _ = model(x, x)
+        loss.backward()
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
