@@ -379,6 +379,7 @@ class Engine:
         self.last_step_taken = True
         """Whether the last optimizer step's update was taken (False: skipped under train.nonfinite=skip)."""
         self._graphs = plan.compile and records_cuda_graphs(plan.compile_mode)
+        self._norm_guard = False  # the non-finite guard reads the kept norm (set by watch)
 
     def watch(self, guard=None, watchdog=None, name: str = "") -> None:
         """Attach the run's non-finite policy (``resilience.NonFiniteGuard``: checked in every ``step`` at a
@@ -386,8 +387,15 @@ class Engine:
         hang ``Watchdog`` (told the phase: forward, backward, allreduce, step). ``name``: in messages."""
         from dstrain.resilience import GradWatch
         self.guard, self.watchdog, self.name = guard, watchdog, name
-        if guard is not None and self._grads is None and self.plan.precision != "fp16":
-            self._grads = GradWatch(self.ds.module)  # fp16: DeepSpeed's loss scaler owns overflows
+        # fp16: DeepSpeed's loss scaler owns overflows. One process alone, where dstrain measures the norm
+        # (ZeRO-0 without DeepSpeed's 16-bit wrappers), the norm's finiteness is the check: no hook and no
+        # extra pass per gradient. With peers the hooks stay: they see each rank's gradients before the
+        # all-reduce, so the message names the rank that produced the NaN.
+        alone = not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1
+        self._norm_guard = guard is not None and self.plan.precision != "fp16" and alone and \
+            self._keeper is not None and self._keeper.guards_gradients
+        if guard is not None and self._grads is None and self.plan.precision != "fp16" and not self._norm_guard:
+            self._grads = GradWatch(self.ds.module)
 
     def _phase(self, phase: str) -> None:
         if self.watchdog is not None:
@@ -426,12 +434,13 @@ class Engine:
         else:
             boundary = ds.is_gradient_accumulation_boundary()
         if self._keeper is not None and boundary:
-            self._keeper.before_step()
+            self._keeper.before_step(for_guard=self._norm_guard)
         skip = False
         if boundary and self.guard is not None:
             self._phase("allreduce")
             losses, self._losses = self._losses, []
-            grads_bad = self._grads.take() if self._grads is not None else False
+            grads_bad = self._grads.take() if self._grads is not None else \
+                self._norm_guard and self._keeper.nonfinite()
             skip = self.guard.check(losses, self.ds.global_steps + 1, grads_bad, self.name)
         self._phase("step")
         overflows = getattr(self.ds, "skipped_steps", 0)

@@ -86,19 +86,35 @@ class NormKeeper:
         # Without clipping DeepSpeed never unscales fp16 autocast's gradients before its step: a norm
         # measured then would carry the loss scale, so none is kept there.
         self._measure = self.max_norm <= 0 and getattr(ds_engine, "torch_autocast_z0_gradscaler", None) is None
+        self._fresh = False  # self.norm was measured for this step's gradients (clip reuses it)
 
     def _params(self) -> list[torch.nn.Parameter]:
         return [p for p in self.ds.module.parameters() if p.grad is not None]
 
     def clip(self) -> None:
         params = self._params()
-        self.norm = total_grad_norm(params, self.tp_group)
+        if not self._fresh:
+            self.norm = total_grad_norm(params, self.tp_group)
+        self._fresh = False
         clip_to(params, self.max_norm, self.norm)
 
-    def before_step(self) -> None:
-        """At an accumulation boundary, before DeepSpeed's step: measure where DeepSpeed will not clip."""
-        if self._measure:
+    def before_step(self, for_guard: bool = False) -> None:
+        """At an accumulation boundary, before DeepSpeed's step: measure where DeepSpeed will not clip,
+        and (``for_guard``) where the non-finite guard reads it; clipping then reuses this norm."""
+        self._fresh = self._measure or for_guard
+        if self._fresh:
             self.norm = total_grad_norm(self._params(), self.tp_group)
+
+    @property
+    def guards_gradients(self) -> bool:
+        """Whether the norm can stand in for a non-finite check of the gradients: kept unscaled (not under
+        fp16 autocast's loss scale). A NaN or Inf element makes the norm NaN or Inf; so does a finite
+        gradient whose square leaves the fp32 range (|g| > 1.8e19)."""
+        return getattr(self.ds, "torch_autocast_z0_gradscaler", None) is None
+
+    def nonfinite(self) -> bool:
+        """Whether the norm measured by ``before_step(for_guard=True)`` is NaN or Inf (one host read)."""
+        return self.norm is not None and not bool(torch.isfinite(self.norm))
 
     def read(self) -> float | None:
         return None if self.norm is None else float(self.norm)

@@ -89,3 +89,41 @@ def test_zero_norm_is_deepspeeds(stage, precision):
     assert ours["norms"][0] == pytest.approx(theirs["norms"][0], rel=1e-5)
     tol = dict(rtol=1e-5, atol=1e-7) if precision == "fp32" else dict(rtol=2 ** -7, atol=1e-3)
     assert all(torch.allclose(a, b, **tol) for a, b in zip(ours["params"], theirs["params"]))
+
+
+def _guarded(rank, world, nan_step: int):
+    import torch
+
+    from dstrain.faults import _nan_gradient
+    from dstrain.resilience import NonFiniteGuard
+    from tests.dist.harness import tiny_engine
+    engine, _ = tiny_engine(world, ["--train.micro_batch=2", "--data.seq_len=32", "--deepspeed.precision=fp32",
+                                    "--deepspeed.profile=zero0", "--train.warmup_steps=1", "--train.steps=3",
+                                    "--train.grad_clip=0.05"])
+    engine.watch(NonFiniteGuard("skip", 3, rank, world))
+    gen = torch.Generator().manual_seed(1)
+    taken, changed, norms, refs = [], [], [], []
+    for step in (1, 2, 3):
+        x = torch.randint(0, 256, (2, 32), generator=gen)
+        loss = engine(x, torch.roll(x, -1, 1))
+        engine.backward(_nan_gradient(loss) if step == nan_step else loss)
+        grads = [p.grad.double().flatten() for p in engine.module.parameters() if p.grad is not None]
+        refs.append(float(torch.linalg.vector_norm(torch.cat(grads))))
+        before = [p.detach().clone() for p in engine.module.parameters()]
+        taken.append(engine.step())
+        norms.append(engine.grad_norm)
+        changed.append(any(not torch.equal(a, p) for a, p in zip(before, engine.module.parameters())))
+    return {"hooks": engine._grads is not None, "taken": taken, "changed": changed, "norms": norms, "refs": refs}
+
+
+def test_one_process_guards_gradients_by_the_kept_norm():
+    """One process at ZeRO-0: the non-finite guard reads the norm dstrain measures for clipping (no hook and
+    no extra pass per gradient), clipping reuses that norm, and a NaN gradient skips exactly its update.
+    With a peer the per-gradient hooks stay (they name the rank whose gradients were NaN)."""
+    import math
+    out = spawn.run(_guarded, 1, 2)
+    assert not out["hooks"]
+    assert out["taken"] == [True, False, True] and out["changed"] == [True, False, True]
+    assert math.isnan(out["norms"][1]) and math.isnan(out["refs"][1])
+    assert [out["norms"][i] for i in (0, 2)] == pytest.approx([out["refs"][i] for i in (0, 2)], rel=1e-5)
+    assert spawn.run(_guarded, 2, 0)["hooks"]
