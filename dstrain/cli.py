@@ -407,8 +407,8 @@ def cmd_check_config(args, overrides) -> int:
     from dstrain.config import ConfigError, RunConfig, read_json, run_config_from_dict
     try:
         data = read_json(args.file)
-    except ConfigError:
-        data = None  # not plain JSON: a DeepSpeed file may still be (comments: DeepSpeed reads hjson)
+    except (ConfigError, UnicodeDecodeError):
+        data = None  # not plain JSON: a DeepSpeed file may still be (comments: DeepSpeed reads hjson), or named there
     sections = {f for f in RunConfig.__dataclass_fields__}
     if data and set(data) <= sections:  # an empty {} is a DeepSpeed JSON that leaves everything to the run
         cfg = run_config_from_dict(data, args.file, overrides)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from dstrain.config import TrainConfig
 from dstrain.engine.ds_config import (DSConfigError, RunValues, describe_zero, fill_ds_config,
-                                      load_ds_json, number_problem, open_weights_dtype)
+                                      load_ds_json, number_problem, open_weights_dtype, sets_lr_itself)
 
 
 def _explicit(value):
@@ -32,7 +32,8 @@ def _number(cfg: dict, path: str, kind, positive: bool = True):
     if not ok and isinstance(value, str):  # a number in quotes
         return None, number_problem(path, value)
     if not ok:
-        want = "a positive integer" if kind is int else ("a positive number" if positive else "a number >= 0")
+        want = ("a positive integer" if positive else "an integer >= 0") if kind is int else \
+            ("a positive number" if positive else "a number >= 0")
         return None, f"{path}: must be {want} or \"auto\", file says {value!r}"
     return value, None
 
@@ -72,6 +73,8 @@ def values_from_file(cfg: dict, hidden_size: int = 1024, world_size: int | None 
     params = cfg.get("optimizer", {}).get("params", {}) if isinstance(cfg.get("optimizer"), dict) else {}
     params = params if isinstance(params, dict) else {}
     betas = _explicit(params.get("betas"))
+    betas = betas if isinstance(betas, list) and len(betas) == 2 and all(
+        isinstance(b, (int, float)) and not isinstance(b, bool) for b in betas) else None  # else named by filling
     precision = open_weights_dtype(cfg) or "fp32"  # the weights' dtype DeepSpeed asserts, where bf16 / fp16 leave it open
     for key in ("bf16", "fp16"):
         section = cfg.get(key)
@@ -81,7 +84,8 @@ def values_from_file(cfg: dict, hidden_size: int = 1024, world_size: int | None 
     return RunValues(
         micro_batch=micro or mb or t.micro_batch, grad_accum=accum or ga or t.grad_accum, dp_world_size=world,
         # the warm-up peak is the lr where the optimizer block leaves it "auto" (as values_from_file adopts it)
-        lr=pick("optimizer.params.lr", pick("scheduler.params.warmup_max_lr", t.lr)), betas=tuple(betas) if isinstance(betas, list) else t.betas,
+        lr=pick("scheduler.params.warmup_max_lr", t.lr) if sets_lr_itself(cfg) else
+        pick("optimizer.params.lr", pick("scheduler.params.warmup_max_lr", t.lr)), betas=tuple(betas or t.betas),
         eps=pick("optimizer.params.eps", t.eps), weight_decay=pick("optimizer.params.weight_decay", t.weight_decay),
         grad_clip=pick("gradient_clipping", t.grad_clip), precision=precision, hidden_size=hidden_size,
         total_steps=pick("scheduler.params.total_num_steps", t.steps),
@@ -129,6 +133,9 @@ def _pydantic_problems(section: str, model, err: Exception) -> list[str]:
         elif not item.get("loc"):  # a check of the whole section: its input is the parsed section, not the file's
             msg = str(item.get("msg", "invalid")).removeprefix("Assertion failed, ").removeprefix("Value error, ")
             out.append(f"{loc}: {msg.rstrip('.')}; DeepSpeed rejects it")
+        elif item.get("type") == "int_parsing_size":
+            out.append(f"{loc}: file says {item.get('input')!r}, more than DeepSpeed's integer holds (it rejects it); "
+                       "write a number below 2**63, such as 5e8")
         else:
             out.append(f"{loc}: {item.get('msg', 'invalid')}, file says {item.get('input')!r}")
     return out

@@ -159,6 +159,10 @@ def _fill(section: dict, key: str, value, path: str, problems: list[str], *,
         section[key] = value
     elif not _is_number_like(current, value):
         problems.append(number_problem(path, current, pair=isinstance(value, (list, tuple))))
+        if isinstance(current, list) and any(_is_auto(x) for x in current):
+            section[key] = value  # named once here, not again as leftover "auto"s
+    elif (bad := range_problem(path, current)) is not None:
+        problems.append(bad)  # no override fixes it: the run refuses such a value too
     elif not _same(current, value):
         text = f"{path}: file says {_fmt(current)}, run gives {run_text or _fmt(value)}"
         if isinstance(problems, _Problems):
@@ -169,10 +173,52 @@ def _fill(section: dict, key: str, value, path: str, problems: list[str], *,
 
 def number_problem(path: str, value, pair: bool = False) -> str:
     """The refusal of a value that is not a number (or two): DeepSpeed would hand a string on as text."""
+    if isinstance(value, (list, tuple)) and any(_is_auto(v) for v in value):
+        name = path.rsplit(".", 1)[-1]
+        return (f"{path}: \"auto\" stands for the whole value (\"{name}\": \"auto\"), not for one of its numbers, "
+                f"file says {_fmt(value)}; write \"{name}\": \"auto\" or the numbers")
     quoted = any(isinstance(v, str) for v in (value if isinstance(value, (list, tuple)) else [value]))
     return (f"{path}: must be {'two numbers' if pair else 'a number'} or \"auto\", file says {_fmt(value)}"
             + (" (a string: write the number without quotes; DeepSpeed would pass the text on and fail)"
                if quoted else ""))
+
+
+#: What a file's number must be where the run (or the optimizer DeepSpeed builds) refuses others.
+_RANGES = {"gradient_clipping": (0.0, None, "a number >= 0 (0 turns clipping off)"),
+           "optimizer.params.lr": (0.0, None, "a number >= 0"),
+           "optimizer.params.eps": (0.0, None, "a number > 0"),
+           "optimizer.params.weight_decay": (0.0, None, "a number >= 0 (torch's AdamW and DeepSpeed's Adam refuse "
+                                                        "negative ones)"),
+           "optimizer.params.betas": (0.0, 1.0, "two numbers in [0, 1)"),
+           "scheduler.params.warmup_num_steps": (0, None, "an integer >= 0"),
+           "scheduler.params.total_num_steps": (1, None, "a positive integer"),
+           "scheduler.params.cos_min_ratio": (0.0, 1.0, "a number in [0, 1]"),
+           "scheduler.params.warmup_max_lr": (0.0, None, "a number >= 0")}
+
+
+def range_problem(path: str, value) -> str | None:
+    """The refusal of a number outside what ``path`` takes (non-finite, negative, ...); None if it is fine."""
+    if path not in _RANGES:
+        return None
+    low, high, want = _RANGES[path]
+    numbers = list(value) if isinstance(value, (list, tuple)) else [value]
+    ok = all(math.isfinite(x) and x >= low and (high is None or x <= high) for x in numbers)
+    if path == "optimizer.params.eps":
+        ok = ok and value > 0
+    elif path == "optimizer.params.betas":
+        ok = ok and all(x < 1.0 for x in numbers)
+    elif isinstance(low, int) and not isinstance(low, float):
+        ok = ok and isinstance(value, int)
+    return None if ok else f"{path}: must be {want} or \"auto\", file says {_fmt(value)}"
+
+
+def sets_lr_itself(cfg: dict) -> bool:
+    """DeepSpeed's WarmupLR / WarmupDecayLR with an explicit ``warmup_max_lr``: they set the optimizer's
+    learning rate from the first step (warmup_min_lr up to warmup_max_lr), so ``optimizer.params.lr`` is unused."""
+    sched = cfg.get("scheduler")
+    params = sched.get("params") if isinstance(sched, dict) else None
+    return (isinstance(params, dict) and str(sched.get("type", "")).lower() in ("warmuplr", "warmupdecaylr")
+            and _is_number_like(params.get("warmup_max_lr"), 0.0))
 
 
 def _is_number_like(file_value, run_value) -> bool:
@@ -275,6 +321,9 @@ def _fill_optimizer(cfg: dict, v: RunValues, problems: list[str]) -> None:
         return
     run = {"lr": v.lr, "betas": [float(b) for b in v.betas], "eps": v.eps, "weight_decay": v.weight_decay}
     for key, value in run.items():
+        if key == "lr" and sets_lr_itself(cfg) and _is_number_like(params.get("lr"), 0.0) \
+                and not _same(params["lr"], cfg["scheduler"]["params"]["warmup_max_lr"]):
+            continue  # unused: the scheduler's warmup_max_lr is the run's lr (compared there)
         # lr always matters; the Adam family also silently defaults the others (AdamATan2: all but eps)
         missing = is_adam or key == "lr" or (kind == "adamatan2" and key != "eps")
         _fill(params, key, value, f"optimizer.params.{key}", problems, fill_missing=missing)
@@ -335,6 +384,13 @@ def _fill_precision(cfg: dict, v: RunValues, problems: list[str]) -> None:
     on = [kind for kind, value in said.items() if value is True]
     fixed = on[0] if on else "fp32" if said and all(value is False for value in said.values()) else None
     _check_param_dtype(cfg, v, problems, fixed)
+    pinned, key = pinned_weights(cfg)
+    if key == "data_types.grad_accum_dtype" and not fixed and any(_is_auto(x) for x in said.values()) \
+            and pinned != v.precision and isinstance(problems, _Problems):
+        # the file leaves the precision open: the run's must be the dtype stage 0 accumulates in
+        problems.mismatch(f"{key}: file says {_fmt(cfg['data_types']['grad_accum_dtype'])}, run precision is "
+                          f"{v.precision} (at ZeRO stage 0 DeepSpeed accumulates only in the weights' dtype)",
+                          "deepspeed.precision", pinned)
 
 
 #: DeepSpeed's DtypeEnum spellings of the weights' dtypes.
@@ -356,15 +412,40 @@ def param_dtype(cfg: dict) -> str | None:
     return None if value is None else _WEIGHT_DTYPES.get(str(value).lower())
 
 
+def pinned_weights(cfg: dict) -> tuple[str | None, str]:
+    """``(dtype, key)``: the weights' dtype the file pins outside bf16 / fp16: ``data_types.param_dtype``
+    (DeepSpeed asserts it), else at ZeRO stage 0 ``data_types.grad_accum_dtype`` (DeepSpeed's stage 0
+    accumulates only in the weights' dtype). ``(None, "")`` where neither pins it."""
+    if param_dtype(cfg) is not None:
+        return param_dtype(cfg), "data_types.param_dtype"
+    dt = cfg.get("data_types")
+    acc = dt.get("grad_accum_dtype") if isinstance(dt, dict) else None
+    if isinstance(acc, str) and acc.lower() in _WEIGHT_DTYPES and describe_zero(cfg)["stage"] == 0:
+        return _WEIGHT_DTYPES[acc.lower()], "data_types.grad_accum_dtype"
+    return None, ""
+
+
+def pinned_weights_dtype(cfg: dict) -> str | None:
+    return pinned_weights(cfg)[0]
+
+
 def open_weights_dtype(cfg: dict) -> str | None:
-    """:func:`param_dtype` where the file's bf16 / fp16 sections leave the precision open (neither sets
-    ``enabled`` other than "auto"): the weights' dtype DeepSpeed then asserts. None otherwise."""
+    """:func:`pinned_weights_dtype` where the file's bf16 / fp16 sections leave the precision open (neither
+    sets ``enabled`` other than "auto"): the weights' dtype DeepSpeed then asserts. None otherwise."""
     for key in ("bf16", "fp16"):
         section = cfg.get(key)
         said = section.get("enabled") if isinstance(section, dict) else None
         if said is not None and not _is_auto(said):
             return None
-    return param_dtype(cfg)
+    dtype, key = pinned_weights(cfg)
+    if key == "data_types.grad_accum_dtype" and not precision_left_open(cfg):
+        return None  # no bf16 / fp16 "auto": the weights are fp32, as the file reads
+    return dtype
+
+
+def precision_left_open(cfg: dict) -> bool:
+    """A bf16 or fp16 section with ``"enabled": "auto"``: the precision is the run's (the factory's) choice."""
+    return any(isinstance(cfg.get(k), dict) and _is_auto(cfg[k].get("enabled")) for k in ("bf16", "fp16"))
 
 
 def _check_param_dtype(cfg: dict, v: RunValues, problems: list[str], fixed: str | None) -> None:
@@ -490,8 +571,10 @@ def fill_ds_config(template: dict, values: RunValues, source: str) -> dict:
     _fill_zero(cfg, values, problems)
     leftovers: list[str] = []
     _leftover_autos(cfg, "", leftovers)
-    problems += [f"{p}: \"auto\" is not a value dstrain can fill (DeepSpeed would silently drop it); "
-                 "set it explicitly" for p in leftovers]
+    problems += [f"{p}: \"auto\" is not a type dstrain chooses; name one, or remove the {p[:-5]} block (the run's "
+                 "own is used then)" if p in ("optimizer.type", "scheduler.type") else
+                 f"{p}: \"auto\" is not a value dstrain can fill (DeepSpeed would silently drop it); set it explicitly"
+                 for p in leftovers]
     if problems:
         raise problems.error(source)
     return cfg

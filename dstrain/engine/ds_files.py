@@ -77,13 +77,14 @@ class DSConfigError(ValueError):
     """
 
     def __init__(self, source: str, problems: str | list[str], fixes: dict[str, str] | None = None,
-                 mismatches: int = 0):
+                 mismatches: int = 0, switch_on: bool = False):
         self.source = str(source)
         self.problems = [problems] if isinstance(problems, str) else list(problems)
         self.fixes = dict(fixes or {})
+        self.mismatches = mismatches
         hint = ""
-        if self.fixes:
-            adoptable = set(self.fixes) - NOT_ADOPTED
+        if self.fixes:  # switch_on: deepspeed.values_from_file is already on, so it is not offered
+            adoptable = set(self.fixes) - NOT_ADOPTED - (set(self.fixes) if switch_on else set())
             hint = (f"use {' '.join(f'--{k}={v}' for k, v in self.fixes.items())}, or set them to \"auto\" in "
                     "the file" + (", or pass --deepspeed.values_from_file=true to take them from the file"
                                   if adoptable else ""))
@@ -177,11 +178,23 @@ def load_ds_json(path) -> dict:
     """
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        raw = path.read_bytes()
     except OSError as exc:
         raise DSConfigError(str(path), f"cannot read: {exc.strerror or exc}") from exc
     try:
-        data = json.loads(text, object_pairs_hook=_no_duplicates)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:  # DeepSpeed's open() stops on it too
+        line = raw.count(b"\n", 0, exc.start) + 1
+        col = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise DSConfigError(str(path), f"not UTF-8 text: byte 0x{raw[exc.start]:02x} at line {line}, column {col} "
+                                       "(DeepSpeed reads its JSON as UTF-8); save the file as UTF-8") from None
+    if not text.strip().lstrip("\ufeff"):
+        raise DSConfigError(str(path), "the file is empty (DeepSpeed would read it as {} and then stop for lack of "
+                                       "a batch size); write {} to leave every value to the run")
+    constants: list[str] = []
+    try:
+        data = json.loads(text, object_pairs_hook=_no_duplicates, parse_float=_hjson_float,
+                          parse_constant=lambda name: constants.append(name) or _NonFinite(name))
     except json.JSONDecodeError as exc:
         data = _as_hjson(text)
         if data is None:
@@ -191,7 +204,33 @@ def load_ds_json(path) -> dict:
         raise DSConfigError(str(path), str(exc)) from exc
     if not isinstance(data, dict):
         raise DSConfigError(str(path), f"top level must be a JSON object, got {type(data).__name__}")
+    if constants:
+        raise DSConfigError(str(path), [f"{where}: {name} is not a JSON number (DeepSpeed's hjson loader reads it as "
+                                         "text); write a finite number or \"auto\"" for where, name in _non_finite(data)])
     return canonical_forms(data)
+
+
+class _NonFinite(str):
+    """A NaN / Infinity / -Infinity literal, kept as its text so that its key can be named."""
+
+
+def _non_finite(node, path: str = "") -> list[tuple[str, str]]:
+    if isinstance(node, dict):
+        return [x for k, v in node.items() for x in _non_finite(v, f"{path}.{k}" if path else str(k))]
+    if isinstance(node, list):
+        return [x for i, v in enumerate(node) for x in _non_finite(v, f"{path}[{i}]")]
+    return [(path or "top level", str(node))] if isinstance(node, _NonFinite) else []
+
+
+def _hjson_float(text: str):
+    """A JSON float as DeepSpeed's hjson loader reads it: integral values (``4.0``, ``5e8``) as ints."""
+    value = float(text)
+    try:
+        import hjson
+        read = hjson.loads(text)
+    except Exception:  # noqa: BLE001 - no hjson: JSON's reading
+        return value
+    return read if isinstance(read, int) and not isinstance(read, bool) and read == value else value
 
 
 #: Strings DeepSpeed's (pydantic) precision sections accept for a boolean.
@@ -203,13 +242,17 @@ def canonical_forms(cfg: dict) -> dict:
     """The forms DeepSpeed still reads under older spellings, as their current ones: a ``"bfloat16"``
     section (DeepSpeed-Chat writes it) as ``"bf16"`` when there is no ``"bf16"``, and the boolean
     ``"zero_optimization": true`` (DeepSpeed's getting-started tutorial) as ``{"stage": 1}`` (false:
-    stage 0), and a bf16 / fp16 ``enabled`` written as a string DeepSpeed's parser reads as a boolean
+    stage 0), a stage written as a string (``"2"``) as the number, and a bf16 / fp16 ``enabled``
+    written as a string DeepSpeed's parser reads as a boolean
     (``"true"``, ``"False"``, ``"1"``, ``"yes"``, ...) as that boolean."""
     out = dict(cfg)
     if "bfloat16" in out and "bf16" not in out:
         out = {("bf16" if k == "bfloat16" else k): v for k, v in out.items()}
     if isinstance(out.get("zero_optimization"), bool):
         out["zero_optimization"] = {"stage": 1 if out["zero_optimization"] else 0}
+    zo = out.get("zero_optimization")
+    if isinstance(zo, dict) and isinstance(zo.get("stage"), str) and zo["stage"].strip() in ("0", "1", "2", "3"):
+        out["zero_optimization"] = {**zo, "stage": int(zo["stage"])}  # DeepSpeed's pydantic parser reads "2" as 2
     for key in ("bf16", "fp16"):
         section = out.get(key)
         if isinstance(section, dict) and isinstance(section.get("enabled"), str):

@@ -102,13 +102,17 @@ def adopt_file_values(cfg: RunConfig, world_size: int) -> list[tuple[str, object
                ("train.eps", "optimizer.params.eps"), ("train.weight_decay", "optimizer.params.weight_decay"),
                ("train.grad_clip", "gradient_clipping"), ("train.warmup_steps", "scheduler.params.warmup_num_steps"),
                ("train.min_lr_ratio", "scheduler.params.cos_min_ratio")]
-    if _explicit(template, "optimizer.params.lr") is None:
+    if dsc.sets_lr_itself(template):  # WarmupLR / WarmupDecayLR set the lr: their peak is the run's lr
+        numbers[0] = ("train.lr", "scheduler.params.warmup_max_lr")
+    elif _explicit(template, "optimizer.params.lr") is None:
         numbers.append(("train.lr", "scheduler.params.warmup_max_lr"))
     for key, path in numbers:
         value = _explicit(template, path)
         pair = key == "train.betas"
         if value is not None and not dsc._is_number_like(value, (0.0, 0.0) if pair else 0.0):
             problems.append(dsc.number_problem(path, value, pair))
+        elif value is not None and (bad := dsc.range_problem(path, value)) is not None:
+            problems.append(bad)  # named by the file's key, not as the run key it would have become
         elif value is not None:
             wanted.append((key, tuple(value) if isinstance(value, list) else value, path))
     if problems:  # a number written as a string, ...: named, not taken
@@ -118,7 +122,7 @@ def adopt_file_values(cfg: RunConfig, world_size: int) -> list[tuple[str, object
     if len(enabled) == 1:  # both: refused by the checks that follow (DeepSpeed allows only one)
         wanted.append(("deepspeed.precision", enabled[0], f"{enabled[0]}.enabled"))
     elif (weights := dsc.open_weights_dtype(template)) is not None:  # the weights' dtype DeepSpeed asserts
-        wanted.append(("deepspeed.precision", weights, "data_types.param_dtype"))
+        wanted.append(("deepspeed.precision", weights, dsc.pinned_weights(template)[1]))
     adopted = []
     for key, value, path in wanted:
         section, name = key.split(".")
@@ -194,10 +198,12 @@ def check_run(cfg: RunConfig, world_size: int, device_type: str, strict: bool = 
         filling, filled = err, _placeholders(template)
     # every problem in one refusal: the file's sections, its disagreements with the run, DeepSpeed's parser
     strict = deepspeed_problems(filled, full_parse=filling is None and not found) if strict else []
+    if filling is not None and cfg.deepspeed.values_from_file:  # the switch is on: do not offer it again
+        filling = dsc.DSConfigError(source, filling.problems, filling.fixes, filling.mismatches, switch_on=True)
     if filling is not None and not found and not strict:
         raise filling  # disagreements only: one line that ends with the overrides that remove them
     problems = merge_problems(found + (filling.problems if filling is not None else []), strict)
     if problems:
         fixes = filling.fixes if filling is not None else {}
-        raise dsc.DSConfigError(source, problems, fixes)  # a list, ending with the overrides if any
+        raise dsc.DSConfigError(source, problems, fixes, switch_on=cfg.deepspeed.values_from_file)
     return notes

@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
-from dstrain.engine.ds_config import describe_zero
+from dstrain.engine.ds_config import describe_zero, precision_left_open, sets_lr_itself
 
 #: ZeRO keys read only at stage 3 (with DeepSpeed's aliases).
 STAGE3_ONLY = frozenset({
@@ -191,7 +191,8 @@ def _dtype_problems(cfg: dict, device_type: str, problems: list[str]) -> None:
             problems.append(f"{path}: must be one of fp32, fp16, bf16, file says {value!r}")
         elif device_type == "cpu" and value.lower() in _HALF:
             problems.append(f"{path}: fp16 does not run on the CPU accelerator; use \"bf16\" or \"fp32\"")
-        elif path == "data_types.grad_accum_dtype" and describe_zero(cfg)["stage"] == 0:
+        elif path == "data_types.grad_accum_dtype" and describe_zero(cfg)["stage"] == 0 \
+                and not precision_left_open(cfg):  # else it decides the run's precision (ds_config)
             weights = next((k for k in ("bf16", "fp16") if _enabled(cfg.get(k))), "fp32")
             if _CANONICAL_DTYPE[value.lower()] != weights:
                 problems.append(f"{path}: {value} with {weights} weights needs ZeRO stage 1 or more (at stage 0 "
@@ -251,6 +252,13 @@ def _monitor_problems(cfg: dict, problems: list[str], notes: list[str]) -> None:
         notes.append("seq_parallel_communication_data_type: unused: only DeepSpeed's Ulysses sequence parallelism "
                      "(sequence_parallel_size > 1) reads it; dstrain's parallel.sp exchanges activations in the "
                      "model's own dtype")
+    opt = cfg.get("optimizer") if isinstance(cfg.get("optimizer"), dict) else {}
+    lr = opt.get("params", {}).get("lr") if isinstance(opt.get("params"), dict) else None
+    if sets_lr_itself(cfg) and isinstance(lr, (int, float)) and not isinstance(lr, bool):
+        peak = cfg["scheduler"]["params"]["warmup_max_lr"]
+        if lr != peak:
+            notes.append(f"optimizer.params.lr: unused ({lr:g}): {cfg['scheduler']['type']} sets the learning rate "
+                         f"from the first step, warming up to warmup_max_lr {peak:g}, the run's lr")
     if "disable_allgather" in cfg:
         notes.append("disable_allgather: unused: DeepSpeed parses it and nothing reads it")
     aio = cfg.get("aio")
@@ -277,7 +285,8 @@ def _plain_section_keys(cfg: dict, problems: list[str]) -> None:
 def _optimizer_problems(cfg: dict, device_type: str, problems: list[str]) -> None:
     """The optimizer block DeepSpeed would build: a type it can build here, params it accepts, ZeRO's vetting."""
     opt = cfg.get("optimizer")
-    if not isinstance(opt, dict) or not isinstance(opt.get("type"), str):
+    if not isinstance(opt, dict) or not isinstance(opt.get("type"), str) \
+            or opt["type"].strip().lower() == "auto":  # named by the filling
         return
     name, kind = opt["type"], opt["type"].lower()
     zo = cfg.get("zero_optimization") if isinstance(cfg.get("zero_optimization"), dict) else {}
@@ -302,6 +311,8 @@ def _optimizer_problems(cfg: dict, device_type: str, problems: list[str]) -> Non
         problems.append(f"optimizer.type: {name!r} is DeepSpeed's wrapper of the mup package, which is not "
                         "installed here (DeepSpeed would stop at start-up); pip install mup, or use \"AdamW\"")
         return
+    if kind in ("adam", "adamw"):
+        _adam_params_problem(kind, params, offload, problems)
     if kind in DEEPSPEED_OPTIMIZER_TYPES or kind in CUDA_ONLY_OPTIMIZERS:
         return
     torch_classes = _torch_optimizers()
@@ -329,11 +340,42 @@ def _optimizer_problems(cfg: dict, device_type: str, problems: list[str]) -> Non
                         "\"AdamW\"")
 
 
+def _adam_params_problem(kind: str, params: dict, offload: bool, problems: list[str]) -> None:
+    """An Adam/AdamW block's params that the class DeepSpeed builds from it does not take (it stops at start-up
+    with a TypeError): DeepSpeedCPUAdam under optimizer offload, torch.optim.Adam/AdamW with ``torch_adam``, else
+    FusedAdam. (dstrain builds torch's AdamW itself only when every param has a counterpart there.)"""
+    import inspect
+
+    from dstrain.engine.ds_check import accelerator_untouched
+    from dstrain.engine.optim import _MAPPED
+    if set(params) <= _MAPPED and not offload:
+        return
+    torch_adam = params.get("torch_adam") is True
+    with accelerator_untouched():
+        if offload:
+            from deepspeed.ops.adam import DeepSpeedCPUAdam as cls
+        elif torch_adam:
+            import torch.optim
+            cls = torch.optim.AdamW if kind == "adamw" or params.get("adam_w_mode", True) else torch.optim.Adam
+        else:
+            from deepspeed.ops.adam import FusedAdam as cls
+    taken = set(inspect.signature(cls.__init__).parameters) - {"self", "params", "model_params", "adamw_mode"}
+    extra = sorted(k for k in params if k not in taken | {"torch_adam", "adam_w_mode"})
+    if extra:
+        name = f"torch.optim.{cls.__name__}" if torch_adam and not offload else f"DeepSpeed's {cls.__name__}"
+        them = "it" if len(extra) == 1 else "them"
+        alt = "" if torch_adam or offload else " (or set \"torch_adam\": true if torch.optim.AdamW takes " + them + ")"
+        problems.append(f"optimizer.params.{', '.join(extra)}: {name}, which DeepSpeed builds from this block, does "
+                        f"not take {them} (it takes {', '.join(sorted(taken))}) and DeepSpeed would stop at start-up; "
+                        f"remove {them}{alt}")
+
+
 def _scheduler_problems(cfg: dict, problems: list[str]) -> None:
     """The scheduler block DeepSpeed builds as ``getattr(lr_schedules or torch.optim.lr_scheduler, type)(optimizer,
     **params)``: a type it finds as spelled, params that class takes, the ones it needs (but those dstrain fills)."""
     sched = cfg.get("scheduler")
-    if not isinstance(sched, dict) or not isinstance(sched.get("type"), str):
+    if not isinstance(sched, dict) or not isinstance(sched.get("type"), str) \
+            or sched["type"].strip().lower() == "auto":  # named by the filling
         return
     import inspect
 

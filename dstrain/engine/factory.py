@@ -75,7 +75,7 @@ def _file_precision(template: dict) -> str | None:
             return key
     if any(isinstance(s, dict) and str(s.get("enabled")).lower() == "auto" for s in sections) or \
             (isinstance(template.get("torch_autocast"), dict) and template["torch_autocast"].get("enabled") is True):
-        return dsc.param_dtype(template)  # DeepSpeed asserts the weights have data_types.param_dtype
+        return dsc.pinned_weights_dtype(template)  # param_dtype (DeepSpeed asserts it), stage 0's grad_accum_dtype
     return "fp32"
 
 
