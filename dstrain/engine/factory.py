@@ -23,6 +23,7 @@ from dstrain.engine.grad_norm import NormKeeper, fast_zero_norm, keep_grad_norm
 from dstrain.engine.ds_sections import bf16_overflow_check
 from dstrain.engine.optim import OptimizerChoice, apply_optimizer_type, choose_optimizer, group_weight_decay
 from dstrain.engine.zero_tuning import fill_zero_sizes
+from dstrain.ops.attention import sdpa_priority
 from dstrain.optim.lazy_state import client_optimizer, drop_stale_optimizer_state
 from dstrain.engine.profiles import (Plan, choose_plan, choose_precision, format_plan)
 
@@ -49,6 +50,8 @@ class EnginePlan:
     compile_mode: str = "default"
     """``train.compile_mode``: torch.compile's ``mode`` ("default" passes none)."""
     compile_regions: Callable | None = None
+    attention_backend: str = "auto"
+    """``train.attention_backend``: the SDPA kernel order each forward runs under (dstrain.ops.attention)."""
     """``train.compile_scope`` regions: module -> the submodules compiled one by one (None: the whole model)."""
     pipeline: Any = None
     """``dstrain.parallel.pipeline.PipelineSetup`` when ``parallel.pp > 1`` (the stage split), else None."""
@@ -172,7 +175,8 @@ def plan_engine(cfg: RunConfig, world_size: int, hw=None, hw_notes: str = "",
                       activation_checkpointing=ckpt, explanation=explanation, plan=plan,
                       shard_at_build=shard and pipe is None, optimizer=optimizer, compile=compile_,
                       compile_mode=cfg.train.compile_mode, pipeline=pipe,
-                      compile_regions=spec.compile_regions if scope == "regions" else None)
+                      compile_regions=spec.compile_regions if scope == "regions" else None,
+                      attention_backend=cfg.train.attention_backend)
 
 
 def _auto_pp(spec, mcfg, cfg, stats, hw, acts, world_size) -> tuple[int, str]:
@@ -380,6 +384,7 @@ class Engine:
         """Whether the last optimizer step's update was taken (False: skipped under train.nonfinite=skip)."""
         self._graphs = plan.compile and records_cuda_graphs(plan.compile_mode)
         self._norm_guard = False  # the non-finite guard reads the kept norm (set by watch)
+        self._attention = lambda: sdpa_priority(plan.attention_backend)  # noqa: E731 - a fresh context per forward
 
     def watch(self, guard=None, watchdog=None, name: str = "") -> None:
         """Attach the run's non-finite policy (``resilience.NonFiniteGuard``: checked in every ``step`` at a
@@ -403,7 +408,8 @@ class Engine:
 
     def __call__(self, *args, **kwargs):
         self._phase("forward")
-        out = self.ds(*args, **kwargs)
+        with self._attention():
+            out = self.ds(*args, **kwargs)
         # CUDA graphs: the next replay overwrites these (a recurrent carry, a loss logged later)
         return copy_graph_outputs(out) if self._graphs else out
 

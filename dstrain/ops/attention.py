@@ -233,3 +233,27 @@ def merge_attention(pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[to
     out = sum((w / safe_total).unsqueeze(-1) * o.to(wide) for w, (o, _) in zip(weights, pieces))
     lse = torch.where(covered, top + torch.log(safe_total), torch.full_like(total, float("-inf")))
     return out.to(dtype), lse
+
+
+#: ``train.attention_backend`` values: PyTorch's own SDPA order, or cuDNN's kernels first.
+ATTENTION_BACKENDS = ("auto", "cudnn")
+
+
+def sdpa_priority(backend: str):
+    """A context in which ``F.scaled_dot_product_attention`` tries ``backend``'s kernels first.
+
+    ``auto``: PyTorch's own order (FlashAttention-2 first on CUDA), nothing changed. ``cudnn``: cuDNN's
+    fused attention first, then PyTorch's order, so shapes, dtypes or devices cuDNN cannot serve (the
+    CPU among them) run as before (``sdpa_kernel(..., set_priority=True)``). The backward runs the
+    kernel the forward chose; under ``torch.compile`` the choice is made while tracing, inside this
+    context. The dilated attention path calls its kernels directly and is not affected.
+    """
+    import contextlib
+    if backend == "auto":
+        return contextlib.nullcontext()
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {backend!r}")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+             SDPBackend.MATH]
+    return sdpa_kernel(order, set_priority=True)

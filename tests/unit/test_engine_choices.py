@@ -217,7 +217,8 @@ def test_step_reports_an_update_deepspeeds_loss_scaler_skipped():
         ds.skipped_steps += overflow[ds.global_steps - 1]
 
     ds = SimpleNamespace(skipped_steps=0, global_steps=0, step=ds_step, is_gradient_accumulation_boundary=lambda: True)
-    engine = Engine(ds, SimpleNamespace(zero={"stage": 0}, precision="fp16", compile=False, compile_mode="default"))
+    engine = Engine(ds, SimpleNamespace(zero={"stage": 0}, precision="fp16", compile=False, compile_mode="default",
+                                    attention_backend="auto"))
     assert [engine.step() for _ in overflow] == [True, False, True]
     assert engine.updates == 2 and engine.last_step_taken
 
@@ -232,7 +233,8 @@ def test_engine_copies_outputs_out_of_cuda_graph_memory(mode, copied):
     from dstrain.engine.factory import Engine
     carry, loss = torch.ones(2, 3), torch.ones((), requires_grad=True) * 2
     engine = Engine(lambda *a: (loss, {"z_H": carry, "metrics": {"n": 4}}),
-                    SimpleNamespace(zero={"stage": 0}, precision="bf16", compile=True, compile_mode=mode))
+                    SimpleNamespace(zero={"stage": 0}, precision="bf16", compile=True, compile_mode=mode,
+                                    attention_backend="auto"))
     got_loss, out = engine()
     assert (out["z_H"].data_ptr() != carry.data_ptr()) == copied and torch.equal(out["z_H"], carry)
     assert (got_loss is not loss) == copied and out["metrics"] == {"n": 4}
@@ -362,3 +364,43 @@ def test_compiled_regions_train_like_the_eager_model():
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
     for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_attention_backend_orders_sdpa_inside_each_forward(tmp_path):
+    """train.attention_backend=cudnn: every engine forward runs with cuDNN's attention first in SDPA's priority
+    order (then PyTorch's own), restored afterwards; auto leaves PyTorch's order; on the CPU, where cuDNN
+    cannot serve, GPT's output is the same bit for bit; anything else is a config error."""
+    from types import SimpleNamespace
+
+    from torch.nn.attention import SDPBackend
+
+    from dstrain.config import ConfigError, load_run_config
+    from dstrain.engine.factory import Engine, plan_engine
+    from dstrain.ops.attention import sdpa_priority
+    from models.gpt.model import GPT, GPTConfig
+    default = torch._C._get_sdp_priority_order()
+    seen = []
+
+    def forward(*args):
+        seen.append(torch._C._get_sdp_priority_order())
+        return torch.zeros(())
+
+    for backend in ("cudnn", "auto"):
+        Engine(forward, SimpleNamespace(zero={"stage": 0}, precision="fp32", compile=False, compile_mode="default",
+                                        attention_backend=backend))()
+        assert torch._C._get_sdp_priority_order() == default
+    assert seen[0][0] == int(SDPBackend.CUDNN_ATTENTION) and seen[0][1] == int(SDPBackend.FLASH_ATTENTION)
+    assert seen[1] == default
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=32, n_layer=2, n_head=4, n_embd=32, vocab_size=53))
+    x = torch.randint(0, 53, (2, 32))
+    with sdpa_priority("cudnn"):
+        ours = model(x, x)
+    assert torch.equal(ours, model(x, x))
+    plan = plan_engine(load_run_config("models/gpt/recipes/tiny.json",
+                                       [f"--output.dir={tmp_path}", "--train.attention_backend=cudnn"]), 1)
+    assert plan.attention_backend == "cudnn"
+    with pytest.raises(ConfigError, match="train.attention_backend: must be auto or cudnn"):
+        load_run_config("models/gpt/recipes/tiny.json", [f"--output.dir={tmp_path}", "--train.attention_backend=fa3"])
+    with pytest.raises(ValueError, match="attention backend must be one of auto, cudnn"):
+        sdpa_priority("fa3")
