@@ -436,7 +436,7 @@ def _worker(job: dict, prepared: list, box: list, judge: tuple, done) -> None:
         dict.update(bdict, saved)
         if job["setup"].strip():
             try:
-                exec(compile(job["setup"], "<setup>", "exec"), ns)
+                _run_setup(ns, tools)  # noqa: F821  (_guards.py: with the real builtins, its bindings kept)
             except BaseException as e:
                 box[1:] = ["setup", _describe(e)]
                 return
@@ -558,9 +558,9 @@ def _execute(job: dict, result_fd: int, isolation: str, max_processes: int) -> N
     sys.pycache_prefix = os.path.join(tmp, ".no-pycache")
     import signal  # noqa: F401  (loaded now, so that _drop_unaudited reaches its copy too)
     _drop_unaudited()
-    quiet = set()
-    sys.addaudithook(_make_hook(tmp, tuple(sorted(roots)), violations, quiet))
-    _thread.start_new_thread(_worker, (job, prepared, box, (checks, _SNAPSHOT[1], _guard_tools(quiet)), done))  # noqa: F821
+    tools = _guard_tools(set(), job["setup"])  # noqa: F821  (_guards.py)
+    sys.addaudithook(_make_hook(tmp, tuple(sorted(roots)), violations, tools[5]))
+    _thread.start_new_thread(_worker, (job, prepared, box, (checks, _SNAPSHOT[1], tools), done))
     try:  # only now: counted per user, the limit could otherwise stop the worker thread itself
         resource.setrlimit(resource.RLIMIT_NPROC, (max_processes, max_processes))
     except (ValueError, OSError):

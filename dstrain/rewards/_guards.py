@@ -6,19 +6,54 @@ private globals (see ``sandbox.py``). Importing it in the trainer defines functi
 """
 
 
-def _guard_tools(quiet: set) -> tuple:
+def _guard_tools(quiet: set, setup: str = "") -> tuple:
     """What the guards call, taken before the program runs (it could patch the modules);
-    ``quiet``: the audit hook lets a thread listed there call ``sys.setprofile``."""
+    ``quiet``: the audit hook lets a thread listed there call ``sys.setprofile``; ``setup``: the task's
+    setup, parsed now (``_rewrite._prepare_setup``) for :func:`_run_setup`."""
     import _thread
     import builtins
     import decimal
     import gc
+    import re
     import sys
 
     # (decimal's context as it was: an operation on a ``Decimal`` runs in it, not in one the program set, where
     # ``Emin=0`` would round a wrong answer's difference to zero)
     context = (decimal.getcontext, decimal.setcontext, decimal.Context())
-    return _thread._count, gc.disable, gc.callbacks, sys.setprofile, _thread.get_ident, quiet, context, vars(builtins)
+    # re's pattern caches, emptied before each library call of a test: an entry the program planted (its key
+    # a pattern the test uses, its value a pattern that matches anything) would answer for the library
+    caches = {k: v for k, v in vars(re).items() if k.startswith("_cache") and type(v) is dict}  # (3.12: _cache2)
+    clears = tuple(getattr(re, k).cache_clear for k in ("_compile_repl", "_compile_template") if hasattr(re, k))
+    re_cache = (vars(re), caches, clears)
+    return (_thread._count, gc.disable, gc.callbacks, sys.setprofile, _thread.get_ident, quiet, context, vars(builtins),
+            builtins, re_cache, _prepare_setup(setup), {})  # noqa: F821  (_rewrite.py)
+
+
+def _run_setup(ns: dict, tools: tuple) -> None:
+    """Runs the task's setup in the program's namespace with the real builtins (the program may have bound
+    its own ``__builtins__``, whose ``__import__`` would hand ``from math import isclose`` a fake), one
+    top-level statement at a time, and keeps (``tools[-1]``) what each bound: a test reads those names as
+    the setup left them, not as the program's code rebinds them later (``isclose = max`` in the tested
+    function, or in a class the setup instantiates)."""
+    module, steps, fixed = tools[8], tools[10], tools[11]
+    if type(steps) is not list:
+        raise steps  # (its SyntaxError, reported as the setup's)
+    for code, names in steps:
+        _str_keys_only(ns)
+        dict.__setitem__(ns, "__builtins__", module)
+        exec(code, ns)
+        _str_keys_only(ns)
+        fixed.update((k, v) for k, v in dict.items(ns) if k in names)
+
+
+def _str_keys_only(ns: dict) -> None:
+    """Drops every key of ``ns`` that is not an exact ``str``: a lookup of a name compares it with a key of the
+    same hash, and the program's key's ``__eq__`` would then decide what the name means (or hide and restore
+    a global of the program's while the guards look). Only exact strs are compared from then on: no code runs."""
+    if any(type(k) is not str for k in dict.keys(ns)):
+        kept = [(k, v) for k, v in dict.items(ns) if type(k) is str]
+        dict.clear(ns)
+        dict.update(ns, kept)
 
 
 def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dict, test_names: tuple, tools: tuple):
@@ -31,28 +66,42 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
     check is recorded in ``bad`` (so that catching the exception does not help) and raises.
 
     ``name``: a builtin name means the real builtin, unless the program defines it and the
-    test names none of the program's other globals (the tested function itself is called
-    ``sum``); a module name means that module when the test reads an attribute of it
+    test names none of the program's other globals nor another builtin the program defines (the tested
+    function itself is called ``sum``); a module name means that module when the test reads an attribute of it
     (``math.isclose``), otherwise unless the program bound something else to that name
-    (``from datetime import datetime``, a global ``string = ...``)."""
+    (``from datetime import datetime``, a global ``string = ...``); a name the setup bound means what the setup
+    bound. Every free name of a test is read through ``name``."""
     trusted, overridden, operators, library_code, module_intact, library_class = judge
     function, module_type, missing = type(_make_guards), type(_judge_sys), object()  # noqa: F821  (_judge.py)
-    shadow_ok = not any(n not in builtins and n in ns for n in test_names)
+    count, gc_disable, gc_callbacks, set_profile, get_ident, quiet, (get_context, set_context, context), live, \
+        builtins_module, (re_dict, re_caches, re_clears), _, fixed = tools
+    _str_keys_only(ns)
+    # the test function takes its builtins from the globals it is made with (``__import__``, ``__build_class__``)
+    dict.__setitem__(ns, "__builtins__", builtins_module)
+    # the one builtin name the program may have in place of the builtin: the tested function (``sum``), when the test
+    # names no other global of the program's nor another builtin the program defines (``abs``, a judging function)
+    mine = [n for n in test_names if n in builtins and n in ns]
+    shadow = mine[0] if len(mine) == 1 and not any(n not in builtins and n in ns for n in test_names) else None
     by_name = {rec[2]: rec[0] for rec in modules.values()}
 
     def name(n, as_module=False):
         if as_module and n in by_name:  # ``math.isclose``: the module, whatever the program bound to the name
             return by_name[n]
         if n in builtins:
-            if shadow_ok and n in ns:
+            if n in fixed:
+                return fixed[n]
+            if n == shadow:
                 return ns[n]
             return builtins[n]
-        v = ns.get(n, missing)
+        v = fixed[n] if n in fixed else ns.get(n, missing)  # (``fixed``: what the setup bound, see ``_run_setup``)
         real = by_name.get(n)
         if real is not None and (v is missing or type(v) is module_type):
             return real  # (identity tests only: a metaclass's __eq__ must not decide this)
         if v is missing:
             raise NameError(f"name {n!r} is not defined")
+        if shadow is not None:  # the program's builtin was given to this test because it named no global of the
+            bad.append(f"the program's global {n} appeared while the test ran")  # program's: this one was
+            raise AssertionError(bad[-1])  # hidden then (deleted by the tested function, a key that puts it back)
         return v
 
     def attr(obj, n):
@@ -65,7 +114,6 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
             raise AssertionError(bad[-1])
         return getattr(obj, n)
 
-    count, gc_disable, gc_callbacks, set_profile, get_ident, quiet, (get_context, set_context, context), live = tools
     real_map, real_filter = builtins["map"], builtins["filter"]
     lambda_takers = tuple(builtins[n] for n in _LAMBDA_CALLS)  # noqa: F821  (_rewrite.py)
     method, builtin_method = type(_make_guards.__get__(0)), type([].append)  # bound methods
@@ -126,6 +174,13 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
             raise AssertionError(bad[-1])
         if own(fn):
             return fn(*args, **kw)
+        for k, cache in re_caches.items():
+            if re_dict.get(k) is not cache:
+                bad.append("module re was changed by the program")
+                raise AssertionError(bad[-1])
+            dict.clear(cache)
+        for clear in re_clears:
+            clear()
         if type(fn) is method:
             fn_globals = fn.__func__.__globals__ if type(fn.__func__) is function else None
         else:

@@ -28,8 +28,8 @@ def _guard_visit(node, state):
     """Rewrite the AST ``node`` of a test so that every value it operates on goes through the
     guards (see :func:`_make_guards`). Lambda bodies are left alone (a lambda may be handed to the
     program, and its closure must not lead to the guards) but where :data:`_LAMBDA_CALLS` says.
-    ``state``: (names to route through ``name``: builtins and loaded modules, names the test binds,
-    the set of free names read)."""
+    ``state``: (names the test binds, the set of free names read; every one of those is read through
+    ``name``)."""
     import ast
 
     if isinstance(node, ast.Lambda) and not getattr(node, "sbx_guarded", False):
@@ -64,7 +64,7 @@ def _guard_wrap(expr):
 def _guard_rewrite(node, state):
     import ast
 
-    names, bound, used = state
+    bound, used = state
     w = _guard_wrap
     if isinstance(node, ast.Compare) and len(node.ops) == 1:
         return _guard_operate(type(node.ops[0]).__name__, node.left, node.comparators[0])
@@ -95,35 +95,91 @@ def _guard_rewrite(node, state):
         return ast.Call(ast.Name(_CALL, ast.Load()), [node.func, *node.args], node.keywords)
     elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in bound:
         used.add(node.id)
-        if node.id in names:
-            flag = ast.Constant(bool(getattr(node, "sbx_module", False)))
-            return ast.Call(ast.Name(_NAME, ast.Load()), [ast.Constant(node.id), flag], [])
+        flag = ast.Constant(bool(getattr(node, "sbx_module", False)))
+        return ast.Call(ast.Name(_NAME, ast.Load()), [ast.Constant(node.id), flag], [])
     elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
         return ast.Call(ast.Name(_ATTR, ast.Load()), [node.value, ast.Constant(node.attr)], [])
+    elif isinstance(node, (ast.Import, ast.ImportFrom)) and _import_reads(node):
+        pairs = _import_reads(node)
+        return ast.Assign([ast.Tuple([ast.Name(t, ast.Store()) for t, _ in pairs], ast.Store())],
+                          ast.Tuple([v for _, v in pairs], ast.Load()))
     return node
+
+
+def _import_reads(node):
+    """A test's own ``import m`` / ``from m import a`` of modules loaded before the program ran, as
+    ``[(name bound, guarded read)]``: the module as it was (``name``) and its attribute as it was (``attr``),
+    not what the program left in ``sys.modules`` or in the module; None for a module loaded since."""
+    import ast
+    import sys
+
+    def module(n):
+        return ast.Call(ast.Name(_NAME, ast.Load()), [ast.Constant(n), ast.Constant(True)], [])
+
+    if isinstance(node, ast.ImportFrom):
+        if node.level or node.module not in sys.modules or any(a.name == "*" for a in node.names):
+            return None
+        return [(a.asname or a.name, ast.Call(ast.Name(_ATTR, ast.Load()), [module(node.module), ast.Constant(a.name)],
+                                              [])) for a in node.names]
+    if not all(a.name in sys.modules and a.name.split(".")[0] in sys.modules for a in node.names):
+        return None
+    return [(a.asname, module(a.name)) if a.asname else (a.name.split(".")[0], module(a.name.split(".")[0]))
+            for a in node.names]
+
+
+def _bound_names(tree) -> frozenset:
+    """Every name a statement (or module) binds anywhere in it: assignment targets, imports, definitions,
+    parameters, ``except ... as`` and ``match`` captures."""
+    import ast
+
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+            names.add(node.id)
+        elif isinstance(node, ast.alias):
+            names.add(node.asname or node.name.split(".")[0])
+        elif isinstance(node, ast.arg):
+            names.add(node.arg)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.ExceptHandler, ast.MatchAs,
+                               ast.MatchStar)) and node.name:
+            names.add(node.name)
+        elif isinstance(node, ast.MatchMapping) and node.rest:
+            names.add(node.rest)
+    return frozenset(names)
+
+
+def _prepare_setup(setup: str):
+    """The setup as ``[(code, names it binds)]``, one entry per top-level statement (see
+    ``_guards._run_setup``), or the SyntaxError/ValueError it raises; parsed before the program runs."""
+    import ast
+
+    try:
+        tree = ast.parse(setup, "<setup>", "exec")
+        return [(compile(ast.Module([stmt], []), "<setup>", "exec"), _bound_names(stmt)) for stmt in tree.body]
+    except (SyntaxError, ValueError) as e:
+        return e
 
 
 def _prepare_test(src: str):
     """(code, names): a test statement (normally ``assert ...``) compiled as the body of a
-    function of the four guards (see :func:`_make_guards`), and the free names it reads;
-    raises SyntaxError/ValueError for a test that does not compile."""
+    function of the four guards (see :func:`_make_guards`), and the free names it reads (each
+    read through the ``name`` guard); raises SyntaxError/ValueError for a test that does not compile."""
     import ast
     import builtins
     import sys
 
     tree = ast.parse(src, "<test>", "exec")
-    bound = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
-            bound.add(node.id)
-        elif isinstance(node, ast.arg):
-            bound.add(node.arg)
-    names = {n for n in sys.modules if "." not in n} | set(vars(builtins))
-    state = (frozenset(names - bound), frozenset(bound), set())
+    # what the test binds itself is its own (but a module or builtin name it imports or defines, read as the real one)
+    bound = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load)}
+    bound |= {node.arg for node in ast.walk(tree) if isinstance(node, ast.arg)}
+    bound |= _bound_names(tree) - {n for n in sys.modules if "." not in n} - set(vars(builtins))
+    bound |= {t for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+              for t, _ in _import_reads(node) or ()}  # (assigned from guarded reads: see _guard_rewrite)
+    state = (frozenset(bound), set())
     body = [_guard_visit(stmt, state) for stmt in tree.body] or [ast.Pass()]
     args = ast.arguments(posonlyargs=[], args=[ast.arg(a) for a in (_V, _CALL, _NAME, _ATTR, _OP)], kwonlyargs=[],
                          kw_defaults=[], defaults=[])
     fn = ast.FunctionDef(name="_sbx_test_", args=args, body=body, decorator_list=[], returns=None)
     module = ast.fix_missing_locations(ast.Module([fn], []))
     code = compile(module, "<test>", "exec")
-    return next(c for c in code.co_consts if type(c) is type(code)), tuple(sorted(state[2]))
+    return next(c for c in code.co_consts if type(c) is type(code)), tuple(sorted(state[1]))
