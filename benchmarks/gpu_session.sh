@@ -4,7 +4,8 @@
 # PYTHONPATH); results and one log per part go to OUT (default benchmarks/results/gpu_session).
 #
 #   bash benchmarks/gpu_session.sh tests      [OUT]   # tests/gpu, then tests/unit with CUDA visible
-#   bash benchmarks/gpu_session.sh engine     [OUT]   # GPT large: plain eager / compiled / zero0..3
+#   bash benchmarks/gpu_session.sh engine     [OUT]   # GPT large: plain eager / compiled / zero0..3, then zero0
+#                                                     with train.attention_backend=cudnn
 #   bash benchmarks/gpu_session.sh attention  [OUT]   # dilated vs dense 8k..1M; dilated LM at 32k and 1M
 #   bash benchmarks/gpu_session.sh hrm        [OUT]   # HRM sudoku size at batch 384: eager, compiled (regions,
 #                                                     whole model), CUDA graphs
@@ -50,9 +51,13 @@ run_part() {
         step unit-tests-cuda-visible 540 python -m pytest -q -p no:cacheprovider -x tests/unit
         ;;
     engine)
-        step gpt-large 560 python benchmarks/throughput.py models/gpt/recipes/tiny.json --model.size=large \
+        step gpt-large 340 python benchmarks/throughput.py models/gpt/recipes/tiny.json --model.size=large \
             --data.seq_len=1024 --train.micro_batch=16 --nproc 1 --steps 10 --warmup 3 \
             --profiles zero0,zero1,zero2,zero3 --plain once --out "$out/throughput_gpu_gpt_large.json" --plot
+        step gpt-large-cudnn 200 python benchmarks/throughput.py models/gpt/recipes/tiny.json --model.size=large \
+            --data.seq_len=1024 --train.micro_batch=16 --nproc 1 --steps 10 --warmup 3 \
+            --profiles zero0 --plain once --train.attention_backend=cudnn \
+            --out "$out/throughput_gpu_gpt_large_cudnn.json"
         ;;
     attention)
         step attention 300 python benchmarks/attention.py --device cuda \
@@ -84,6 +89,7 @@ run_part() {
         step gpu-tests 260 $timed python -m pytest -q -p no:cacheprovider -n 3 --dist loadfile -rfE \
             "tests/gpu/test_trainers_gpu.py::test_trainer_runs_on_one_gpu[hrm]" tests/gpu/test_dilated_gpu.py \
             tests/gpu/test_engine_gpu.py::test_grad_norm_kernels_on_cuda \
+            tests/gpu/test_engine_gpu.py::test_cudnn_attention_backend_runs_cudnn_and_matches \
             tests/gpu/test_engine_gpu.py::test_memory_estimate_within_ten_percent
         step attention 70 $timed python benchmarks/attention.py --device cuda --lengths 8192,32768,131072 \
             --repeats 3 --out "$out"

@@ -4,8 +4,8 @@ Scope ``model`` compiles the whole module inside the DeepSpeed engine (DeepSpeed
 ``engine.compile``). Scope ``regions`` compiles only the submodules a model names
 (``ModelSpec.compile_regions``) in place, each traced once and reused by every call: a
 recurrent model such as HRM calls the same module many times per forward, and compiling
-the whole forward traces every call again (on a 2-core CPU, HRM's Sudoku size took 91.8 s
-to compile whole and 20.8 s by regions, the same time per step after). ``auto`` picks
+the whole forward traces every call again (on a 2-core CPU, cold caches, HRM's Sudoku size took
+119.6 s to compile whole and 24.2 s by regions, and no longer per step after). ``auto`` picks
 regions where the model names them and the mode records no CUDA graphs (a region called
 several times per step would replay over outputs still in use), else the whole model.
 """
