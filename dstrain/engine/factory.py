@@ -50,9 +50,9 @@ class EnginePlan:
     compile_mode: str = "default"
     """``train.compile_mode``: torch.compile's ``mode`` ("default" passes none)."""
     compile_regions: Callable | None = None
+    """``train.compile_scope`` regions: module -> the submodules compiled one by one (None: the whole model)."""
     attention_backend: str = "auto"
     """``train.attention_backend``: the SDPA kernel order each forward runs under (dstrain.ops.attention)."""
-    """``train.compile_scope`` regions: module -> the submodules compiled one by one (None: the whole model)."""
     pipeline: Any = None
     """``dstrain.parallel.pipeline.PipelineSetup`` when ``parallel.pp > 1`` (the stage split), else None."""
 

@@ -391,10 +391,12 @@ class PipelineEngine(Engine):
         return self.ds.stage_id
 
     def train_batch(self, data_iter) -> float:
-        return float(self.ds.train_batch(data_iter))
+        with self._attention():  # train.attention_backend, as Engine's forward (the backward follows the forward)
+            return float(self.ds.train_batch(data_iter))
 
     def eval_batch(self, data_iter) -> float:
-        return float(self.ds.eval_batch(data_iter, num_micro_batches=1))
+        with self._attention():
+            return float(self.ds.eval_batch(data_iter, num_micro_batches=1))
 
     @property
     def grad_norm(self) -> float | None:
