@@ -391,6 +391,14 @@ def test_attention_backend_orders_sdpa_inside_each_forward(tmp_path):
         assert torch._C._get_sdp_priority_order() == default
     assert seen[0][0] == int(SDPBackend.CUDNN_ATTENTION) and seen[0][1] == int(SDPBackend.FLASH_ATTENTION)
     assert seen[1] == default
+    from dstrain.parallel.pipeline import PipelineEngine
+    ds = SimpleNamespace(train_batch=lambda it: forward(), eval_batch=lambda it, num_micro_batches: forward())
+    pipe = PipelineEngine(ds, SimpleNamespace(zero={"stage": 0}, precision="fp32", compile=False,
+                                              compile_mode="default", attention_backend="cudnn"))
+    pipe.train_batch(iter(()))
+    pipe.eval_batch(iter(()))
+    assert seen[2][0] == seen[3][0] == int(SDPBackend.CUDNN_ATTENTION)  # the pipeline engine's batches too
+    assert torch._C._get_sdp_priority_order() == default
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=32, n_layer=2, n_head=4, n_embd=32, vocab_size=53))
     x = torch.randint(0, 53, (2, 32))
