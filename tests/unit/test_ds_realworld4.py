@@ -9,31 +9,16 @@ from pathlib import Path
 import pytest
 
 from dstrain import cli
-from dstrain.config import load_run_config
 from dstrain.engine.ds_check import check_ds_file
-from dstrain.engine.ds_config import DSConfigError, RunValues, fill_ds_config, load_ds_json, range_problem
+from dstrain.engine.ds_config import DSConfigError, fill_ds_config, load_ds_json, range_problem
 from dstrain.engine.ds_preflight import adopt_file_values, check_run
 from dstrain.engine.ds_sections import section_problems
-
-REPO = Path(__file__).resolve().parents[2]
-RECIPE = REPO / "models" / "gpt" / "recipes" / "tiny.json"
+from tests.unit.test_ds_realworld3 import run_cfg, values  # the same run config and run values
 
 
 @pytest.fixture(autouse=True)
 def _cpu_accelerator(monkeypatch):
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-
-
-def run_cfg(tmp_path, ds: dict, *overrides: str):
-    path = tmp_path / "user.json"
-    path.write_text(json.dumps(ds))
-    return load_run_config(RECIPE, [f"--deepspeed.profile={path}", *overrides])
-
-
-def values(precision: str = "fp32") -> RunValues:
-    return RunValues(micro_batch=8, grad_accum=1, dp_world_size=2, lr=2e-3, betas=(0.9, 0.95), eps=1e-8,
-                     weight_decay=0.1, grad_clip=1.0, precision=precision, hidden_size=64, total_steps=6,
-                     warmup_steps=2, min_lr_ratio=0.1)
 
 
 def _write(tmp_path, text: str | bytes, name: str = "ds.json") -> Path:
