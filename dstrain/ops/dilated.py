@@ -22,11 +22,13 @@ among the blocks causality allows. It runs one masked kernel call per branch
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from dstrain.ops.attention import attention_with_lse, merge_attention
 from dstrain.ops.dilated_fused import fused_dilated_attention
@@ -45,8 +47,22 @@ class Branch:
         if n % w or w % self.dilation:
             raise ValueError(f"branch (segment {self.segment}, dilation {self.dilation}) does not tile a "
                              f"sequence of {n} tokens: the sequence must be a multiple of the segment "
-                             f"length (or shorter than it) and the segment a multiple of the dilation")
+                             f"length (or shorter than it) and the segment a multiple of the dilation "
+                             f"(causal attention pads a sequence that does not tile; non-causal cannot)")
         return w, self.dilation
+
+
+def tiles(n: int, branches: Sequence[Branch]) -> bool:
+    """Whether every branch tiles a sequence of ``n`` tokens (see :meth:`Branch.effective`)."""
+    return all(n % min(br.segment, n) == 0 and min(br.segment, n) % br.dilation == 0 for br in branches)
+
+
+@functools.lru_cache(maxsize=256)
+def padded_length(n: int, branches: tuple[Branch, ...]) -> int:
+    """The shortest length ``>= n`` that every branch tiles. A multiple of the segments' least common
+    multiple always does (each segment is a multiple of its dilation), so the search is bounded by it."""
+    step = math.lcm(*(br.segment for br in branches))
+    return next(p for p in range(n, -(-n // step) * step + 1) if tiles(p, branches))
 
 
 def make_branches(segment_lengths: Sequence[int], dilation_rates: Sequence[int]) -> tuple[Branch, ...]:
@@ -173,6 +189,14 @@ def dilated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, branche
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     n = q.shape[2]
+    if causal and not tiles(n, branches):
+        # The last segment of a branch is partial: pad the sequence at the end to a length every branch tiles
+        # and drop the padded queries. Exact under causal masking: no real query sees a later (padded) key.
+        pad = padded_length(n, tuple(branches)) - n
+        out, lse = dilated_attention(*(F.pad(t, (0, 0, 0, pad)) for t in (q, k, v)), branches, causal,
+                                     head_offset, sparse_block, sparse_keep, scale, return_lse=True, fused=fused)
+        out, lse = out[:, :, :n], lse[:, :, :n]
+        return (out, lse) if return_lse else out
     sizes = [br.effective(n) for br in branches]
     if all(_dense(w // r, sparse_block, sparse_keep) for w, r in sizes):
         out, lse = fused_dilated_attention(q, k, v, sizes, causal, head_offset, scale, fused=fused)

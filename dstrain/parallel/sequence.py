@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dstrain.ops.attention import attention_with_lse, merge_attention
-from dstrain.ops.dilated import Branch, dilated_attention, gather_dilated, scatter_dilated
+from dstrain.ops.dilated import Branch, dilated_attention, gather_dilated, scatter_dilated, tiles
 from dstrain.runtime import group_timeout
 
 MODES = ("auto", "exchange", "ulysses")
@@ -116,6 +116,8 @@ class GatherFromGroup(torch.autograd.Function):
 def exchange_plan(branches: Sequence[Branch], n: int, sp: int) -> tuple[bool, float, str]:
     """``(feasible, traffic in units of T*d, why not)`` of the exchange mode for sequence length n."""
     t = n // sp
+    if not tiles(n, branches):
+        return False, 0.0, f"the segments do not tile a sequence of {n} tokens (ulysses pads it at the end)"
     traffic = 0.0
     for br in branches:
         w, r = br.effective(n)
@@ -134,7 +136,7 @@ def choose_mode(mode: str, branches, n: int, sp: int, heads: int, sparse: bool) 
     if mode not in MODES:
         raise ValueError(f"sequence-parallel mode must be one of {', '.join(MODES)}, got {mode!r}")
     ok_x, traffic_x, why_x = exchange_plan(branches, n, sp)
-    remote = any(br.effective(n)[0] > n // sp for br in branches)
+    remote = ok_x and any(br.effective(n)[0] > n // sp for br in branches)
     if ok_x and sparse and remote:
         ok_x, why_x = False, "the block-sparse variant is not implemented across ranks"
     ok_u = heads % sp == 0

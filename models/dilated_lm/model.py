@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from dstrain.ops.dilated import dilated_attention, make_branches
+from dstrain.ops.dilated import dilated_attention, make_branches, padded_length
 from dstrain.parallel.pipeline_layers import POSITIONS, position_table, position_vectors
 
 VOCAB_MULTIPLE = 64
@@ -208,13 +208,16 @@ class DilatedLM(nn.Module):
         The second term is attention's two matmuls (forward 4 d per key, times 3) as
         computed: in branch ``(w, r)`` a head attends from ``1 / r`` of the positions (its
         offset's), each to ``min(w, T) / r`` keys, so per token and head ``min(w, T) / r^2``
-        keys on average (no causal halving, as PaLM counts).
+        keys on average (no causal halving, as PaLM counts). A sequence the segments do not tile
+        is computed padded to ``P`` tokens (``dstrain.ops.dilated.padded_length``): ``P / T`` times the
+        attention of ``P`` tokens per real token.
         """
         if seq_len <= 0:
             raise ValueError(f"seq_len must be positive, got {seq_len}")
         c = self.config
         matmul = sum(p.numel() for m in self.modules() if isinstance(m, nn.Linear) for p in m.parameters())
-        keys = sum(min(w, seq_len) / r ** 2 for w, r in zip(c.segment_lengths, c.dilation_rates))
+        padded = padded_length(seq_len, make_branches(c.segment_lengths, c.dilation_rates))
+        keys = padded / seq_len * sum(min(w, padded) / r ** 2 for w, r in zip(c.segment_lengths, c.dilation_rates))
         return int(6 * matmul + 12 * c.n_layer * c.n_embd * keys)
 
     def set_activation_checkpointing(self, flag: bool) -> None:

@@ -20,6 +20,8 @@ CASES = [
     ([8, 32], [1, 4], True, "auto", 0),
     ([8, 16], [1, 2], True, "exchange", 1, 2, 0.5),   # block-sparse, every segment local
     ([8, 16, 32], [1, 2, 4], True, "ulysses", 0, 2, 0.5),
+    ([12, 24], [1, 2], True, "ulysses", 0),           # segments that do not tile N: padded at the end to 48
+    ([12, 24], [1, 2], True, "auto", 1),              # exchange cannot split them: auto picks ulysses
 ]
 
 
@@ -64,7 +66,7 @@ def test_sequence_parallel_matches_single_process():
         if case[3] != "auto":
             assert mode == case[3]
     auto = [mode for case, (mode, _) in zip(CASES, results) if case[3] == "auto"]
-    assert auto == ["exchange"]  # auto: 2 (2-1)/4 = 0.5 units of traffic < Ulysses' 2
+    assert auto == ["exchange", "ulysses"]  # 2 (2-1)/4 = 0.5 units of traffic < Ulysses' 2; untiled: ulysses
 
 
 def _segment_groups_built(rank, world):

@@ -194,10 +194,45 @@ def test_bad_branches_are_rejected(segs, rates, match):
         make_branches(segs, rates)
 
 
-def test_sequence_that_does_not_tile_is_rejected():
+def test_non_causal_sequence_that_does_not_tile_is_rejected():
     q = torch.randn(1, 1, 12, 4)
-    with pytest.raises(ValueError, match="does not tile"):
-        dilated_attention(q, q, q, make_branches([8], [1]))
+    with pytest.raises(ValueError, match="does not tile a sequence of 12 tokens.*non-causal cannot"):
+        dilated_attention(q, q, q, make_branches([8], [1]), causal=False)
+
+
+@st.composite
+def ragged_configs(draw):
+    """Causal, N not a multiple of the largest segment (nor, often, of any): the last segments are partial."""
+    n_branches = draw(st.integers(1, 3))
+    segs, rates = [], []
+    for _ in range(n_branches):
+        log_w = draw(st.integers(1, 5))
+        segs.append(2 ** log_w)
+        rates.append(2 ** draw(st.integers(0, min(log_w, 2))))
+    n = draw(st.integers(3, 40).filter(lambda n: n % max(segs) != 0))
+    return dict(n=n, segs=segs, rates=rates, b=draw(st.integers(1, 2)), h=draw(st.integers(1, 4)),
+                d=draw(st.sampled_from([4, 8])), causal=True, head_offset=draw(st.integers(0, 3)),
+                seed=draw(st.integers(0, 2**16)))
+
+
+@settings(max_examples=40, deadline=None)
+@given(ragged_configs())
+def test_causal_sequence_that_does_not_tile_matches_brute_force(c):
+    """A causal sequence that the segments do not tile is padded at the end to one they do (the shortest,
+    ``padded_length``); outputs, lse and gradients equal the reference's, whose last segments are partial."""
+    _compare(c)
+
+
+def test_padded_length_is_the_shortest_that_tiles():
+    from dstrain.ops.dilated import padded_length, tiles
+    branches = make_branches([2048, 4096, 8192], [1, 2, 4])
+    assert padded_length(8192, branches) == 8192 and padded_length(8193, branches) == 16384
+    assert padded_length(3000, branches) == 4096  # the 8192 branch shrinks to the padded sequence
+    assert padded_length(5, make_branches([8, 4], [4, 2])) == 8
+    for n in range(1, 70):
+        p = padded_length(n, make_branches([16, 12], [4, 3]))
+        assert tiles(p, make_branches([16, 12], [4, 3])) and not any(
+            tiles(m, make_branches([16, 12], [4, 3])) for m in range(n, p))
 
 
 @pytest.mark.parametrize("kind, dtype", [("flash", torch.bfloat16), ("efficient", torch.float32)])

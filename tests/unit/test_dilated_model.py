@@ -114,6 +114,31 @@ def test_planner_trace_is_the_same_on_every_kernel(monkeypatch):
     assert trace() == fused
 
 
+@pytest.mark.parametrize("t", [100, 129, 200])
+def test_sequence_the_segments_do_not_tile_trains_as_a_prefix_of_one_they_do(t):
+    """A length the segments (32, 64, 128) do not tile runs padded at the end: every logit and every gradient
+    of a loss on the first ``t`` positions equals the model's on a length-256 sequence with other tokens
+    after them (causal: later tokens cannot change earlier logits); the FLOPs count the padded computation."""
+    torch.manual_seed(0)
+    model = DilatedLM(_debug()).double()
+    x = torch.randint(0, 257, (2, 256))
+    w = torch.randn(2, t, 320, dtype=torch.float64)
+    grads = []
+    for ids in (x[:, :t], x):
+        model.zero_grad(set_to_none=True)
+        logits = model(ids)
+        (logits[:, :t] * w).sum().backward()
+        grads.append((logits[:, :t].detach(), [p.grad.clone() for p in model.parameters()]))
+    torch.testing.assert_close(grads[0][0], grads[1][0], rtol=1e-9, atol=1e-9)
+    for a, b in zip(grads[0][1], grads[1][1]):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
+    padded = 128 * -(-t // 128)
+    c = model.config
+    matmul = sum(p.numel() for mod in model.modules() if isinstance(mod, torch.nn.Linear) for p in mod.parameters())
+    keys = padded / t * (32 / 1 + 64 / 4 + 128 / 16)
+    assert model.flops_per_token(t) == int(6 * matmul + 12 * c.n_layer * c.n_embd * keys)
+
+
 def test_flops_count_attention_per_branch():
     with torch.device("meta"):
         m = DilatedLM(_debug())
