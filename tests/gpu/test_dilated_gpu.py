@@ -24,6 +24,7 @@ def _grads(fn, q, k, v, up):
     ([8, 16, 32], [1, 2, 4], 64, 4, 0),
     ([16, 32], [1, 2], 64, 3, 1),           # heads not a multiple of the rate: indexed selection
     ([64, 4], [2, 1], 32, 4, 1),             # N shorter than the largest segment (not a multiple of it)
+    ([8, 16, 32], [1, 2, 4], 75, 4, 0),      # N the segments do not tile: padded at the end to 96
 ])
 def test_matches_brute_force_reference(dtype, tol, segs, rates, n, heads, offset):
     g = torch.Generator(device="cuda").manual_seed(0)
