@@ -1,4 +1,5 @@
-"""Whether, what and how the engine compiles: ``train.compile``, ``train.compile_mode``, ``train.compile_scope``.
+"""Whether, what and how the engine compiles (``train.compile``, ``train.compile_mode``, ``train.compile_scope``),
+and the plan's line for the attention kernels it asks for (``train.attention_backend``).
 
 Scope ``model`` compiles the whole module inside the DeepSpeed engine (DeepSpeed's own
 ``engine.compile``). Scope ``regions`` compiles only the submodules a model names
@@ -68,3 +69,11 @@ def compile_engine(ds_engine, mode: str = "default", regions: Callable | None = 
     from deepspeed.accelerator import get_accelerator
     for region in regions(ds_engine.module):
         region.compile(backend=get_accelerator().get_compile_backend(), **compile_kwargs(mode))
+
+
+def attention_note(cfg: RunConfig) -> str:
+    """The plan's line for ``train.attention_backend`` (none for PyTorch's own order)."""
+    if cfg.train.attention_backend == "auto":
+        return ""
+    return (f"attention: SDPA tries {cfg.train.attention_backend}'s kernels first in every forward "
+            "(train.attention_backend; falls back in PyTorch's order where they cannot serve)")

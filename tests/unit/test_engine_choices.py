@@ -407,7 +407,7 @@ def test_attention_backend_orders_sdpa_inside_each_forward(tmp_path):
     assert torch.equal(ours, model(x, x))
     plan = plan_engine(load_run_config("models/gpt/recipes/tiny.json",
                                        [f"--output.dir={tmp_path}", "--train.attention_backend=cudnn"]), 1)
-    assert plan.attention_backend == "cudnn"
+    assert plan.attention_backend == "cudnn" and "attention: SDPA tries cudnn's kernels first" in plan.explanation
     with pytest.raises(ConfigError, match="train.attention_backend: must be auto or cudnn"):
         load_run_config("models/gpt/recipes/tiny.json", [f"--output.dir={tmp_path}", "--train.attention_backend=fa3"])
     with pytest.raises(ValueError, match="attention backend must be one of auto, cudnn"):
