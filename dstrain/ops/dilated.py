@@ -48,7 +48,8 @@ class Branch:
             raise ValueError(f"branch (segment {self.segment}, dilation {self.dilation}) does not tile a "
                              f"sequence of {n} tokens: the sequence must be a multiple of the segment "
                              f"length (or shorter than it) and the segment a multiple of the dilation "
-                             f"(causal attention pads a sequence that does not tile; non-causal cannot)")
+                             f"(causal dense attention pads a sequence that does not tile; non-causal and "
+                             f"block-sparse attention cannot)")
         return w, self.dilation
 
 
@@ -189,9 +190,10 @@ def dilated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, branche
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     n = q.shape[2]
-    if causal and not tiles(n, branches):
+    if causal and not tiles(n, branches) and (sparse_block == 0 or sparse_keep >= 1.0):
         # The last segment of a branch is partial: pad the sequence at the end to a length every branch tiles
         # and drop the padded queries. Exact under causal masking: no real query sees a later (padded) key.
+        # (Not the block-sparse variant: how many blocks a query keeps depends on the segment's length.)
         pad = padded_length(n, tuple(branches)) - n
         out, lse = dilated_attention(*(F.pad(t, (0, 0, 0, pad)) for t in (q, k, v)), branches, causal,
                                      head_offset, sparse_block, sparse_keep, scale, return_lse=True, fused=fused)

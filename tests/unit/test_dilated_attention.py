@@ -194,10 +194,14 @@ def test_bad_branches_are_rejected(segs, rates, match):
         make_branches(segs, rates)
 
 
-def test_non_causal_sequence_that_does_not_tile_is_rejected():
+def test_non_causal_or_block_sparse_sequence_that_does_not_tile_is_rejected():
+    """Padding is exact only for causal dense segments: non-causal queries would see the padded keys, and the
+    block-sparse variant keeps a number of blocks that depends on the segment's length."""
     q = torch.randn(1, 1, 12, 4)
-    with pytest.raises(ValueError, match="does not tile a sequence of 12 tokens.*non-causal cannot"):
+    with pytest.raises(ValueError, match="does not tile a sequence of 12 tokens.*non-causal and block-sparse"):
         dilated_attention(q, q, q, make_branches([8], [1]), causal=False)
+    with pytest.raises(ValueError, match="does not tile a sequence of 12 tokens"):
+        dilated_attention(q, q, q, make_branches([8], [1]), causal=True, sparse_block=2, sparse_keep=0.5)
 
 
 @st.composite
