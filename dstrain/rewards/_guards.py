@@ -83,6 +83,13 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
     mine = [n for n in test_names if n in builtins and n in ns]
     shadow = mine[0] if len(mine) == 1 and not any(n not in builtins and n in ns for n in test_names) else None
     by_name = {rec[2]: rec[0] for rec in modules.values()}
+    # the code of the task's setup (its functions and methods): task code, not the program's (see ``setup_call``)
+    setup_codes, todo = {}, [c for c, _ in tools[10]] if type(tools[10]) is list else []
+    while todo:
+        c = todo.pop()
+        if id(c) not in setup_codes:
+            setup_codes[id(c)] = c
+            todo.extend(x for x in c.co_consts if type(x) is type(c))
 
     def name(n, as_module=False):
         if as_module and n in by_name:  # ``math.isclose``: the module, whatever the program bound to the name
@@ -118,6 +125,7 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
     lambda_takers = tuple(builtins[n] for n in _LAMBDA_CALLS)  # noqa: F821  (_rewrite.py)
     method, builtin_method = type(_make_guards.__get__(0)), type([].append)  # bound methods
     mro_of, dict_of = type.__dict__["__mro__"].__get__, type.__dict__["__dict__"].__get__
+    flags_of, heap = type.__dict__["__flags__"].__get__, 1 << 9
     judge_globals = _make_guards.__globals__
     real_globals = {id(vars(rec[0])): rec[2] for rec in modules.values()}
 
@@ -142,7 +150,7 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
             fn = fn.__func__
         if isinstance(fn, type):
             return not library_class(fn)
-        return type(fn) is function and fn.__globals__ is ns and fn.__code__.co_filename != "<test>"  # (not the test's lambda)
+        return type(fn) is function and fn.__globals__ is ns and fn.__code__.co_filename not in ("<test>", "<setup>")
 
     def materialized(x):
         """An iterator the program made (a generator, ``map`` over its function) as a list: its code
@@ -172,6 +180,9 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
                 and not any(fn is f for f in lambda_takers):  # a guarded lambda goes to the real builtins only
             bad.append("a lambda of the test was handed to something other than the builtin it was written for")
             raise AssertionError(bad[-1])
+        inner = fn.__func__ if type(fn) is method else fn
+        if type(inner) is function and id(inner.__code__) in setup_codes:
+            return setup_call(fn, inner.__code__, args, kw)
         if own(fn):
             return fn(*args, **kw)
         for k, cache in re_caches.items():
@@ -186,6 +197,8 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
         else:
             fn_globals = fn.__globals__ if type(fn) is function else None
         name_of = real_globals.get(id(fn_globals)) if fn_globals is not None else None
+        if name_of is None and issubclass(type(fn), type) and library_class(fn) and flags_of(fn) & heap:
+            name_of = dict_of(fn).get("__module__")  # a library class of Python code: its module's (``Fraction``)
         # ``re._compile`` replaced under ``re.match``, or its cache a dict subclass that answers for any pattern
         if name_of is not None and not module_intact(name_of, caches=True):
             bad.append(f"module {name_of} was changed by the program")
@@ -204,6 +217,17 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
             return (x for x in args[1] if call(args[0], x))
         receiver = getattr(fn, "__self__", None) if type(fn) is method or type(fn) is builtin_method else None
         if receiver is None or type(receiver) is module_type:
+            if (name_of is not None or issubclass(type(fn), type) and library_class(fn) and flags_of(fn) & heap) \
+                    and not any(type(a) is function or type(a) is method for a in (*args, *kw.values())):
+                # a library function or class of Python code (``json.dumps``, ``Fraction``): the program's code must
+                # not run inside it, reached through the module's objects (``json._default_encoder.encode = ...``,
+                # ``copy._deepcopy_dispatch[list] = ...``, ``fractions._RATIONAL_FORMAT = P()``); a generator of the
+                # program's it is handed runs first, as the program's own code
+                args = [materialized(a) for a in args]
+                kw = {k: materialized(a) for k, a in kw.items()}
+                for a in (*args, *kw.values()):
+                    value(a)
+                return guarded("the test's call of " + str(getattr(fn, "__name__", "a library function")), fn, *args, **kw)
             builtins_kept("before the test's call")
             programs_context = get_context()
             set_context(context.copy())  # (``abs(d)`` rounds in it)
@@ -220,11 +244,30 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
             value(a)
         return guarded("the test's call of " + getattr(fn, "__name__", "a method"), fn, *args, **kw)
 
+    def setup_call(fn, code, args, kw):
+        """A function (or method) the task's setup defined: its arguments are checked like a library call's, it
+        reads the names the setup bound as the setup left them (the program's code that computed the arguments
+        may have rebound them: ``K = 0`` for ``def check(a, b): return K == 0 or a == b``), no builtin it reads may
+        be the program's, and no program code may run inside it."""
+        dict.update(ns, fixed)
+        reads, todo = set(), [code]
+        while todo:
+            c = todo.pop()
+            reads.update(c.co_names)
+            todo.extend(x for x in c.co_consts if type(x) is type(c))
+        for n in reads:
+            if n in builtins and n not in fixed and dict.__contains__(ns, n):
+                bad.append(f"the program's {n} hides the builtin a function of the setup reads")
+                raise AssertionError(bad[-1])
+        for a in (*args, *kw.values()):
+            value(a)
+        return guarded("the setup's " + code.co_name, fn, *args, **kw)
+
     flagged = []
 
     def watch(frame, event, arg):
         if event == "call" and not flagged and frame.f_globals is not judge_globals \
-                and id(frame.f_code) not in library_code:
+                and id(frame.f_code) not in library_code and id(frame.f_code) not in setup_codes:
             flagged.append(frame.f_code.co_name)
 
     def guarded(what: str, fn, *args, **kw):

@@ -134,6 +134,7 @@ def _make_trust(snapshot: dict, modules: dict | None = None, codes: dict | None 
     walk_static = {id(slice), id(types.SimpleNamespace)}
     heap, immutable = 1 << 9, 1 << 8  # Py_TPFLAGS_HEAPTYPE, Py_TPFLAGS_IMMUTABLETYPE
     absent, proxy = object(), types.MappingProxyType
+    scalars = (int, float, complex, bool, str, bytes, type(None))
     module_dict = type(_judge_sys).__dict__["__dict__"].__get__
     module_named = {rec[2]: rec for rec in (modules or {}).values()}
     module_by_id = {id(rec[0]): rec for rec in (modules or {}).values()}
@@ -145,8 +146,9 @@ def _make_trust(snapshot: dict, modules: dict | None = None, codes: dict | None 
         """Whether the globals that a library's Python code runs with (its module's, and those of the
         modules it holds, ``depth`` levels down: ``re`` -> ``re._compiler``) still hold what they held:
         no function, class or module replaced, no name added that hides a builtin (``collections.all
-        = ...`` would decide ``Counter.__eq__``); with ``caches``, no private dict of the module itself
-        replaced either (``re._cache``: a dict subclass would answer for any pattern)."""
+        = ...`` would decide ``Counter.__eq__``); with ``caches``, no other object of the module itself
+        replaced either but numbers and strings (``re._cache``: a dict subclass would answer for any pattern;
+        ``fractions._RATIONAL_FORMAT``: another compiled pattern; ``json._default_encoder``: another encoder)."""
         rec = module_named.get(name) if type(name) is str else None
         if rec is None:
             return True  # not a module of the snapshot's (then its classes were not either)
@@ -160,8 +162,8 @@ def _make_trust(snapshot: dict, modules: dict | None = None, codes: dict | None 
                     return False
             elif v is not was and issubclass(type(was), code_kinds):  # (isinstance would read ``__class__``)
                 return False
-            elif caches and v is not was and k.startswith("_") and type(was) is dict:  # (threading's sets are
-                return False  # rebound in every forked child)
+            elif caches and v is not was and not (type(was) in scalars and type(v) in scalars):  # (a number or
+                return False  # a string may change: a counter; an object or a pattern a module keeps may not)
             elif depth and type(v) is types.ModuleType and v is not rec[0]:
                 inner = module_by_id.get(id(v))
                 if inner is not None and inner[0] is v and not module_intact(inner[2], depth - 1):
