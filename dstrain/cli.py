@@ -410,7 +410,8 @@ def cmd_check_config(args, overrides) -> int:
     except (ConfigError, UnicodeDecodeError):
         data = None  # not plain JSON: a DeepSpeed file may still be (comments: DeepSpeed reads hjson), or named there
     sections = {f for f in RunConfig.__dataclass_fields__}
-    if data and set(data) <= sections:  # an empty {} is a DeepSpeed JSON that leaves everything to the run
+    from dstrain.engine.ds_files import nests_ds_config
+    if data and set(data) <= sections and not nests_ds_config(data):  # an empty {} is a DeepSpeed JSON that leaves everything to the run
         cfg = run_config_from_dict(data, args.file, overrides)
         if cfg.deepspeed.profile != "auto":  # the DeepSpeed JSON it names, against it, as a launch checks it
             from dstrain.engine.ds_check import this_device

@@ -206,7 +206,7 @@ def range_problem(path: str, value) -> str | None:
     if path == "optimizer.params.eps":
         ok = ok and value > 0
     elif path == "optimizer.params.betas":
-        ok = ok and all(x < 1.0 for x in numbers)
+        ok = ok and len(numbers) == 2 and all(x < 1.0 for x in numbers)
     elif isinstance(low, int) and not isinstance(low, float):
         ok = ok and isinstance(value, int)
     return None if ok else f"{path}: must be {want} or \"auto\", file says {_fmt(value)}"
@@ -310,7 +310,8 @@ def _fill_optimizer(cfg: dict, v: RunValues, problems: list[str]) -> None:
     if opt is None:
         return
     if not isinstance(opt, dict):
-        problems.append(f"optimizer: must be an object, file says {_fmt(opt)}")
+        problems.append(f"optimizer: must be an object, file says {_fmt(opt)}"  # a bare name: say how
+                        + (f"; write {{\"type\": {_fmt(opt)}}}" if isinstance(opt, str) else ""))
         return
     kind = str(opt.get("type", "")).lower()
     is_adam = kind in _ADAM_TYPES
@@ -334,7 +335,8 @@ def _fill_scheduler(cfg: dict, v: RunValues, problems: list[str]) -> None:
     if sched is None:
         return
     if not isinstance(sched, dict):
-        problems.append(f"scheduler: must be an object, file says {_fmt(sched)}")
+        problems.append(f"scheduler: must be an object, file says {_fmt(sched)}"  # a bare name: say how
+                        + (f"; write {{\"type\": {_fmt(sched)}}}" if isinstance(sched, str) else ""))
         return
     params = sched.get("params")
     fill_missing = _SCHED_FILL_MISSING.get(str(sched.get("type", "")).lower(), ())
@@ -570,10 +572,10 @@ def fill_ds_config(template: dict, values: RunValues, source: str) -> dict:
     _fill_precision(cfg, values, problems)
     _fill_zero(cfg, values, problems)
     leftovers: list[str] = []
-    _leftover_autos(cfg, "", leftovers)
+    _leftover_autos({k: v for k, v in cfg.items() if k in KNOWN_TOP_LEVEL_KEYS}, "", leftovers)  # others: named
     problems += [f"{p}: \"auto\" is not a type dstrain chooses; name one, or remove the {p[:-5]} block (the run's "
                  "own is used then)" if p in ("optimizer.type", "scheduler.type") else
-                 f"{p}: \"auto\" is not a value dstrain can fill (DeepSpeed would silently drop it); set it explicitly"
+                 f"{p}: \"auto\" is not a value dstrain can fill (DeepSpeed itself keeps the text \"auto\"); set it explicitly"
                  for p in leftovers]
     if problems:
         raise problems.error(source)

@@ -262,10 +262,23 @@ def canonical_forms(cfg: dict) -> dict:
     return out
 
 
+def nests_ds_config(data) -> bool:
+    """A top-level ``"deepspeed"`` object holding DeepSpeed's own top-level keys (not dstrain's deepspeed section)."""
+    from dstrain.config import DeepSpeedConfig
+    inner = data.get("deepspeed") if isinstance(data, dict) else None
+    return isinstance(inner, dict) and any(k in KNOWN_TOP_LEVEL_KEYS and k not in DeepSpeedConfig.__dataclass_fields__
+                                           for k in inner)
+
+
 def _top_level_problems(cfg: dict) -> list[str]:
     problems = []
     for key in cfg:
         if key in KNOWN_TOP_LEVEL_KEYS:
+            continue
+        if key == "deepspeed" and nests_ds_config(cfg):
+            problems.append("top-level key 'deepspeed' holds a DeepSpeed config one level down (as a trainer's "
+                            "YAML-to-JSON dump nests it); DeepSpeed reads only top-level keys and would silently "
+                            "ignore it: move its keys to the top level")
             continue
         if key in REMOVED_TOP_LEVEL_KEYS:
             problems.append(f"top-level key {key!r} is no longer supported: {REMOVED_TOP_LEVEL_KEYS[key]}")

@@ -323,6 +323,8 @@ def _optimizer_problems(cfg: dict, device_type: str, problems: list[str]) -> Non
         close = difflib.get_close_matches(name, known, n=1) or [k for k in known if k.lower() == kind]
         hint = f" (did you mean {close[0]!r}?" + (" names of torch.optim classes are case-sensitive)"
                                                   if close and close[0].lower() == kind else ")") if close else ""
+        if "." in name and (tail := name.rpartition(".")[2]) in known:  # "torch.optim.AdamW": a module path
+            hint = f" (write {tail!r}: DeepSpeed looks the bare class name up itself)"
         problems.append(f"optimizer.type: {name!r} is neither one of DeepSpeed's optimizers nor a torch.optim "
                         f"class{hint}; DeepSpeed would fail at start-up")
         return
@@ -395,6 +397,8 @@ def _scheduler_problems(cfg: dict, problems: list[str]) -> None:
         same = [n for n in [*ours, *torch_classes] if n.lower() == name.lower()]
         close = same or difflib.get_close_matches(name, [*ours, *torch_classes], n=1)
         hint = f" (did you mean {close[0]!r}?{' the names are case-sensitive' if same else ''})" if close else ""
+        if "." in name and (tail := name.rpartition(".")[2]) in [*ours, *torch_classes]:  # a module path
+            hint = f" (write {tail!r}: DeepSpeed looks the bare class name up itself)"
         problems.append(f"scheduler.type: {name!r} is neither one of DeepSpeed's schedulers ({', '.join(ours)}) nor "
                         f"a torch.optim.lr_scheduler class{hint}; DeepSpeed would stop at start-up")
         return
