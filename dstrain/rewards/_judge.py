@@ -135,6 +135,7 @@ def _make_trust(snapshot: dict, modules: dict | None = None, codes: dict | None 
     heap, immutable = 1 << 9, 1 << 8  # Py_TPFLAGS_HEAPTYPE, Py_TPFLAGS_IMMUTABLETYPE
     absent, proxy = object(), types.MappingProxyType
     scalars = (int, float, complex, bool, str, bytes, type(None))
+    rebound_at_fork = ("threading",)  # modules whose objects os.register_at_fork callbacks replace
     module_dict = type(_judge_sys).__dict__["__dict__"].__get__
     module_named = {rec[2]: rec for rec in (modules or {}).values()}
     module_by_id = {id(rec[0]): rec for rec in (modules or {}).values()}
@@ -162,8 +163,10 @@ def _make_trust(snapshot: dict, modules: dict | None = None, codes: dict | None 
                     return False
             elif v is not was and issubclass(type(was), code_kinds):  # (isinstance would read ``__class__``)
                 return False
-            elif caches and v is not was and not (type(was) in scalars and type(v) in scalars):  # (a number or
-                return False  # a string may change: a counter; an object or a pattern a module keeps may not)
+            elif caches and v is not was and not (type(was) in scalars and type(v) in scalars) and (
+                    name not in rebound_at_fork or type(was) is dict):  # (a number or a string may change: a
+                return False  # counter; an object or a pattern a module keeps may not; threading rebinds its sets
+                # and locks in every forked child, its private dicts it clears in place)
             elif depth and type(v) is types.ModuleType and v is not rec[0]:
                 inner = module_by_id.get(id(v))
                 if inner is not None and inner[0] is v and not module_intact(inner[2], depth - 1):
