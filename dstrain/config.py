@@ -27,6 +27,8 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 """torch.compile modes ``train.compile_mode`` accepts."""
 COMPILE_SCOPES = ("auto", "model", "regions")
 """What ``train.compile_scope`` may name (see dstrain.engine.compiling)."""
+ATTENTION_BACKENDS = ("auto", "cudnn")
+"""``train.attention_backend`` values: PyTorch's own SDPA order, or cuDNN's kernels first."""
 
 
 def compile_kwargs(mode: str) -> dict:
@@ -124,10 +126,8 @@ class TrainConfig:
     HRM's H and L modules: far less to compile; see dstrain.engine.compiling). auto: regions where the
     model names them and compile_mode records no CUDA graphs, else model."""
     attention_backend: str = "auto"
-    """Kernel order of the models' ``F.scaled_dot_product_attention`` (GPT, HRM, Hugging Face policies):
-    auto (PyTorch's own: FlashAttention-2 first on CUDA) | cudnn (cuDNN's fused attention first, falling back
-    in PyTorch's order where it cannot serve; reported 1.7-2.3x faster than FlashAttention-2 on Hopper,
-    not yet measured by dstrain). See dstrain.ops.attention.sdpa_priority."""
+    """Kernel order of the models' ``F.scaled_dot_product_attention``: auto (PyTorch's own) | cudnn (cuDNN's
+    fused attention first, then PyTorch's order; see dstrain.ops.attention.sdpa_priority)."""
     optimizer: str = "auto"
     """Optimizer implementation: auto | torch_fused | torch_foreach | deepspeed. auto: PyTorch's fused AdamW
     on CUDA, its foreach AdamW on CPU, DeepSpeed's CPU Adam under optimizer offload (see dstrain.engine.optim)."""
@@ -443,8 +443,8 @@ def validate(cfg: RunConfig, source: str) -> None:
            f"must be one of {', '.join(COMPILE_MODES)}, got {json.dumps(t.compile_mode)}")
     _check(t.compile_scope in COMPILE_SCOPES, source, "train.compile_scope",
            f"must be one of {', '.join(COMPILE_SCOPES)}, got {json.dumps(t.compile_scope)}")
-    _check(t.attention_backend in ("auto", "cudnn"), source, "train.attention_backend",
-           f"must be auto or cudnn, got {json.dumps(t.attention_backend)}")
+    _check(t.attention_backend in ATTENTION_BACKENDS, source, "train.attention_backend",
+           f"must be {' or '.join(ATTENTION_BACKENDS)}, got {json.dumps(t.attention_backend)}")
     _check(t.optimizer in ("auto", "torch_fused", "torch_foreach", "deepspeed"), source, "train.optimizer",
            f"must be auto, torch_fused, torch_foreach or deepspeed, got {t.optimizer!r}")
     _check(t.optimizer_type in ("adamw", "adam_atan2"), source, "train.optimizer_type",

@@ -235,10 +235,6 @@ def merge_attention(pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[to
     return out.to(dtype), lse
 
 
-#: ``train.attention_backend`` values: PyTorch's own SDPA order, or cuDNN's kernels first.
-ATTENTION_BACKENDS = ("auto", "cudnn")
-
-
 def sdpa_priority(backend: str):
     """A context in which ``F.scaled_dot_product_attention`` tries ``backend``'s kernels first.
 
@@ -249,6 +245,8 @@ def sdpa_priority(backend: str):
     context. The dilated attention path calls its kernels directly and is not affected.
     """
     import contextlib
+
+    from dstrain.config import ATTENTION_BACKENDS
     if backend == "auto":
         return contextlib.nullcontext()
     if backend not in ATTENTION_BACKENDS:
