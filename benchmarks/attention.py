@@ -11,7 +11,9 @@ ones (CUDA: events around each call; CPU: ``perf_counter``). Inputs ``[1, heads,
 (laid out ``[1, N, heads, dim]`` in memory as a model produces them, ``--layout``), causal;
 bf16 on CUDA, fp32 on CPU (``--dtype``). Dense is
 ``F.scaled_dot_product_attention(is_causal=True)`` (flash kernels on both devices);
-dilated is ``dstrain.ops.dilated.dilated_attention`` with the given branches.
+dilated is ``dstrain.ops.dilated.dilated_attention`` with the given branches; ``--dilated-backend cudnn``
+runs its branches on cuDNN's fused attention instead of FlashAttention-2 (as ``train.attention_backend``
+does in training; the dense baseline keeps PyTorch's default).
 
 Memory: on CUDA ``extra_bytes`` = ``torch.cuda.max_memory_allocated`` during the step
 minus the bytes allocated before it (q, k, v); on CPU the RSS high-water mark
@@ -51,11 +53,13 @@ def _point(method: str, n: int, a) -> dict:
     import torch.nn.functional as F
 
     sys.path.insert(0, str(ROOT))
+    from dstrain.ops.attention import sdpa_priority
     from dstrain.ops.dilated import dilated_attention, make_branches
 
     cuda = a.device == "cuda"
     torch.set_num_threads(a.threads)
     dtype = getattr(torch, a.dtype)
+    backend = a.dilated_backend if method == "dilated" else "auto"
     branches = make_branches(a.segments, a.rates)
     dev = torch.device(a.device)
     torch.randn(64, 64, device=dev) @ torch.randn(64, 64, device=dev)  # load kernels before the baseline
@@ -73,7 +77,7 @@ def _point(method: str, n: int, a) -> dict:
             return t
 
         ctx = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if count_saved else _Null()
-        with ctx:
+        with ctx, sdpa_priority(backend):
             if method == "dense":
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             else:
@@ -162,7 +166,7 @@ def _run_point(a, method: str, n: int) -> dict:
     cmd = [sys.executable, __file__, "--point", method, str(n), "--device", a.device, "--dtype", a.dtype,
            "--heads", str(a.heads), "--dim", str(a.dim), "--segments", ",".join(map(str, a.segments)),
            "--rates", ",".join(map(str, a.rates)), "--repeats", str(a.repeats), "--threads", str(a.threads),
-           "--slow-dense", str(a.slow_dense), "--layout", a.layout]
+           "--slow-dense", str(a.slow_dense), "--layout", a.layout, "--dilated-backend", a.dilated_backend]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:
         return {"method": method, "n": n, "error": proc.stderr.strip().splitlines()[-1][-300:]}
@@ -248,6 +252,8 @@ def main(argv=None) -> int:
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--layout", choices=("bnhd", "bhnd"), default="bnhd",
                    help="memory layout of q, k, v and the output gradient (default: bnhd, as a model's)")
+    p.add_argument("--dilated-backend", choices=("auto", "cudnn"), default="auto",
+                   help="fused kernels of the dilated branches on CUDA: auto (FlashAttention-2) or cudnn")
     p.add_argument("--segments", default="2048,4096,8192")
     p.add_argument("--rates", default="1,2,4")
     p.add_argument("--repeats", type=int, help="timed runs per point (default: 5 on cuda, 3 on cpu)")
@@ -293,7 +299,7 @@ def main(argv=None) -> int:
               "command": "python benchmarks/attention.py " + shlex.join("OUT" if x.startswith("/") else x for x in argv),
               "versions": {"python": platform.python_version(), "torch": torch.__version__},
               "config": {"heads": a.heads, "dim": a.dim, "layout": a.layout, "segments": a.segments,
-                         "rates": a.rates,
+                         "rates": a.rates, "dilated_backend": a.dilated_backend,
                          "dtype": a.dtype, "causal": True, "batch": 1, "repeats": a.repeats},
               "memory_methods": {"extra_bytes": ("cuda: max_memory_allocated during the step minus the bytes "
                                                  "allocated before it (the inputs)" if a.device == "cuda" else
@@ -304,6 +310,7 @@ def main(argv=None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     name = "gpu" if a.device == "cuda" else "cpu"
+    name += "" if a.dilated_backend == "auto" else f"_{a.dilated_backend}"
     (out / f"attention_{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     _plot(result, out / f"attention_{name}.png")
     for row in summary["per_n"]:

@@ -8,6 +8,9 @@ never branch on the device (:func:`kernel_for` says which kernel runs):
   dtype (fp64 included), optional additive mask.
 * CUDA, fp16/bf16, head dim <= 256 and a multiple of 8: FlashAttention-2 through
   ``aten::_scaled_dot_product_flash_attention`` (+ ``_backward``).
+* CUDA, fp16/bf16, head dim <= 128 and a multiple of 8, inside ``sdpa_priority("cudnn")``: cuDNN's
+  fused attention, ``aten::_scaled_dot_product_cudnn_attention`` (+ ``_backward``); its lse has a
+  trailing unit dimension, dropped here and restored for the backward.
 * CUDA otherwise (fp32, other head dims): the memory-efficient kernel,
   ``aten::_scaled_dot_product_efficient_attention`` (+ ``_backward``), whose lse is
   padded to a multiple of 32 queries (sliced off here, padded back for the backward).
@@ -33,6 +36,7 @@ columns, ``[dO, 1, 0..]`` as output gradient and ``[O, -g, 0..]`` as output, zer
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -40,6 +44,8 @@ import torch.nn.functional as F
 
 _aten = torch.ops.aten
 _PAD = 8
+#: The fused CUDA kernel :func:`kernel_for` prefers for fp16/bf16 ("flash" or "cudnn"); set by :func:`sdpa_priority`.
+_preferred = ["flash"]
 
 
 def _unit_last(t: torch.Tensor) -> torch.Tensor:
@@ -47,28 +53,31 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
 
 
 def kernel_for(q: torch.Tensor, fused: bool = True, masked: bool = False) -> str:
-    """Which kernel the primitives use for ``q``: cpu | flash | efficient | math."""
+    """Which kernel the primitives use for ``q``: cpu | flash | cudnn | efficient | math."""
     if not fused:
         return "math"
     if q.device.type == "cpu":
         return "cpu"
     if q.device.type == "cuda" and not masked:
         if q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0:
-            return "flash"
+            # + _PAD: the lse-gradient columns of lse_grad_columns must fit the same kernel
+            return "cudnn" if _preferred[0] == "cudnn" and q.shape[-1] + _PAD <= 128 else "flash"
         return "efficient"
     return "math"
 
 
 def flash_forward(q, k, v, causal: bool = False, scale: float | None = None, fused: bool = True,
-                  mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  mask: torch.Tensor | None = None, kind: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention ``(out [B, H, M, D] in q's dtype, lse [B, H, M] in fp32, fp64 for fp64 inputs)``.
 
     ``mask``: optional additive ``[M, N]`` (or broadcastable) float mask of 0 / -inf; every
     query must keep at least one key. Causal masking aligns the last query with the last key.
+    ``kind``: the kernel (default :func:`kernel_for`); a caller that runs the backward later passes the
+    same ``kind`` to :func:`flash_backward`, since the preference may have changed in between.
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
-    kind = kernel_for(q, fused, mask is not None)
+    kind = kind or kernel_for(q, fused, mask is not None)
     if kind == "cpu":
         out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, attn_mask=None if mask is None else mask.to(q.dtype), scale=scale)
@@ -77,6 +86,9 @@ def flash_forward(q, k, v, causal: bool = False, scale: float | None = None, fus
         # debug_attn_mask); without dropout or varlen the backward needs only output and logsumexp.
         res = _aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
         out, lse = res[0], res[1]
+    elif kind == "cudnn":
+        res = _aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
+        out, lse = res[0], res[1].reshape(q.shape[:-1])  # [B, H, M, 1] -> [B, H, M]
     elif kind == "efficient":
         out, lse = _aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal,
                                                                   scale=scale)[:2]
@@ -87,11 +99,11 @@ def flash_forward(q, k, v, causal: bool = False, scale: float | None = None, fus
 
 
 def flash_backward(dout, q, k, v, out, lse, causal: bool = False, scale: float | None = None,
-                   fused: bool = True, mask: torch.Tensor | None = None):
+                   fused: bool = True, mask: torch.Tensor | None = None, kind: str | None = None):
     """``(dq, dk, dv)`` for output gradient ``dout``, given the (possibly merged) ``out`` and ``lse``."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     q, k, v, out, dout = (_unit_last(t) for t in (q, k, v, out, dout.to(out.dtype)))
-    kind = kernel_for(q, fused, mask is not None)
+    kind = kind or kernel_for(q, fused, mask is not None)
     if kind == "cpu":
         lse_t = torch.float64 if q.dtype == torch.float64 else torch.float32
         return _aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -104,6 +116,11 @@ def flash_backward(dout, q, k, v, out, lse, causal: bool = False, scale: float |
         return _aten._scaled_dot_product_flash_attention_backward(
             dout, q, k, v, out, lse.float().contiguous(), None, None, m, n, 0.0, causal, no_rng, no_rng,
             scale=scale)
+    if kind == "cudnn":  # no dropout, bias or varlen: those arguments undefined
+        m, n = q.shape[-2], k.shape[-2]
+        return _aten._scaled_dot_product_cudnn_attention_backward(
+            dout, q, k, v, out, lse.float().unsqueeze(-1).contiguous(), None, None, None, None, None, m, n, 0.0,
+            causal, scale=scale)
     if kind == "efficient":
         lse_p = F.pad(lse.float(), (0, (-lse.shape[-1]) % 32)).contiguous()
         seed = torch.zeros((), dtype=torch.int64, device=q.device)
@@ -169,9 +186,10 @@ class _AttentionWithLse(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal: bool, scale: float, mask, fused: bool):
-        out, lse = flash_forward(q, k, v, causal, scale, fused, mask)
+        kind = kernel_for(q, fused, mask is not None)
+        out, lse = flash_forward(q, k, v, causal, scale, fused, mask, kind)
         ctx.save_for_backward(q, k, v, out, lse, mask)
-        ctx.causal, ctx.scale, ctx.fused = causal, scale, fused
+        ctx.causal, ctx.scale, ctx.fused, ctx.kind = causal, scale, fused, kind
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -181,11 +199,11 @@ class _AttentionWithLse(torch.autograd.Function):
         if dout is None:
             dout = torch.zeros_like(out)
         if dlse is None:
-            dq, dk, dv = flash_backward(dout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.fused, mask)
+            dq, dk, dv = flash_backward(dout, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.fused, mask, ctx.kind)
             return dq, dk, dv, None, None, None, None
         d = q.shape[-1]
         grads = flash_backward(*lse_grad_columns(q, k, v, dout, out, dlse), lse, ctx.causal,
-                               ctx.scale, ctx.fused, mask)
+                               ctx.scale, ctx.fused, mask, ctx.kind)
         return (*(g[..., :d] for g in grads), None, None, None, None)
 
 
@@ -236,16 +254,16 @@ def merge_attention(pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[to
 
 
 def sdpa_priority(backend: str):
-    """A context in which ``F.scaled_dot_product_attention`` tries ``backend``'s kernels first.
+    """A context in which ``F.scaled_dot_product_attention`` and this module's primitives try ``backend``'s
+    kernels first.
 
     ``auto``: PyTorch's own order (FlashAttention-2 first on CUDA), nothing changed. ``cudnn``: cuDNN's
     fused attention first, then PyTorch's order, so shapes, dtypes or devices cuDNN cannot serve (the
     CPU among them) run as before (``sdpa_kernel(..., set_priority=True)``). The backward runs the
     kernel the forward chose; under ``torch.compile`` the choice is made while tracing, inside this
-    context. The dilated attention path calls its kernels directly and is not affected.
+    context. The primitives (dilated attention, ring attention) take cuDNN for fp16/bf16 inputs with
+    head dim <= 120 (:func:`kernel_for`), chosen when the forward runs.
     """
-    import contextlib
-
     from dstrain.config import ATTENTION_BACKENDS
     if backend == "auto":
         return contextlib.nullcontext()
@@ -254,4 +272,15 @@ def sdpa_priority(backend: str):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
              SDPBackend.MATH]
-    return sdpa_kernel(order, set_priority=True)
+    return _prefer("cudnn", sdpa_kernel(order, set_priority=True))
+
+
+@contextlib.contextmanager
+def _prefer(kernel: str, sdpa_context):
+    before = _preferred[0]
+    _preferred[0] = kernel
+    try:
+        with sdpa_context:
+            yield
+    finally:
+        _preferred[0] = before

@@ -32,7 +32,7 @@ from typing import Sequence
 
 import torch
 
-from dstrain.ops.attention import flash_backward, flash_forward, lse_grad_columns
+from dstrain.ops.attention import flash_backward, flash_forward, kernel_for, lse_grad_columns
 
 #: Elements of one gathered q (or k, v) group: about 128 MB of bf16 per tensor.
 GROUP_ELEMENTS = 1 << 26
@@ -134,6 +134,7 @@ class DilatedAttention(torch.autograd.Function):
         branches = _order(branches)
         full = branches[0][1] == 1
         lse_dtype = torch.promote_types(q.dtype, torch.float32)
+        kind = kernel_for(q, fused)  # one kernel for every branch, forward and backward
         if full:
             out = torch.empty_like(q)  # q's layout: [B, N, H, D] memory from a model's projections
             lse = torch.empty((b, h, n, 1), dtype=lse_dtype, device=q.device)
@@ -145,7 +146,7 @@ class DilatedAttention(torch.autograd.Function):
             for bi in range(b):
                 for a, e in _groups(n, w, h, d):
                     qs, ks, vs = (sel.read(t, bi, a, e) for t in (q, k, v))
-                    o_b, l_b = flash_forward(qs, ks, vs, causal, scale, fused)
+                    o_b, l_b = flash_forward(qs, ks, vs, causal, scale, fused, kind=kind)
                     if i == 0:
                         sel.update(out, bi, a, e, o_b)
                         sel.update(lse, bi, a, e, l_b.unsqueeze(-1))
@@ -158,6 +159,7 @@ class DilatedAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.set_materialize_grads(False)
         ctx.branches, ctx.causal, ctx.head_offset, ctx.scale, ctx.fused = branches, causal, head_offset, scale, fused
+        ctx.kind = kind
         return out, lse
 
     @staticmethod
@@ -179,7 +181,7 @@ class DilatedAttention(torch.autograd.Function):
                     args = (cut(dout), cut(q), cut(k), cut(v), cut(out))
                     if dlse4 is not None:  # extra head columns carry the lse gradient
                         args = lse_grad_columns(*args[1:4], args[0], args[4], cut(dlse4)[..., 0])
-                    grads = flash_backward(*args, cut(lse4)[..., 0], ctx.causal, ctx.scale, ctx.fused)
+                    grads = flash_backward(*args, cut(lse4)[..., 0], ctx.causal, ctx.scale, ctx.fused, kind=ctx.kind)
                     for g_full, g in zip((dq, dk, dv), grads):
                         sel.update(g_full, bi, a, e, g[..., :d], "copy" if i == 0 else "add")
         return dq, dk, dv, None, None, None, None, None

@@ -1,7 +1,8 @@
-"""Dilated attention on CUDA: flash (bf16) and efficient (fp32) kernels against independent references."""
+"""Dilated attention on CUDA: flash and cuDNN (bf16) and efficient (fp32) kernels against independent references."""
 import pytest
 import torch
 
+from dstrain.ops.attention import kernel_for, sdpa_priority
 from dstrain.ops.dilated import dilated_attention, make_branches
 from tests.dilated_reference import reference_dilated
 
@@ -19,19 +20,23 @@ def _grads(fn, q, k, v, up):
     return out.detach(), [t.grad for t in (q, k, v)]
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-4)])
+@pytest.mark.parametrize("dtype, tol, backend", [(torch.bfloat16, 2e-2, "auto"), (torch.float32, 1e-4, "auto"),
+                                                 (torch.bfloat16, 2e-2, "cudnn")])
 @pytest.mark.parametrize("segs, rates, n, heads, offset", [
     ([8, 16, 32], [1, 2, 4], 64, 4, 0),
     ([16, 32], [1, 2], 64, 3, 1),           # heads not a multiple of the rate: indexed selection
     ([64, 4], [2, 1], 32, 4, 1),             # N shorter than the largest segment (not a multiple of it)
     ([8, 16, 32], [1, 2, 4], 75, 4, 0),      # N the segments do not tile: padded at the end to 96
 ])
-def test_matches_brute_force_reference(dtype, tol, segs, rates, n, heads, offset):
+def test_matches_brute_force_reference(dtype, tol, backend, segs, rates, n, heads, offset):
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, up = (torch.randn(2, heads, n, 64, device="cuda", generator=g) for _ in range(4))
     branches = make_branches(segs, rates)
-    out, grads = _grads(lambda *t: dilated_attention(*t, branches, True, offset), *(x.to(dtype) for x in (q, k, v)),
-                        up)
+    expected = "efficient" if dtype == torch.float32 else {"auto": "flash", "cudnn": "cudnn"}[backend]
+    with sdpa_priority(backend):
+        assert kernel_for(q.to(dtype)) == expected
+        out, grads = _grads(lambda *t: dilated_attention(*t, branches, True, offset),
+                            *(x.to(dtype) for x in (q, k, v)), up)
     ref, ref_grads = _grads(lambda *t: reference_dilated(*t, segs, rates, True, offset), *(x.cpu().double()
                                                                                            for x in (q, k, v)),
                             up.cpu().double())
@@ -40,8 +45,9 @@ def test_matches_brute_force_reference(dtype, tol, segs, rates, n, heads, offset
         assert _rel(a.cpu(), b) < tol
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-4)])
-def test_long_sequence_matches_the_math_stand_in_with_lse_gradient(dtype, tol):
+@pytest.mark.parametrize("dtype, tol, backend", [(torch.bfloat16, 2e-2, "auto"), (torch.float32, 1e-4, "auto"),
+                                                 (torch.bfloat16, 2e-2, "cudnn")])
+def test_long_sequence_matches_the_math_stand_in_with_lse_gradient(dtype, tol, backend):
     """N = 8192 with the model's branch ladder: kernels against the fp32 math path, output, lse and grads."""
     g = torch.Generator(device="cuda").manual_seed(1)
     q, k, v, up = (torch.randn(1, 12, 8192, 64, device="cuda", generator=g) for _ in range(4))
@@ -54,7 +60,8 @@ def test_long_sequence_matches_the_math_stand_in_with_lse_gradient(dtype, tol):
         ((out.float() * up).sum() + (lse.float() * gl).sum()).backward()
         return out.detach().float(), lse.detach().float(), [t.grad.float() for t in x]
 
-    out, lse, grads = run(True, dtype)
+    with sdpa_priority(backend):
+        out, lse, grads = run(True, dtype)
     ref, ref_lse, ref_grads = run(False, torch.float32)
     assert _rel(out, ref) < tol and _rel(lse, ref_lse) < 1e-3
     for a, b in zip(grads, ref_grads):
@@ -62,7 +69,7 @@ def test_long_sequence_matches_the_math_stand_in_with_lse_gradient(dtype, tol):
 
 
 @pytest.mark.parametrize("dtype, kind, tol", [(torch.bfloat16, "flash", 2e-2), (torch.float16, "flash", 5e-3),
-                                              (torch.float32, "efficient", 1e-4)])
+                                              (torch.float32, "efficient", 1e-4), (torch.bfloat16, "cudnn", 2e-2)])
 @pytest.mark.parametrize("m", [40, 256])  # 40: the efficient kernel's lse is padded to 64 queries
 def test_primitives_backward_from_merged_out_and_lse(dtype, kind, tol, m):
     """The CUDA kernels honour an out/lse given from outside (ring-attention style): the backward of two
@@ -73,21 +80,23 @@ def test_primitives_backward_from_merged_out_and_lse(dtype, kind, tol, m):
     ref_out, ref_lse = flash_forward(q, k, v, fused=False)
     ref = flash_backward(dout, q, k, v, ref_out, ref_lse, fused=False)
     q, k, v, dout = (t.to(dtype) for t in (q, k, v, dout))
-    assert kernel_for(q) == kind
+    with sdpa_priority("cudnn" if kind == "cudnn" else "auto"):
+        assert kernel_for(q) == kind
     halves = [slice(0, m // 3), slice(m // 3, m)]
-    merged, lse = merge_attention([flash_forward(q, k[:, :, s], v[:, :, s]) for s in halves])
+    merged, lse = merge_attention([flash_forward(q, k[:, :, s], v[:, :, s], kind=kind) for s in halves])
     assert _rel(merged, ref_out) < tol and _rel(lse, ref_lse) < 1e-3
     dq = torch.zeros_like(q, dtype=torch.float32)
     for s in halves:
-        gq, gk, gv = flash_backward(dout, q, k[:, :, s], v[:, :, s], merged, lse)
+        gq, gk, gv = flash_backward(dout, q, k[:, :, s], v[:, :, s], merged, lse, kind=kind)
         dq += gq.float()
         assert _rel(gk, ref[1][:, :, s]) < tol and _rel(gv, ref[2][:, :, s]) < tol
     assert _rel(dq, ref[0]) < tol
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-4)])
+@pytest.mark.parametrize("dtype, tol, backend", [(torch.bfloat16, 2e-2, "auto"), (torch.float32, 1e-4, "auto"),
+                                                 (torch.bfloat16, 2e-2, "cudnn")])
 @pytest.mark.parametrize("causal", [True, False])
-def test_attention_with_lse_gradient_on_cuda(dtype, tol, causal):
+def test_attention_with_lse_gradient_on_cuda(dtype, tol, backend, causal):
     """attention_with_lse on CUDA kernels (the lse gradient through the extra head columns) against fp32 math."""
     from dstrain.ops.attention import attention_with_lse
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -100,5 +109,7 @@ def test_attention_with_lse_gradient_on_cuda(dtype, tol, causal):
         ((out.float() * up).sum() + (lse.float() * gl).sum()).backward()
         return [out.detach().float(), lse.detach().float()] + [t.grad.float() for t in x]
 
-    for a, b in zip(run(True, dtype), run(False, torch.float32)):
+    with sdpa_priority(backend):
+        fused = run(True, dtype)
+    for a, b in zip(fused, run(False, torch.float32)):
         assert _rel(a, b) < tol

@@ -239,13 +239,15 @@ def test_padded_length_is_the_shortest_that_tiles():
             tiles(m, make_branches([16, 12], [4, 3])) for m in range(n, p))
 
 
-@pytest.mark.parametrize("kind, dtype", [("flash", torch.bfloat16), ("efficient", torch.float32)])
+@pytest.mark.parametrize("kind, dtype", [("flash", torch.bfloat16), ("efficient", torch.float32),
+                                         ("cudnn", torch.bfloat16)])
 def test_cuda_kernel_calls_type_check_on_the_meta_device(monkeypatch, kind, dtype):
     """The CUDA path's aten calls (argument order, lse shapes and padding, the lse-gradient columns)
     run on meta tensors, whose kernels check signatures and infer shapes: a wrong call fails here
     without a GPU. Values are not computed; tests/gpu compares them with the reference."""
-    from dstrain.ops import attention
-    monkeypatch.setattr(attention, "kernel_for", lambda q, fused=True, masked=False: kind)
+    from dstrain.ops import attention, dilated_fused
+    for module in (attention, dilated_fused):
+        monkeypatch.setattr(module, "kernel_for", lambda q, fused=True, masked=False: kind)
     q, k, v = (torch.empty(1, 4096, 4, 64, device="meta", dtype=dtype).transpose(1, 2).requires_grad_()
                for _ in range(3))
     for with_lse in (False, True):
@@ -299,3 +301,26 @@ def test_one_call_dispatches_a_bounded_number_of_ops():
     with Count():
         dilated_attention(q, k, v, make_branches([16, 32, 64], [1, 2, 4])).backward(torch.randn(1, 4, 64, 8))
     assert Count.calls <= 260, Count.calls
+
+
+def test_cudnn_preference_for_the_primitives():
+    """sdpa_priority("cudnn") makes the primitives pick cuDNN for fp16/bf16 CUDA inputs whose head dim
+    leaves room for the lse-gradient columns; fp32, the CPU and wide heads keep their kernels; leaving the
+    context (also by an exception) restores the default."""
+    from types import SimpleNamespace
+
+    from dstrain.ops.attention import kernel_for, sdpa_priority
+
+    def cuda(dtype, d):
+        return SimpleNamespace(device=torch.device("cuda"), dtype=dtype, shape=(1, 2, 16, d))
+
+    with sdpa_priority("cudnn"):
+        assert kernel_for(cuda(torch.bfloat16, 64)) == kernel_for(cuda(torch.float16, 120)) == "cudnn"
+        assert kernel_for(cuda(torch.bfloat16, 128)) == "flash"
+        assert kernel_for(cuda(torch.float32, 64)) == "efficient"
+        assert kernel_for(torch.zeros(1, 2, 16, 64)) == "cpu"
+        assert kernel_for(cuda(torch.bfloat16, 64), fused=False) == "math"
+    assert kernel_for(cuda(torch.bfloat16, 64)) == "flash"
+    with pytest.raises(RuntimeError), sdpa_priority("cudnn"):
+        raise RuntimeError("inside")
+    assert kernel_for(cuda(torch.bfloat16, 64)) == "flash"
