@@ -8,7 +8,8 @@
 #                                                     with train.attention_backend=cudnn
 #   bash benchmarks/gpu_session.sh attention  [OUT]   # dilated vs dense 8k..1M; dilated LM at 32k and 1M
 #   bash benchmarks/gpu_session.sh hrm        [OUT]   # HRM sudoku size at batch 384: eager, compiled (regions,
-#                                                     whole model), CUDA graphs
+#                                                     whole model), CUDA graphs; the trainer with and without
+#                                                     its data worker (task.data_workers=0|1)
 #   bash benchmarks/gpu_session.sh all        [OUT]   # the four, one after the other (about 35 min)
 #   bash benchmarks/gpu_session.sh quick      [OUT]   # at most 9.5 min (one device call): the GPU tests that
 #        have not passed on a GPU yet (HRM trainer, grad-norm kernels, memory estimate, dilated attention),
@@ -62,7 +63,9 @@ run_part() {
     attention)
         step attention 300 python benchmarks/attention.py --device cuda \
             --lengths 8192,32768,131072,262144,524288,1048576 --repeats 5 --slope-from 32768 \
-            --out "$out/attention_gpu.json"
+            --out "$out"
+        step attention-cudnn 300 python benchmarks/attention.py --device cuda --dilated-backend cudnn \
+            --lengths 8192,32768,131072,262144,524288,1048576 --repeats 5 --slope-from 32768 --out "$out"
         step dilated-lm-32k 240 python benchmarks/throughput.py models/dilated_lm/recipes/small_32k.json \
             --profiles zero0 --plain once --compiled-baseline off --nproc 1 --steps 6 --warmup 2 \
             --train.grad_accum=1 --out "$out/throughput_gpu_dilated_small_32k.json"
@@ -79,6 +82,13 @@ run_part() {
             --device cuda --compile --compile-scope model --out "$out/hrm_speed_gpu_sudoku_compile_whole.json"
         step hrm-cuda-graphs 300 python benchmarks/hrm_speed.py --sizes sudoku --batch 384 --precision bf16 \
             --device cuda --compile --compile-mode reduce-overhead --out "$out/hrm_speed_gpu_sudoku_graphs.json"
+        # the trainer itself, batches built in the trainer (0) or in a worker process (1); needs the puzzle file
+        local puzzles=${DSTRAIN_DATA_DIR:-../shared/data}/sudoku_diabolical.txt
+        for w in 0 1; do
+            step hrm-trainer-workers-$w 200 python -m dstrain.cli launch --nproc 1 models/hrm/recipes/sudoku_extreme.json \
+                --task.train_file="$puzzles" --task.data_workers=$w --train.steps=150 --train.log_every=25 \
+                --train.eval_every=0 --checkpoint.every=0 --output.progress=false --output.dir="$out/hrm_trainer_w$w"
+        done
         ;;
     quick)
         local timed="" other=""  # CPU sets, where taskset works

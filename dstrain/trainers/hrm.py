@@ -14,6 +14,7 @@ Evaluation runs every held-out puzzle for ``halt_max_steps`` segments.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
 from pathlib import Path
@@ -27,6 +28,7 @@ from dstrain.trainers.common import (CheckpointSaver, RunGuards, StopFlag, decid
                                      pin_plan, plan_and_record)
 from dstrain.config import ConfigError, RunConfig, RunFolderError
 from dstrain.data import sudoku
+from dstrain.data.prefetch import StepPrefetcher
 from dstrain.engine.factory import create_engine
 from dstrain.metrics import RunLogger, reduce_mean
 from dstrain.optim.ema import EMA
@@ -132,6 +134,10 @@ class HRMTrainer:
         runtime.seed_everything(cfg.train.seed + 7919 * (self.world.rank + 1))  # per-rank exploration
         self.carry: dict | None = None
         self._prefetched: dict[int, dict] = {}
+        workers = self.task.data_workers if self.task.data_workers >= 0 else int(self.device.type == "cuda")
+        self._batches = StepPrefetcher(functools.partial(
+            self.train_set.local_batch, global_batch=self.global_batch, rank=self.world.rank,
+            world_size=self.world.world_size)) if workers else None
         self.start_step = 0
         if resume_tag is not None:
             self._resume(resume_tag)
@@ -180,7 +186,8 @@ class HRMTrainer:
 
     def _fetch(self, step: int) -> dict:
         """Step ``step``'s new puzzles, on the device (copied without waiting, from pinned memory on GPUs)."""
-        b = self.train_set.local_batch(step, self.global_batch, self.world.rank, self.world.world_size)
+        b = self._batches.get(step) if self._batches is not None else \
+            self.train_set.local_batch(step, self.global_batch, self.world.rank, self.world.world_size)
         pin = self.device.type == "cuda"
         out = {}
         for key, array in (("inputs", b.inputs), ("labels", b.labels), ("groups", b.groups)):
@@ -307,6 +314,8 @@ class HRMTrainer:
             self.guards.phase("save", step)
             self.saver.wait()
         finally:
+            if self._batches is not None:
+                self._batches.close()
             self.guards.close()
             log.close()
         summary = {"step": step, "val_loss": val["loss"] if val else None,

@@ -44,6 +44,10 @@ class HRMTaskConfig:
     """Decay of an exponential moving average of the dense weights (0: off; the TRM paper uses
     0.999). When on, evaluation and checkpoint reports use the average
     (:class:`dstrain.optim.ema.EMA`), and ``val_raw/`` metrics score the trained weights beside it."""
+    data_workers: int = -1
+    """Worker processes that build the next batches while the device steps (``dstrain.data.prefetch``):
+    0 builds them in the trainer, between steps; 1 in one worker; -1 (auto): 1 on GPUs, 0 on CPUs
+    (where a worker would take a core from the kernels). The batches are the same either way."""
     time_limit_s: float = 0.0
     """Stop (checkpoint, evaluate, leave) at the first log step after this many seconds of
     training (0: no limit); with ``train.min_lr_ratio = 1`` the schedule does not depend on it."""
@@ -62,6 +66,8 @@ class HRMTaskConfig:
                      "time_limit_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"task.{name} must not be negative, got {getattr(self, name)}")
+        if isinstance(self.data_workers, bool) or self.data_workers not in (-1, 0, 1):
+            raise ValueError(f"task.data_workers must be -1 (auto), 0 or 1, got {self.data_workers!r}")
         if not 0.0 <= self.ema < 1.0:
             raise ValueError(f"task.ema must be within [0, 1) (0: off), got {self.ema}")
         clues = {4: 4, 6: 8, 9: 17}  # fewest clues of a uniquely solvable grid

@@ -49,7 +49,7 @@ def test_two_rank_hrm_run_learns_logs_and_resumes(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["global_batch"] == 16 and summary["val_loss"] > 0
 
-    launch(out, 34, "--checkpoint.every=0", "--resume")
+    launch(out, 34, "--checkpoint.every=0", "--resume", "--task.data_workers=1")  # batches from a worker process
     assert max(harness.metrics(out, "train/loss")) == 34
     assert json.loads((out / "summary.json").read_text())["step"] == 34
     ema = torch.load(out / "checkpoints" / "step_00000034" / "hrm" / "ema.pt", weights_only=True)

@@ -37,6 +37,7 @@ def test_shipped_recipes_validate(recipe):
     ("--task.mask_givens=1", "task.mask_givens", "expected true or false"),
     ("--task.global_batch=-4", "task", "global_batch must not be negative"),
     ("--task.grid=5", "task", "grid must be 4, 6 or 9"),
+    ("--task.data_workers=4", "task", "data_workers must be -1"),
 ])
 def test_bad_task_settings_name_the_key(override, key, message):
     with pytest.raises(ConfigError, match=message) as err:
