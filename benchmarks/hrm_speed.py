@@ -42,7 +42,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dstrain.config import COMPILE_MODES, compile_kwargs, copy_graph_outputs, records_cuda_graphs  # noqa: E402
+from dstrain.config import COMPILE_MODES  # noqa: E402
+from dstrain.engine.compiling import compile_kwargs, copy_graph_outputs, records_cuda_graphs  # noqa: E402
 from dstrain.data import sudoku  # noqa: E402
 from dstrain.optim.sparse_sign_sgd import SparseEmbedding, SparseSignSGD  # noqa: E402
 from models import registry  # noqa: E402

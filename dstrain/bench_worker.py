@@ -40,7 +40,7 @@ def _plain_step_fn(model, cfg, precision, device, world, compiled: bool = False)
     ddp = world > 1
     groups = param_groups(model, t.weight_decay)
     if compiled:
-        from dstrain.config import compile_kwargs
+        from dstrain.engine.compiling import compile_kwargs
         model = torch.compile(model, **compile_kwargs(t.compile_mode))
     if ddp:
         ids = [device.index] if device.type == "cuda" else None

@@ -14,7 +14,28 @@ from __future__ import annotations
 
 from typing import Callable
 
-from dstrain.config import ConfigError, RunConfig, compile_kwargs, records_cuda_graphs
+from dstrain.config import ConfigError, RunConfig
+
+
+def compile_kwargs(mode: str) -> dict:
+    """torch.compile's keyword arguments for ``train.compile_mode``: static shapes, and ``mode``
+    unless it is "default" (then torch.compile's own default)."""
+    return {"dynamic": False, **({} if mode == "default" else {"mode": mode})}
+
+
+def records_cuda_graphs(mode: str) -> bool:
+    """Whether torch.compile's ``mode`` replays CUDA graphs, whose outputs live in the graphs' memory
+    pool and are overwritten by the next run: a caller keeping an output (a recurrent carry, a loss
+    read later) must copy it first."""
+    return mode in ("reduce-overhead", "max-autotune")
+
+
+def copy_graph_outputs(out):
+    """``out`` (a tensor, or tuples, lists and dicts of them) with every tensor copied: what a caller
+    keeps of a CUDA-graph replay's outputs (:func:`records_cuda_graphs`)."""
+    import torch
+    from torch.utils._pytree import tree_map
+    return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, out)
 
 
 def compile_choice(cfg: RunConfig, device_type: str, pipeline: bool) -> tuple[bool, str]:

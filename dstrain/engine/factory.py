@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from dstrain.config import RunConfig, TrainConfig, copy_graph_outputs, records_cuda_graphs
+from dstrain.config import RunConfig, TrainConfig
 from dstrain.comms import comms_sections
 from dstrain.engine import compiling, cuda_env
 from dstrain.engine import ds_config as dsc
@@ -382,7 +382,7 @@ class Engine:
         """Optimizer updates taken (skipped ones not counted)."""
         self.last_step_taken = True
         """Whether the last optimizer step's update was taken (False: skipped under train.nonfinite=skip)."""
-        self._graphs = plan.compile and records_cuda_graphs(plan.compile_mode)
+        self._graphs = plan.compile and compiling.records_cuda_graphs(plan.compile_mode)
         self._norm_guard = False  # the non-finite guard reads the kept norm (set by watch)
         self._attention = lambda: sdpa_priority(plan.attention_backend)  # noqa: E731 - a fresh context per forward
 
@@ -411,7 +411,7 @@ class Engine:
         with self._attention():
             out = self.ds(*args, **kwargs)
         # CUDA graphs: the next replay overwrites these (a recurrent carry, a loss logged later)
-        return copy_graph_outputs(out) if self._graphs else out
+        return compiling.copy_graph_outputs(out) if self._graphs else out
 
     @property
     def module(self) -> torch.nn.Module:
