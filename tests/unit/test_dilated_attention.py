@@ -303,6 +303,30 @@ def test_one_call_dispatches_a_bounded_number_of_ops():
     assert Count.calls <= 260, Count.calls
 
 
+@pytest.mark.parametrize("b", [1, 2])
+def test_first_branch_results_are_not_copied(b):
+    """Inputs laid out as a model's projections ([B, N, H, D] memory), every segment of every row in one
+    call: the r = 1 branch's kernel output and input gradients become the full output and gradients, with
+    no full-size copy (before: one for the output, three for the gradients). Values: the brute-force tests
+    above, which cover both layouts and batch sizes."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class FullCopies(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ == "copy_" and args[0].numel() * b >= q.numel():  # a row or more
+                FullCopies.count += 1
+            return func(*args, **(kwargs or {}))
+
+    c = dict(n=64, segs=[16, 32, 64], rates=[1, 2, 4], b=b, h=4, d=8, causal=True, head_offset=0, seed=5)
+    q, k, v = _inputs(c, torch.float32, seq_major=True)
+    with FullCopies():
+        dilated_attention(q, k, v, make_branches(c["segs"], c["rates"])).backward(
+            torch.randn(b, 64, 4, 8).transpose(1, 2))
+    assert FullCopies.count == 0
+
+
 def test_cudnn_preference_for_the_primitives():
     """sdpa_priority("cudnn") makes the primitives pick cuDNN for fp16/bf16 CUDA inputs whose head dim
     leaves room for the lse-gradient columns; fp32, the CPU and wide heads keep their kernels; leaving the
