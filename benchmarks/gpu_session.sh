@@ -11,13 +11,17 @@
 #                                                     whole model), CUDA graphs; the trainer with and without
 #                                                     its data worker (task.data_workers=0|1)
 #   bash benchmarks/gpu_session.sh all        [OUT]   # the four, one after the other (about 35 min)
-#   bash benchmarks/gpu_session.sh quick      [OUT]   # at most 9.5 min (one device call): the GPU tests that
-#        have not passed on a GPU yet (HRM trainer, grad-norm kernels, memory estimate, dilated attention),
-#        HRM eager and compiled, attention 8k..128k; tests/unit with CUDA visible beside them on the other
-#        cores (xdist -n 6; the timed steps keep 0-7). GPT large throughput is the engine part.
+#   bash benchmarks/gpu_session.sh quick      [OUT]   # at most 9.5 min (one device call): tests/gpu's dilated file
+#        (flash and cuDNN), the HRM trainer test, grad-norm kernels, cuDNN GPT, memory estimate; the HRM trainer with
+#        its data worker (needs sudoku_diabolical.txt in $DSTRAIN_DATA_DIR or ../shared/data); dilated attention with
+#        cuDNN branches 32k..1M; the small dilated LM at 32k with cuDNN; tests/unit with CUDA visible beside them on
+#        the other cores (xdist -n 6; the timed steps keep 0-7). GPT large throughput is the engine part.
 # Measured on one H100 (2026-11-26): the machine started in about 30 s; tests/unit with CUDA visible took
 # 62 s on 8 cores; all of tests/gpu did not finish in 210 s at -n 4 (test_engine_gpu.py's five compiled
 # GPT trainings); the engine part with zero0,zero2 needs about 230 s (55 s per job, compilation included).
+# Later that day: 150 steps of the HRM recipe through the trainer took 86 s (compilation and data included),
+# attention.py at 8k/32k/128k with 3 repeats 57-59 s, the cuDNN tests of test_dilated_gpu.py 23 s, and one
+# compiled GPT large job ran past 110 s with cold Inductor caches.
 #
 # A failing step is logged and the part goes on with the next one; the exit status is the number
 # of steps that failed. The JSON files name the device, the versions and the command themselves.
@@ -96,17 +100,20 @@ run_part() {
         ( OMP_NUM_THREADS=1 timeout 360 $other python -m pytest -q -p no:cacheprovider -n 6 tests/unit \
             >"$out/unit_cuda_visible.log" 2>&1; echo "unit tests exit $?" >>"$out/unit_cuda_visible.log" ) &
         local unit=$!
-        step gpu-tests 260 $timed python -m pytest -q -p no:cacheprovider -n 3 --dist loadfile -rfE \
-            "tests/gpu/test_trainers_gpu.py::test_trainer_runs_on_one_gpu[hrm]" tests/gpu/test_dilated_gpu.py \
+        step gpu-tests 150 $timed python -m pytest -q -p no:cacheprovider -n 3 --dist loadfile -rfE \
+            tests/gpu/test_dilated_gpu.py "tests/gpu/test_trainers_gpu.py::test_trainer_runs_on_one_gpu[hrm]" \
             tests/gpu/test_engine_gpu.py::test_grad_norm_kernels_on_cuda \
             tests/gpu/test_engine_gpu.py::test_cudnn_attention_backend_runs_cudnn_and_matches \
             tests/gpu/test_engine_gpu.py::test_memory_estimate_within_ten_percent
-        step attention 70 $timed python benchmarks/attention.py --device cuda --lengths 8192,32768,131072 \
-            --repeats 3 --out "$out"
-        step hrm-eager 50 $timed python benchmarks/hrm_speed.py --sizes sudoku --batch 384 --precision bf16 \
-            --device cuda --steps 6 --out "$out/hrm_speed_gpu_sudoku.json"
-        step hrm-compiled 120 $timed python benchmarks/hrm_speed.py --sizes sudoku --batch 384 --precision bf16 \
-            --device cuda --steps 6 --compile --out "$out/hrm_speed_gpu_sudoku_compile.json"
+        local puzzles=${DSTRAIN_DATA_DIR:-../shared/data}/sudoku_diabolical.txt
+        step hrm-trainer-worker 110 $timed python -m dstrain.cli launch --nproc 1 models/hrm/recipes/sudoku_extreme.json \
+            --task.train_file="$puzzles" --task.data_workers=1 --train.steps=150 --train.log_every=25 \
+            --train.eval_every=0 --checkpoint.every=0 --output.progress=false --output.dir="$out/hrm_trainer_w1"
+        step attention-cudnn 110 $timed python benchmarks/attention.py --device cuda --dilated-backend cudnn \
+            --lengths 32768,131072,524288,1048576 --repeats 3 --slope-from 32768 --out "$out"
+        step dilated-lm-32k-cudnn 150 $timed python benchmarks/throughput.py models/dilated_lm/recipes/small_32k.json \
+            --profiles zero0 --plain once --compiled-baseline off --nproc 1 --steps 6 --warmup 2 --train.grad_accum=1 \
+            --train.attention_backend=cudnn --out "$out/throughput_gpu_dilated_small_32k_cudnn.json"
         wait "$unit"
         tail -3 "$out/unit_cuda_visible.log" | tee -a "$log"
         grep -q "unit tests exit 0" "$out/unit_cuda_visible.log" || failed=$((failed + 1))
