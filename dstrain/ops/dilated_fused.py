@@ -36,7 +36,8 @@ from typing import Sequence
 
 import torch
 
-from dstrain.ops.attention import flash_backward, flash_forward, kernel_for, lse_grad_columns
+from dstrain.ops import attention
+from dstrain.ops.attention import flash_backward, flash_forward, lse_grad_columns
 
 #: Elements of one gathered q (or k, v) group: about 128 MB of bf16 per tensor.
 GROUP_ELEMENTS = 1 << 26
@@ -202,7 +203,7 @@ class DilatedAttention(torch.autograd.Function):
         branches = _order(branches)
         full = branches[0][1] == 1
         lse_dtype = torch.promote_types(q.dtype, torch.float32)
-        kind = kernel_for(q, fused)  # one kernel for every branch, forward and backward
+        kind = attention.kernel_for(q, fused)  # one kernel for every branch, forward and backward
         first = _whole_first_forward(q, k, v, branches, causal, scale, fused, kind) if full else None
         if first is not None:  # the r == 1 branch done as one call; the others merge into its result
             out, lse, start = *first, 1

@@ -245,9 +245,8 @@ def test_cuda_kernel_calls_type_check_on_the_meta_device(monkeypatch, kind, dtyp
     """The CUDA path's aten calls (argument order, lse shapes and padding, the lse-gradient columns)
     run on meta tensors, whose kernels check signatures and infer shapes: a wrong call fails here
     without a GPU. Values are not computed; tests/gpu compares them with the reference."""
-    from dstrain.ops import attention, dilated_fused
-    for module in (attention, dilated_fused):
-        monkeypatch.setattr(module, "kernel_for", lambda q, fused=True, masked=False: kind)
+    from dstrain.ops import attention
+    monkeypatch.setattr(attention, "kernel_for", lambda q, fused=True, masked=False: kind)
     q, k, v = (torch.empty(1, 4096, 4, 64, device="meta", dtype=dtype).transpose(1, 2).requires_grad_()
                for _ in range(3))
     for with_lse in (False, True):
