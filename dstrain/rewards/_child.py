@@ -80,7 +80,9 @@ _UNAUDITED = (("posix", "os", ("pidfd_open", "mknod", "mkfifo", "setpriority", "
               # gc.set_debug(DEBUG_SAVEALL) puts every unreachable object in gc.garbage, frames of the audit
               # hook included (their globals and closures are the judge's); the profile function the judge
               # sets while a test's operation runs must stay out of reach
-              ("gc", "gc", ("set_debug",)), ("sys", "sys", ("getprofile", "gettrace")))
+              ("gc", "gc", ("set_debug",)), ("sys", "sys", ("getprofile", "gettrace")),
+              ("_codecs", "codecs", ("register", "register_error")))  # (the program's codec or error handler
+# would run inside a test's C call, ``codecs.encode``, where no profile guard watches)
 # Descriptor owners that get SIGIO (or any signal ``F_SETSIG`` picks, SIGKILL too) when I/O is ready: a signal
 # to any process of the same uid (or any, for euid 0) with no kill event (F_SETOWN, F_SETSIG, F_SETOWN_EX; ioctl
 # FIOSETOWN, SIOCSPGRP).
@@ -539,7 +541,7 @@ def _execute(job: dict, result_fd: int, isolation: str, max_processes: int) -> N
         if p:
             roots.add(os.path.realpath(p))
     global _SNAPSHOT
-    if _SNAPSHOT is None:  # the fork server took it once, before forking
+    if _load_imported(job) or _SNAPSHOT is None:  # noqa: F821  (the fork server took it once, before forking)
         _SNAPSHOT = _type_snapshot()  # noqa: F821
     prepared = []
     for src in job["tests"]:

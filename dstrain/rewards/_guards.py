@@ -38,12 +38,23 @@ def _run_setup(ns: dict, tools: tuple) -> None:
     module, steps, fixed = tools[8], tools[10], tools[11]
     if type(steps) is not list:
         raise steps  # (its SyntaxError, reported as the setup's)
-    for code, names in steps:
+    loaded = {rec[2]: rec for rec in _SNAPSHOT[1].values()}  # noqa: F821  (_judge.py)
+    for code, names, imports in steps:
         _str_keys_only(ns)
         dict.__setitem__(ns, "__builtins__", module)
         exec(code, ns)
         _str_keys_only(ns)
         fixed.update((k, v) for k, v in dict.items(ns) if k in names)
+        # an import binds the module as it was before the program ran, and its attribute as it was then: not what
+        # the program's finder (``sys.meta_path``), its ``sys.modules`` entry or a patched attribute gives
+        for bound, name, attr in imports:
+            rec = loaded.get(name)
+            if rec is not None and (attr is None or attr in rec[1]):
+                fixed[bound] = rec[0] if attr is None else rec[1][attr]
+                dict.__setitem__(ns, bound, fixed[bound])
+            elif attr is not None and f"{name}.{attr}" in loaded:  # ``from xml import dom``: a submodule
+                fixed[bound] = loaded[f"{name}.{attr}"][0]
+                dict.__setitem__(ns, bound, fixed[bound])
 
 
 def _str_keys_only(ns: dict) -> None:
@@ -84,7 +95,7 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
     shadow = mine[0] if len(mine) == 1 and not any(n not in builtins and n in ns for n in test_names) else None
     by_name = {rec[2]: rec[0] for rec in modules.values()}
     # the code of the task's setup (its functions and methods): task code, not the program's (see ``setup_call``)
-    setup_codes, todo = {}, [c for c, _ in tools[10]] if type(tools[10]) is list else []
+    setup_codes, todo = {}, [s[0] for s in tools[10]] if type(tools[10]) is list else []
     while todo:
         c = todo.pop()
         if id(c) not in setup_codes:
@@ -112,6 +123,9 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
         return v
 
     def attr(obj, n):
+        rec = modules.get(id(obj))
+        if rec is not None and rec[0] is obj and type(obj) is not module_type:
+            modules_kept("before the test read " + n)  # (``math.__class__ = M``: M's __getattribute__ would answer)
         if type(obj) is module_type:
             rec = modules.get(id(obj))
             if rec is not None and rec[0] is obj and n in rec[1]:
@@ -157,10 +171,22 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
         runs here, as the program's own computation, not inside a guarded library operation."""
         return list(x) if any("__next__" in dict_of(c) for c in mro_of(type(x))) else x
 
+    loaded = tuple(rec[0] for rec in modules.values())
+
+    def modules_kept(when: str) -> None:
+        """Fails the test unless every module loaded before the program ran is still of the module type: a
+        module's ``__class__`` can be assigned, and its class's ``__getattribute__`` would answer for any attribute
+        that a test or library code reads (``math.isclose``)."""
+        if set(map(type, loaded)) - {module_type}:
+            bad.append(f"the program changed the class of a module {when}")
+            raise AssertionError(bad[-1])
+
     def builtins_kept(when: str) -> None:
         """Fails the test unless the builtins are those the program started with: library code reads them
         (``builtins.isinstance = slice; builtins.all = bool`` in the tested function, C callables no profile
-        sees, and ``Counter() == 3`` says yes). Only exact ``str`` keys are looked up (no program ``__eq__``)."""
+        sees, and ``Counter() == 3`` says yes). Only exact ``str`` keys are looked up (no program ``__eq__``).
+        No module may have a class of the program's either (:func:`modules_kept`)."""
+        modules_kept(when)
         if len(live) == len(builtins):
             for k, v in dict.items(live):
                 if type(k) is not str or builtins.get(k, missing) is not v:

@@ -67,6 +67,29 @@ def _type_snapshot() -> tuple:
     return snap, modules, _library_code(snap, modules)
 
 
+def _load_imported(job: dict) -> bool:
+    """Imports the modules the task's tests and setup import (``_rewrite._imported_modules``) before the
+    program runs, so that they are in the snapshot and a test's or the setup's import reads them as they were
+    (a finder the program put into ``sys.meta_path``, or its ``sys.modules`` entry, would hand them a fake);
+    whether any was new (then the snapshot is taken again). A name that is not found (the program's own
+    module) is left to the test."""
+    import sys
+
+    new = False
+    for name in _imported_modules([*job["tests"], job["setup"]]):  # noqa: F821  (_rewrite.py)
+        if name in sys.modules or name.startswith(_DENY_MODULES) or name.split(".")[0] in ("this", "antigravity"):  # noqa: F821
+            continue
+        parent = sys.modules.get(name.rpartition(".")[0]) if "." in name else None
+        if parent is not None and type(parent) is type(sys) and "__path__" not in vars(parent):
+            continue  # (``from math import isclose``: no submodule to look for)
+        try:
+            __import__(name)
+        except BaseException:  # (ImportError: a module the program writes; anything its import raises)
+            continue
+        new = True
+    return new
+
+
 def _library_code(snap: dict, modules: dict) -> dict:
     """``{id: code}`` of every code object of the functions (and the functions, lambdas and
     comprehensions nested in them) held by the snapshot's classes and modules: the Python code
@@ -85,6 +108,13 @@ def _library_code(snap: dict, modules: dict) -> dict:
         for f in found:
             if type(f) is function:
                 stack.append(f.__code__)
+                for cell in f.__closure__ or ():  # (a decorator's wrapper holds the method: importlib's
+                    try:  # ``_check_name`` around ``FileLoader.get_filename``)
+                        inner = cell.cell_contents
+                    except ValueError:
+                        continue
+                    if type(inner) is function:
+                        stack.append(inner.__code__)
 
     for rec in snap.values():
         if rec[2] is not None:
@@ -167,6 +197,10 @@ def _make_trust(snapshot: dict, modules: dict | None = None, codes: dict | None 
                     name not in rebound_at_fork or type(was) is dict):  # (a number or a string may change: a
                 return False  # counter; an object or a pattern a module keeps may not; threading rebinds its sets
                 # and locks in every forked child, its private dicts it clears in place)
+            elif v is was and snapshot.get(id(type(v)), (None,))[0] is not type(v):
+                return False  # an object the module keeps given a class of the program's (``__class__`` assigned:
+                # ``json._default_encoder``'s, whose ``encode`` a C callable would be, run by no Python frame;
+                # ``Fraction``'s metaclass, whose ``__call__`` would make any instance)
             elif depth and type(v) is types.ModuleType and v is not rec[0]:
                 inner = module_by_id.get(id(v))
                 if inner is not None and inner[0] is v and not module_intact(inner[2], depth - 1):

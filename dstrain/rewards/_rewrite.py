@@ -149,15 +149,48 @@ def _bound_names(tree) -> frozenset:
 
 
 def _prepare_setup(setup: str):
-    """The setup as ``[(code, names it binds)]``, one entry per top-level statement (see
-    ``_guards._run_setup``), or the SyntaxError/ValueError it raises; parsed before the program runs."""
+    """The setup as ``[(code, names it binds, imports)]``, one entry per top-level statement (see
+    ``_guards._run_setup``), or the SyntaxError/ValueError it raises; parsed before the program runs.
+    ``imports``: for an ``import`` statement, ``[(name bound, module, attribute or None)]``."""
     import ast
+
+    def imports(stmt):
+        if isinstance(stmt, ast.ImportFrom):
+            return [] if stmt.level else [(a.asname or a.name, stmt.module, a.name) for a in stmt.names if a.name != "*"]
+        if isinstance(stmt, ast.Import):
+            return [(a.asname, a.name, None) if a.asname else (a.name.split(".")[0], a.name.split(".")[0], None)
+                    for a in stmt.names]
+        return []
 
     try:
         tree = ast.parse(setup, "<setup>", "exec")
-        return [(compile(ast.Module([stmt], []), "<setup>", "exec"), _bound_names(stmt)) for stmt in tree.body]
+        return [(compile(ast.Module([stmt], []), "<setup>", "exec"), _bound_names(stmt), imports(stmt))
+                for stmt in tree.body]
     except (SyntaxError, ValueError) as e:
         return e
+
+
+def _imported_modules(sources) -> list:
+    """The modules the task's tests and setup import (``import a.b``: ``a.b``; ``from a import b``: ``a``, and
+    ``a.b`` in case it is a submodule), in order: loaded before the program runs (``_judge._load_imported``), a
+    test's or the setup's import reads them as they were, not what the program's finders or ``sys.modules`` give."""
+    import ast
+
+    names = []
+    for src in sources:
+        if type(src) is not str or "import" not in src:
+            continue
+        try:
+            tree = ast.parse(src)
+        except (SyntaxError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names.extend(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names.append(node.module)
+                names.extend(f"{node.module}.{a.name}" for a in node.names if a.name != "*")
+    return names
 
 
 def _prepare_test(src: str):
