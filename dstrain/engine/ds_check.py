@@ -7,6 +7,7 @@ strict mode, which reject unknown keys (DeepSpeed's default drops some silently)
 """
 from __future__ import annotations
 
+import math
 import os
 from contextlib import contextmanager
 from pathlib import Path
@@ -114,6 +115,14 @@ def _strict_sections():
             "comms_logger": CommsLoggerConfig}
 
 
+def _numeric_text(value) -> bool:
+    """A string that reads as a finite number (``"5e8"``, ``"1e6"``): what a config written by hand quotes."""
+    try:
+        return isinstance(value, str) and math.isfinite(float(value))
+    except ValueError:
+        return False
+
+
 def _pydantic_problems(section: str, model, err: Exception) -> list[str]:
     """One line per error of a pydantic ValidationError, named by dotted key (unknown keys with a hint)."""
     import difflib
@@ -136,6 +145,10 @@ def _pydantic_problems(section: str, model, err: Exception) -> list[str]:
         elif item.get("type") == "int_parsing_size":
             out.append(f"{loc}: file says {item.get('input')!r}, more than DeepSpeed's integer holds (it rejects it); "
                        "write a number below 2**63, such as 5e8")
+        elif item.get("type") in ("int_parsing", "float_parsing") and _numeric_text(item.get("input")):
+            text = item["input"].strip()
+            out.append(f"{loc}: file says {item['input']!r}, a number in quotes, which DeepSpeed's parser does not "
+                       f"read as a number (it rejects it); write it without the quotes: {text}")
         else:
             out.append(f"{loc}: {item.get('msg', 'invalid')}, file says {item.get('input')!r}")
     return out

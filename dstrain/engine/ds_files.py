@@ -233,6 +233,20 @@ def _hjson_float(text: str):
     return read if isinstance(read, int) and not isinstance(read, bool) and read == value else value
 
 
+#: Sections whose ``enabled`` DeepSpeed reads with pydantic, which takes "true" / "False" / "1" ... as booleans.
+PYDANTIC_ENABLED = ("bf16", "fp16", "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger", "hybrid_engine")
+
+#: Booleans DeepSpeed reads as they are (``get_scalar_param``, no pydantic): quoted, any text is true to it (so
+#: canonical_forms reads the words for true as true, and ds_sections refuses the rest).
+PLAIN_FLAGS = ("wall_clock_breakdown", "memory_breakdown", "prescale_gradients", "zero_allow_untested_optimizer",
+               "zero_force_ds_cpu_optimizer", "dump_state", "disable_allgather", "dataloader_drop_last",
+               "use_data_before_expert_parallelism", "flops_profiler.enabled", "flops_profiler.detailed",
+               "torch_autocast.enabled", "autotuning.enabled", "data_efficiency.enabled",
+               "activation_checkpointing.partition_activations", "activation_checkpointing.cpu_checkpointing",
+               "activation_checkpointing.contiguous_memory_optimization",
+               "activation_checkpointing.synchronize_checkpoint_boundary", "activation_checkpointing.profile")
+
+
 #: Strings DeepSpeed's (pydantic) precision sections accept for a boolean.
 _STRING_BOOLEANS = {**dict.fromkeys(("true", "1", "yes", "y", "on", "t"), True),
                     **dict.fromkeys(("false", "0", "no", "n", "off", "f"), False)}
@@ -242,8 +256,8 @@ def canonical_forms(cfg: dict) -> dict:
     """The forms DeepSpeed still reads under older spellings, as their current ones: a ``"bfloat16"``
     section (DeepSpeed-Chat writes it) as ``"bf16"`` when there is no ``"bf16"``, and the boolean
     ``"zero_optimization": true`` (DeepSpeed's getting-started tutorial) as ``{"stage": 1}`` (false:
-    stage 0), a stage written as a string (``"2"``) as the number, and a bf16 / fp16 ``enabled``
-    written as a string DeepSpeed's parser reads as a boolean
+    stage 0), a stage written as a string (``"2"``) as the number, and a bf16 / fp16 ``enabled`` or a
+    boolean ZeRO key (its offload blocks' too) written as a string DeepSpeed's parser reads as a boolean
     (``"true"``, ``"False"``, ``"1"``, ``"yes"``, ...) as that boolean."""
     out = dict(cfg)
     if "bfloat16" in out and "bf16" not in out:
@@ -253,12 +267,55 @@ def canonical_forms(cfg: dict) -> dict:
     zo = out.get("zero_optimization")
     if isinstance(zo, dict) and isinstance(zo.get("stage"), str) and zo["stage"].strip() in ("0", "1", "2", "3"):
         out["zero_optimization"] = {**zo, "stage": int(zo["stage"])}  # DeepSpeed's pydantic parser reads "2" as 2
-    for key in ("bf16", "fp16"):
+    for key in PYDANTIC_ENABLED:
         section = out.get(key)
         if isinstance(section, dict) and isinstance(section.get("enabled"), str):
             word = section["enabled"].strip().lower()
             if word in _STRING_BOOLEANS:
                 out[key] = {**section, "enabled": _STRING_BOOLEANS[word]}
+    for path in PLAIN_FLAGS:  # "true" is true to DeepSpeed too; "false" is left for ds_sections to refuse
+        head, _, key = path.rpartition(".")
+        node = out.get(head) if head else out
+        if isinstance(node, dict) and isinstance(node.get(key), str) and \
+                _STRING_BOOLEANS.get(node[key].strip().lower()) is True:
+            if head:
+                out[head] = {**node, key: True}
+            else:
+                out[key] = True
+    zo = out.get("zero_optimization")
+    if isinstance(zo, dict) and any(isinstance(v, str) for v in _walk_values(zo)):
+        out["zero_optimization"] = _zero_string_booleans(zo)
+    return out
+
+
+#: Boolean keys of DeepSpeed's offload_optimizer / offload_param blocks (pydantic models, as the ZeRO section).
+_OFFLOAD_BOOLEANS = frozenset({"pin_memory", "pipeline_read", "pipeline_write", "pipeline", "fast_init",
+                               "super_offload"})
+#: ZeRO keys typed Optional[bool] (no boolean default, so not among zero_defaults' booleans).
+_ZERO_OPTIONAL_BOOLEANS = frozenset({"overlap_comm", "cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory"})
+
+
+def _walk_values(zo: dict):
+    for value in zo.values():
+        yield from (value.values() if isinstance(value, dict) else (value,))
+
+
+def _as_boolean(value):
+    word = value.strip().lower() if isinstance(value, str) else None
+    return _STRING_BOOLEANS[word] if word in _STRING_BOOLEANS else value
+
+
+def _zero_string_booleans(zo: dict) -> dict:
+    """``zero_optimization``'s boolean keys written as strings (``"overlap_comm": "true"``, ``"pin_memory":
+    "True"``, as configs generated from templates write them) as the booleans DeepSpeed's pydantic parser reads
+    them as, so that dstrain's checks (``zero_quantized_*`` on the CPU, ``super_offload``, ``reduce_scatter``)
+    see what DeepSpeed will run."""
+    from dstrain.engine.ds_config import zero_defaults
+    flags = {k for k, v in zero_defaults().items() if isinstance(v, bool)} | _ZERO_OPTIONAL_BOOLEANS
+    out = {k: (_as_boolean(v) if k in flags else v) for k, v in zo.items()}
+    for key in ("offload_optimizer", "offload_param"):
+        if isinstance(out.get(key), dict):
+            out[key] = {k: (_as_boolean(v) if k in _OFFLOAD_BOOLEANS else v) for k, v in out[key].items()}
     return out
 
 

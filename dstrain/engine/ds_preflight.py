@@ -158,6 +158,17 @@ def _hidden_size(cfg: RunConfig) -> int:
     return 1024
 
 
+def _leaf_problems(cfg: RunConfig, template: dict) -> list[str]:
+    """ZeRO-3 leaf settings that would make the run's whole model one leaf (dstrain.engine.zero_leaves)."""
+    from dstrain.engine.zero_leaves import leaf_problems
+
+    def build():  # only where the file sets leaf modules (failures there are DeepSpeed's to report)
+        from models import registry
+        spec = registry.get_spec(cfg.model.name)
+        return spec.build(registry.make_model_config(cfg.model.name, cfg.model.size, cfg.model.args))
+    return leaf_problems(template, build)
+
+
 def check_run(cfg: RunConfig, world_size: int, device_type: str, strict: bool = True) -> list[str]:
     """Refuse (DSConfigError / ConfigError) what the run's DeepSpeed JSON cannot do here; return notes.
 
@@ -171,6 +182,8 @@ def check_run(cfg: RunConfig, world_size: int, device_type: str, strict: bool = 
     from dstrain.engine.ds_sections import section_problems
     template, source = _template(cfg)
     found, notes = section_problems(template, device_type) if template is not None else ([], [])
+    if template is not None:
+        found += _leaf_problems(cfg, template)
     if device_type == "cpu" and cfg.deepspeed.precision == "fp16" and not found:  # else the file's fp16 is named
         raise ConfigError("run config", "deepspeed.precision",
                           "fp16 does not run on the CPU accelerator (DeepSpeed raises 'Type fp16 is not supported'); "

@@ -139,6 +139,15 @@ def _zero_problems(cfg: dict, device_type: str, problems: list[str], notes: list
         problems.append(f"zero_optimization.{', '.join(quantized)}: ZeRO++ quantized communication runs DeepSpeed's "
                         f"quantizer kernel, which the CPU accelerator does not have; set {them} to false (keep "
                         "zero_hpz_partition_size) or run on GPUs")
+    off = zo.get("offload_optimizer")
+    if isinstance(off, dict) and off.get("super_offload") is True:
+        if stage != 3:  # DeepSpeed reads it only when it builds its stage-3 optimizer
+            notes.append(f"zero_optimization.offload_optimizer: stage {stage} does not use super_offload (a stage-3 "
+                         "key)")
+        elif device_type == "cpu":
+            problems.append("zero_optimization.offload_optimizer.super_offload: SuperOffload runs only on NVIDIA CUDA "
+                            "GPUs (DeepSpeed asserts it when it builds the ZeRO-3 optimizer); set it to false (plain "
+                            "ZeRO-Offload) or run on GPUs")
     for key in ("offload_optimizer", "offload_param"):
         block = zo.get(key)
         if isinstance(block, dict) and str(block.get("device", "")).lower() == "nvme":
@@ -224,12 +233,12 @@ def _unused_sections(cfg: dict, problems: list[str]) -> None:
     comp = cfg.get("compile")
     if isinstance(comp, dict) and (comp.get("deepcompile") is True or comp.get("enabled") is True):
         problems.append("compile: dstrain compiles the model itself; remove the section and use --train.compile=true")
-    if cfg.get("dataloader_drop_last") is True:
-        problems.append("dataloader_drop_last: only DeepSpeed's own dataloader reads it and dstrain has its own "
-                        "sampler (which always drops the last partial batch); remove it")
 
 
 def _monitor_problems(cfg: dict, problems: list[str], notes: list[str]) -> None:
+    if cfg.get("dataloader_drop_last") is True:  # HF-style templates set it; DeepSpeed accepts it
+        notes.append("dataloader_drop_last: only DeepSpeed's own dataloader reads it; dstrain's sampler never yields "
+                     "a partial batch, so every step is a full batch either way")
     spp = cfg.get("steps_per_print")
     if spp is not None and not (isinstance(spp, str) and spp.strip().lower() == "auto") and \
             (isinstance(spp, bool) or not isinstance(spp, (int, float)) or spp <= 0):
@@ -462,7 +471,25 @@ def section_problems(cfg: dict, device_type: str) -> tuple[list[str], list[str]]
     _unused_sections(cfg, problems)
     _monitor_problems(cfg, problems, notes)
     _plain_section_keys(cfg, problems)
+    _quoted_flags(cfg, problems)
     return problems, notes
+
+
+def _quoted_flags(cfg: dict, problems: list[str]) -> None:
+    """``"wall_clock_breakdown": "false"``: DeepSpeed passes the text on, so "false" counts as true (and
+    wall_clock_breakdown / flops_profiler.enabled stop its parser: ``bool | str``). The words for true are read
+    as true before this (``ds_files.canonical_forms``): what is left here is refused."""
+    from dstrain.engine.ds_files import PLAIN_FLAGS
+    for path in PLAIN_FLAGS:
+        head, _, key = path.rpartition(".")
+        node = cfg.get(head) if head else cfg
+        value = node.get(key) if isinstance(node, dict) else None
+        if isinstance(value, str):
+            word = value.strip().lower()
+            plain = "true" if word in ("true", "1", "yes", "on", "t", "y") else \
+                "false" if word in ("false", "0", "no", "off", "f", "n") else "true or false"
+            problems.append(f"{path}: file says {value!r} in quotes, which DeepSpeed does not read as a boolean (any "
+                            f"text counts as true to it, \"false\" too); write {plain} without quotes")
 
 
 def bf16_overflow_check(resolved: dict, template: dict, nonfinite: str) -> tuple[dict, str]:
