@@ -134,13 +134,13 @@ class HRMTrainer:
         runtime.seed_everything(cfg.train.seed + 7919 * (self.world.rank + 1))  # per-rank exploration
         self.carry: dict | None = None
         self._prefetched: dict[int, dict] = {}
-        workers = self.task.data_workers if self.task.data_workers >= 0 else int(self.device.type == "cuda")
-        self._batches = StepPrefetcher(functools.partial(
-            self.train_set.local_batch, global_batch=self.global_batch, rank=self.world.rank,
-            world_size=self.world.world_size)) if workers else None
         self.start_step = 0
         if resume_tag is not None:
             self._resume(resume_tag)
+        workers = self.task.data_workers if self.task.data_workers >= 0 else int(self.device.type == "cuda")
+        self._batches = StepPrefetcher(functools.partial(  # started last: nothing above can leave it running
+            self.train_set.local_batch, global_batch=self.global_batch, rank=self.world.rank,
+            world_size=self.world.world_size)) if workers else None
         self.stop = StopFlag()
 
     # ---------------------------------------------------------------- folder, save, resume

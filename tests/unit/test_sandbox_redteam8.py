@@ -11,7 +11,6 @@ remove before the next program runs.
 """
 from __future__ import annotations
 
-import dataclasses
 import glob
 import os
 import sys
@@ -20,8 +19,8 @@ import textwrap
 import pytest
 
 from dstrain.rewards import _child
-from dstrain.rewards.sandbox import MODES, SandboxPool
-from tests.unit.test_sandbox_redteam import EVIL, GOOD, LIMITS, TESTS, still_works
+from tests.unit.test_sandbox_redteam import EVIL, GOOD, TESTS, still_works
+from tests.unit.redteam_rounds import round_pool, scores_zero  # noqa: F401 (round_pool: the pool fixture)
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox's isolation is Linux's")
 
@@ -118,20 +117,12 @@ ATTACKS = {
 }
 
 
-@pytest.fixture(scope="module", params=MODES)
-def pool(request):
-    with SandboxPool(workers=1, limits=dataclasses.replace(LIMITS, mode=request.param)) as p:
-        yield p
-
-
 @pytest.mark.parametrize("name", list(ATTACKS))
 def test_attack_scores_zero(pool, name, tmp_path):
     attack = ATTACKS[name]
     program, tests = attack if isinstance(attack, tuple) else (attack, TESTS)
     before = sorted(os.listdir(tmp_path))
-    r = pool.run(textwrap.dedent(program), tests)
-    assert r.reward(partial_credit=True) == 0.0, (name, r.status, r.detail)
-    assert r.passed == 0 or r.status != "passed"
+    r = scores_zero(pool, name, textwrap.dedent(program), tests)
     assert "LEAKED" not in r.stdout, (name, r.stdout)
     assert sorted(os.listdir(tmp_path)) == before
     still_works(pool)

@@ -12,15 +12,14 @@ in a module), and entries planted in ``re``'s pattern cache.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 import textwrap
 
 import pytest
 
-from dstrain.rewards.sandbox import MODES, SandboxPool
-from tests.unit.test_sandbox_redteam import GOOD, LIMITS, TESTS, still_works
+from tests.unit.test_sandbox_redteam import GOOD, TESTS, still_works
+from tests.unit.redteam_rounds import round_pool, scores_zero  # noqa: F401 (round_pool: the pool fixture)
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox's isolation is Linux's")
 
@@ -138,12 +137,6 @@ ATTACKS = {
 }
 
 
-@pytest.fixture(scope="module", params=MODES)
-def pool(request):
-    with SandboxPool(workers=1, limits=dataclasses.replace(LIMITS, mode=request.param)) as p:
-        yield p
-
-
 @pytest.mark.parametrize("name", list(ATTACKS))
 def test_attack_scores_zero(pool, name, tmp_path):
     attack = ATTACKS[name]
@@ -151,9 +144,7 @@ def test_attack_scores_zero(pool, name, tmp_path):
     secret = tmp_path / "secret.txt"
     secret.write_text("TOPSECRET")
     before = sorted(os.listdir(tmp_path))
-    r = pool.run(textwrap.dedent(program).replace("{secret_file!r}", repr(str(secret))), tests, setup)
-    assert r.reward(partial_credit=True) == 0.0, (name, r.status, r.detail)
-    assert r.passed == 0 or r.status != "passed"
+    r = scores_zero(pool, name, textwrap.dedent(program).replace("{secret_file!r}", repr(str(secret))), tests, setup)
     assert "LEAKED" not in r.stdout and "TOPSECRET" not in r.stdout, (name, r.stdout)
     assert sorted(os.listdir(tmp_path)) == before
     still_works(pool)
