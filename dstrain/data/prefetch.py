@@ -33,7 +33,11 @@ _CHILD = "from dstrain.data.prefetch import _serve; _serve()"
 
 
 def _serve() -> None:
-    """The worker: read the batch function, then steps; answer ``(step, ok, batch or exception)``."""
+    """The worker: read the batch function, then steps; answer ``(step, ok, batch or exception)``. It leaves when
+    the trainer closes its stdin (or exits); Ctrl-C, which reaches the whole process group, is the trainer's to
+    handle (it saves and stops), so the worker ignores SIGINT rather than die with a traceback mid-save."""
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # the protocol owns the original stdout; prints of the batch function go to stderr
     inp = sys.stdin.buffer

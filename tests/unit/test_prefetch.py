@@ -70,3 +70,11 @@ def test_prints_of_the_batch_function_do_not_break_the_stream(capfd):
     with StepPrefetcher(_print_and_return, depth=2) as ahead:
         assert [ahead.get(s) for s in range(5)] == list(range(5))
     assert "building 3" in capfd.readouterr().err
+
+
+def test_the_worker_leaves_ctrl_c_to_the_trainer():
+    """SIGINT (Ctrl-C reaches the whole process group) does not stop the worker: the trainer decides."""
+    with StepPrefetcher(_print_and_return, depth=2) as ahead:
+        assert ahead.get(0) == 0 and ahead.get(1) == 1  # step 1 came from the worker: it is up
+        os.kill(ahead._proc.pid, signal.SIGINT)
+        assert [ahead.get(s) for s in range(2, 6)] == [2, 3, 4, 5] and ahead.alive
