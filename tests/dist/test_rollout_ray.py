@@ -35,6 +35,7 @@ def run(out, *extra, recipe=RECIPE, quick=QUICK):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow  # (suite time, 51 s: tests/unit/test_rollout.py runs a real Ray actor against the local rollout)
 def test_ray_rollouts_train_like_local_ones(tmp_path):
     pytest.importorskip("ray")
     local_records = run(tmp_path / "local")
@@ -51,7 +52,7 @@ def test_ray_rollouts_train_like_local_ones(tmp_path):
     assert not any("time/weight_sync" in r for r in local_records)
 
 
-@pytest.mark.slow  # (suite time: the GRPO twin above runs by default)
+@pytest.mark.slow  # (suite time)
 def test_ray_rollouts_give_score_the_same_episodes(tmp_path):
     """SCoRe's two policy turns (and their rewards) on the actors; the guidance model stays in the ranks."""
     pytest.importorskip("ray")
