@@ -8,7 +8,7 @@ never branch on the device (:func:`kernel_for` says which kernel runs):
   dtype (fp64 included), optional additive mask.
 * CUDA, fp16/bf16, head dim <= 256 and a multiple of 8: FlashAttention-2 through
   ``aten::_scaled_dot_product_flash_attention`` (+ ``_backward``).
-* CUDA, fp16/bf16, head dim <= 128 and a multiple of 8, inside ``sdpa_priority("cudnn")``: cuDNN's
+* CUDA, fp16/bf16, head dim <= 120 and a multiple of 8, inside ``sdpa_priority("cudnn")``: cuDNN's
   fused attention, ``aten::_scaled_dot_product_cudnn_attention`` (+ ``_backward``); its lse has a
   trailing unit dimension, dropped here and restored for the backward.
 * CUDA otherwise (fp32, other head dims): the memory-efficient kernel,

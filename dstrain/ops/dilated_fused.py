@@ -143,7 +143,8 @@ def _as_full(t, b: int, n: int):
 
 
 def _one_group(b: int, n: int, w: int, h: int, d: int) -> bool:
-    return b * (n // w) <= max(1, GROUP_ELEMENTS // max(1, h * w * d))
+    """Whether :func:`_groups` would take every segment of every row (``B * N`` positions) as one group."""
+    return len(_groups(b * n, w, h, d)) == 1
 
 
 def _slice(x, b: int, a: int, e: int, w: int):
@@ -215,9 +216,7 @@ class DilatedAttention(torch.autograd.Function):
             out = torch.zeros_like(q)
             lse = torch.full((b, h, n, 1), float("-inf"), dtype=lse_dtype, device=q.device)
             start = 0
-        for i, (w, r) in enumerate(branches):
-            if i < start:
-                continue
+        for i, (w, r) in enumerate(branches[start:], start):
             sel = _Selection(h, w, r, head_offset)
             for bi in range(b):
                 for a, e in _groups(n, w, h, d):
@@ -257,9 +256,7 @@ class DilatedAttention(torch.autograd.Function):
             start = 0
         lse4 = lse.unsqueeze(-1)
         dlse4 = None if dlse is None else dlse.unsqueeze(-1)  # None unless the caller used lse
-        for i, (w, r) in enumerate(ctx.branches):
-            if i < start:
-                continue
+        for i, (w, r) in enumerate(ctx.branches[start:], start):
             sel = _Selection(h, w, r, ctx.head_offset)
             for bi in range(b):
                 for a, e in _groups(n, w, h, d):
