@@ -137,10 +137,11 @@ class HRMTrainer:
         self.start_step = 0
         if resume_tag is not None:
             self._resume(resume_tag)
+        self._batch = functools.partial(self.train_set.local_batch, global_batch=self.global_batch,
+                                        rank=self.world.rank, world_size=self.world.world_size)  # step -> Batch
         workers = self.task.data_workers if self.task.data_workers >= 0 else int(self.device.type == "cuda")
-        self._batches = StepPrefetcher(functools.partial(  # started last: nothing above can leave it running
-            self.train_set.local_batch, global_batch=self.global_batch, rank=self.world.rank,
-            world_size=self.world.world_size)) if workers else None
+        # started last: nothing above can leave it running
+        self._batches = StepPrefetcher(self._batch) if workers else None
         self.stop = StopFlag()
 
     # ---------------------------------------------------------------- folder, save, resume
@@ -186,8 +187,7 @@ class HRMTrainer:
 
     def _fetch(self, step: int) -> dict:
         """Step ``step``'s new puzzles, on the device (copied without waiting, from pinned memory on GPUs)."""
-        b = self._batches.get(step) if self._batches is not None else \
-            self.train_set.local_batch(step, self.global_batch, self.world.rank, self.world.world_size)
+        b = self._batches.get(step) if self._batches is not None else self._batch(step)
         pin = self.device.type == "cuda"
         out = {}
         for key, array in (("inputs", b.inputs), ("labels", b.labels), ("groups", b.groups)):

@@ -9,6 +9,10 @@ from tests.dilated_reference import reference_dilated
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
+#: (dtype, tolerance, attention backend): flash (bf16), efficient (fp32), cuDNN (bf16)
+KERNELS = [(torch.bfloat16, 2e-2, "auto"), (torch.float32, 1e-4, "auto"), (torch.bfloat16, 2e-2, "cudnn")]
+
+
 def _rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm())
 
@@ -20,8 +24,7 @@ def _grads(fn, q, k, v, up):
     return out.detach(), [t.grad for t in (q, k, v)]
 
 
-@pytest.mark.parametrize("dtype, tol, backend", [(torch.bfloat16, 2e-2, "auto"), (torch.float32, 1e-4, "auto"),
-                                                 (torch.bfloat16, 2e-2, "cudnn")])
+@pytest.mark.parametrize("dtype, tol, backend", KERNELS)
 @pytest.mark.parametrize("segs, rates, n, heads, offset", [
     ([8, 16, 32], [1, 2, 4], 64, 4, 0),
     ([16, 32], [1, 2], 64, 3, 1),           # heads not a multiple of the rate: indexed selection
@@ -45,8 +48,7 @@ def test_matches_brute_force_reference(dtype, tol, backend, segs, rates, n, head
         assert _rel(a.cpu(), b) < tol
 
 
-@pytest.mark.parametrize("dtype, tol, backend", [(torch.bfloat16, 2e-2, "auto"), (torch.float32, 1e-4, "auto"),
-                                                 (torch.bfloat16, 2e-2, "cudnn")])
+@pytest.mark.parametrize("dtype, tol, backend", KERNELS)
 def test_long_sequence_matches_the_math_stand_in_with_lse_gradient(dtype, tol, backend):
     """N = 8192 with the model's branch ladder: kernels against the fp32 math path, output, lse and grads."""
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -93,8 +95,7 @@ def test_primitives_backward_from_merged_out_and_lse(dtype, kind, tol, m):
     assert _rel(dq, ref[0]) < tol
 
 
-@pytest.mark.parametrize("dtype, tol, backend", [(torch.bfloat16, 2e-2, "auto"), (torch.float32, 1e-4, "auto"),
-                                                 (torch.bfloat16, 2e-2, "cudnn")])
+@pytest.mark.parametrize("dtype, tol, backend", KERNELS)
 @pytest.mark.parametrize("causal", [True, False])
 def test_attention_with_lse_gradient_on_cuda(dtype, tol, backend, causal):
     """attention_with_lse on CUDA kernels (the lse gradient through the extra head columns) against fp32 math."""
