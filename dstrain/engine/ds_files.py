@@ -270,14 +270,11 @@ def canonical_forms(cfg: dict) -> dict:
     for key in PYDANTIC_ENABLED:
         section = out.get(key)
         if isinstance(section, dict) and isinstance(section.get("enabled"), str):
-            word = section["enabled"].strip().lower()
-            if word in _STRING_BOOLEANS:
-                out[key] = {**section, "enabled": _STRING_BOOLEANS[word]}
+            out[key] = {**section, "enabled": _as_boolean(section["enabled"])}
     for path in PLAIN_FLAGS:  # "true" is true to DeepSpeed too; "false" is left for ds_sections to refuse
         head, _, key = path.rpartition(".")
         node = out.get(head) if head else out
-        if isinstance(node, dict) and isinstance(node.get(key), str) and \
-                _STRING_BOOLEANS.get(node[key].strip().lower()) is True:
+        if isinstance(node, dict) and isinstance(node.get(key), str) and _as_boolean(node[key]) is True:
             if head:
                 out[head] = {**node, key: True}
             else:

@@ -332,8 +332,7 @@ def _optimizer_problems(cfg: dict, device_type: str, problems: list[str]) -> Non
         close = difflib.get_close_matches(name, known, n=1) or [k for k in known if k.lower() == kind]
         hint = f" (did you mean {close[0]!r}?" + (" names of torch.optim classes are case-sensitive)"
                                                   if close and close[0].lower() == kind else ")") if close else ""
-        if "." in name and (tail := name.rpartition(".")[2]) in known:  # "torch.optim.AdamW": a module path
-            hint = f" (write {tail!r}: DeepSpeed looks the bare class name up itself)"
+        hint = _dotted_hint(name, known) or hint  # "torch.optim.AdamW": a module path
         problems.append(f"optimizer.type: {name!r} is neither one of DeepSpeed's optimizers nor a torch.optim "
                         f"class{hint}; DeepSpeed would fail at start-up")
         return
@@ -406,8 +405,7 @@ def _scheduler_problems(cfg: dict, problems: list[str]) -> None:
         same = [n for n in [*ours, *torch_classes] if n.lower() == name.lower()]
         close = same or difflib.get_close_matches(name, [*ours, *torch_classes], n=1)
         hint = f" (did you mean {close[0]!r}?{' the names are case-sensitive' if same else ''})" if close else ""
-        if "." in name and (tail := name.rpartition(".")[2]) in [*ours, *torch_classes]:  # a module path
-            hint = f" (write {tail!r}: DeepSpeed looks the bare class name up itself)"
+        hint = _dotted_hint(name, [*ours, *torch_classes]) or hint
         problems.append(f"scheduler.type: {name!r} is neither one of DeepSpeed's schedulers ({', '.join(ours)}) nor "
                         f"a torch.optim.lr_scheduler class{hint}; DeepSpeed would stop at start-up")
         return
@@ -475,19 +473,23 @@ def section_problems(cfg: dict, device_type: str) -> tuple[list[str], list[str]]
     return problems, notes
 
 
+def _dotted_hint(name: str, known) -> str:
+    """The hint for a type written as a module path whose last part is a known class (``"torch.optim.AdamW"``)."""
+    tail = name.rpartition(".")[2]
+    return f" (write {tail!r}: DeepSpeed looks the bare class name up itself)" if "." in name and tail in known else ""
+
+
 def _quoted_flags(cfg: dict, problems: list[str]) -> None:
     """``"wall_clock_breakdown": "false"``: DeepSpeed passes the text on, so "false" counts as true (and
     wall_clock_breakdown / flops_profiler.enabled stop its parser: ``bool | str``). The words for true are read
     as true before this (``ds_files.canonical_forms``): what is left here is refused."""
-    from dstrain.engine.ds_files import PLAIN_FLAGS
+    from dstrain.engine.ds_files import PLAIN_FLAGS, _STRING_BOOLEANS
     for path in PLAIN_FLAGS:
         head, _, key = path.rpartition(".")
         node = cfg.get(head) if head else cfg
         value = node.get(key) if isinstance(node, dict) else None
         if isinstance(value, str):
-            word = value.strip().lower()
-            plain = "true" if word in ("true", "1", "yes", "on", "t", "y") else \
-                "false" if word in ("false", "0", "no", "off", "f", "n") else "true or false"
+            plain = {True: "true", False: "false"}.get(_STRING_BOOLEANS.get(value.strip().lower()), "true or false")
             problems.append(f"{path}: file says {value!r} in quotes, which DeepSpeed does not read as a boolean (any "
                             f"text counts as true to it, \"false\" too); write {plain} without quotes")
 
