@@ -124,15 +124,16 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
 
     def attr(obj, n):
         rec = modules.get(id(obj))
-        if rec is not None and rec[0] is obj and type(obj) is not module_type:
-            modules_kept("before the test read " + n)  # (``math.__class__ = M``: M's __getattribute__ would answer)
+        known = rec is not None and rec[0] is obj  # a module loaded before the program ran
         if type(obj) is module_type:
-            rec = modules.get(id(obj))
-            if rec is not None and rec[0] is obj and n in rec[1]:
+            if known and n in rec[1]:
                 return rec[1][n]
-        elif overridden(obj, n):
-            bad.append(f"{type(obj).__name__}.{n} is the program's, in place of the library's")
-            raise AssertionError(bad[-1])
+        else:
+            if known:  # (``math.__class__ = M``: M's __getattribute__ would answer)
+                modules_kept("before the test read " + n)
+            if overridden(obj, n):
+                bad.append(f"{type(obj).__name__}.{n} is the program's, in place of the library's")
+                raise AssertionError(bad[-1])
         return getattr(obj, n)
 
     real_map, real_filter = builtins["map"], builtins["filter"]
