@@ -5,15 +5,18 @@
 #
 #   bash benchmarks/gpu_session.sh tests      [OUT]   # tests/gpu, then tests/unit with CUDA visible
 #   bash benchmarks/gpu_session.sh engine     [OUT]   # GPT large: plain eager / compiled / zero0..3, then zero0
-#                                                     with train.attention_backend=cudnn
+#                                                     with train.attention_backend=cudnn, then zero0 with the
+#                                                     synchronous non-finite check (train.nonfinite_check=sync)
 #   bash benchmarks/gpu_session.sh attention  [OUT]   # dilated vs dense 8k..1M; dilated LM at 32k and 1M
 #   bash benchmarks/gpu_session.sh hrm        [OUT]   # HRM sudoku size at batch 384: eager, compiled (regions,
 #                                                     whole model), CUDA graphs; the trainer with and without
-#                                                     its data worker (task.data_workers=0|1)
+#                                                     its data worker (task.data_workers=0|1), and with the
+#                                                     synchronous non-finite check
 #   bash benchmarks/gpu_session.sh all        [OUT]   # the four, one after the other (about 35 min)
 #   bash benchmarks/gpu_session.sh quick      [OUT]   # at most 9.5 min (one device call): tests/gpu's dilated file
-#        (flash and cuDNN), the HRM trainer test, grad-norm kernels, cuDNN GPT, memory estimate; the HRM trainer with
-#        its data worker (needs sudoku_diabolical.txt in $DSTRAIN_DATA_DIR or ../shared/data); dilated attention with
+#        (flash and cuDNN), the HRM trainer tests (the deferred non-finite check's skip too), grad-norm kernels, cuDNN
+#        GPT, memory estimate; the HRM trainer with its data worker, with the deferred (default on CUDA) and the
+#        synchronous non-finite check (needs sudoku_diabolical.txt in $DSTRAIN_DATA_DIR or ../shared/data); dilated attention with
 #        cuDNN branches 32k..1M; the small dilated LM at 32k with cuDNN; tests/unit with CUDA visible beside them on
 #        the other cores (xdist -n 6; the timed steps keep 0-7). GPT large throughput is the engine part.
 # Measured on one H100 (2026-11-26): the machine started in about 30 s; tests/unit with CUDA visible took
@@ -63,6 +66,10 @@ run_part() {
             --data.seq_len=1024 --train.micro_batch=16 --nproc 1 --steps 10 --warmup 3 \
             --profiles zero0 --plain once --train.attention_backend=cudnn \
             --out "$out/throughput_gpu_gpt_large_cudnn.json"
+        step gpt-large-sync-check 200 python benchmarks/throughput.py models/gpt/recipes/tiny.json --model.size=large \
+            --data.seq_len=1024 --train.micro_batch=16 --nproc 1 --steps 10 --warmup 3 \
+            --profiles zero0 --plain once --compiled-baseline off --train.nonfinite_check=sync \
+            --out "$out/throughput_gpu_gpt_large_sync_check.json"
         ;;
     attention)
         step attention 300 python benchmarks/attention.py --device cuda \
@@ -93,6 +100,10 @@ run_part() {
                 --task.train_file="$puzzles" --task.data_workers=$w --train.steps=150 --train.log_every=25 \
                 --train.eval_every=0 --checkpoint.every=0 --output.progress=false --output.dir="$out/hrm_trainer_w$w"
         done
+        step hrm-trainer-sync-check 200 python -m dstrain.cli launch --nproc 1 models/hrm/recipes/sudoku_extreme.json \
+            --task.train_file="$puzzles" --task.data_workers=1 --train.nonfinite_check=sync --train.steps=150 \
+            --train.log_every=25 --train.eval_every=0 --checkpoint.every=0 --output.progress=false \
+            --output.dir="$out/hrm_trainer_w1_sync"
         ;;
     quick)
         local timed="" other=""  # CPU sets, where taskset works
@@ -102,13 +113,17 @@ run_part() {
         local unit=$!
         step gpu-tests 150 $timed python -m pytest -q -p no:cacheprovider -n 3 --dist loadfile -rfE \
             tests/gpu/test_dilated_gpu.py "tests/gpu/test_trainers_gpu.py::test_trainer_runs_on_one_gpu[hrm]" \
+            tests/gpu/test_trainers_gpu.py::test_hrm_skips_a_nan_step_on_the_device_by_default \
             tests/gpu/test_engine_gpu.py::test_grad_norm_kernels_on_cuda \
             tests/gpu/test_engine_gpu.py::test_cudnn_attention_backend_runs_cudnn_and_matches \
             tests/gpu/test_engine_gpu.py::test_memory_estimate_within_ten_percent
         local puzzles=${DSTRAIN_DATA_DIR:-../shared/data}/sudoku_diabolical.txt
-        step hrm-trainer-worker 110 $timed python -m dstrain.cli launch --nproc 1 models/hrm/recipes/sudoku_extreme.json \
-            --task.train_file="$puzzles" --task.data_workers=1 --train.steps=150 --train.log_every=25 \
-            --train.eval_every=0 --checkpoint.every=0 --output.progress=false --output.dir="$out/hrm_trainer_w1"
+        for check in auto sync; do  # auto: the deferred non-finite check on CUDA
+            step hrm-trainer-worker-$check 90 $timed python -m dstrain.cli launch --nproc 1 \
+                models/hrm/recipes/sudoku_extreme.json --task.train_file="$puzzles" --task.data_workers=1 \
+                --train.nonfinite_check=$check --train.steps=100 --train.log_every=25 --train.eval_every=0 \
+                --checkpoint.every=0 --output.progress=false --output.dir="$out/hrm_trainer_w1_$check"
+        done
         step attention-cudnn 110 $timed python benchmarks/attention.py --device cuda --dilated-backend cudnn \
             --lengths 32768,131072,524288,1048576 --repeats 3 --slope-from 32768 --out "$out"
         step dilated-lm-32k-cudnn 150 $timed python benchmarks/throughput.py models/dilated_lm/recipes/small_32k.json \

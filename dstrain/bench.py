@@ -168,6 +168,7 @@ def build_profiles(jobs: list[dict], tokens_per_step: int, world: int, flops_per
         out[job["profile"]] = {"stage": job["zero"]["stage"], "zero": job["zero"], "order": job["order"],
                                "ds_optimizer": job.get("optimizer"), "plain_optimizer": plain.get("optimizer"),
                                "nonfinite_check": job.get("nonfinite"),
+                               "nonfinite_check_mode": job.get("nonfinite_check"),
                                **compare(d["step_time_s"]["median"], b["step_time_s"]["median"], goal),
                                "min_ratio": d["step_time_s"]["min"] / b["step_time_s"]["min"],
                                "cpu_time_ratio": d["cpu_time_s"]["median"] / b["cpu_time_s"]["median"],

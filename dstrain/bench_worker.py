@@ -134,6 +134,7 @@ def run_worker(opts: BenchOptions) -> int:
         batches.append([tuple(v.to(world.device) for v in get_batch(train_tokens, row, seq)) for row in idx])
 
     runtime.seed_everything(t.seed)  # identical initial weights on every rank and in both jobs
+    check = None
     if opts.mode in ("plain", "plain_compiled"):
         model = spec.parallelize(spec.build(mcfg), activation_checkpointing=plan.activation_checkpointing)
         step, optimizer = _plain_step_fn(model.to(world.device), cfg, plan.precision, world.device,
@@ -142,8 +143,10 @@ def run_worker(opts: BenchOptions) -> int:
         engine = create_engine(lambda: spec.build(mcfg), spec.parallelize, plan, t)
         if t.nonfinite != "off":  # what `dstrain train` runs: the gradient watch and its per-step check
             from dstrain.resilience import NonFiniteGuard
-            engine.watch(NonFiniteGuard(t.nonfinite, t.max_consecutive_skips, world.rank, world.world_size))
+            engine.watch(NonFiniteGuard(t.nonfinite, t.max_consecutive_skips, world.rank, world.world_size),
+                         check=t.nonfinite_check)  # its loop has no per-step updates of its own
         step, optimizer = _dstrain_step_fn(engine)
+        check = engine.nonfinite_check
     runtime.seed_everything(t.seed + 7919 * (world.rank + 1))
 
     times, cpu_times, losses, comm = [], [], [], []
@@ -184,6 +187,7 @@ def run_worker(opts: BenchOptions) -> int:
         job = {"mode": opts.mode, "profile": opts.profile, "zero": plan.zero, "precision": plan.precision,
                "activation_checkpointing": plan.activation_checkpointing, "optimizer": optimizer,
                "nonfinite": t.nonfinite if opts.mode == "dstrain" else None,
+               "nonfinite_check": check if opts.mode == "dstrain" else None,
                "step_times_s": values[:opts.steps], "cpu_times_s": values[opts.steps:-2],
                "peak_memory_bytes": int(values[-2]), "estimated_memory_bytes": _estimate(plan, opts.profile),
                "compiled": plan.compile if opts.mode == "dstrain" else opts.mode == "plain_compiled",

@@ -120,6 +120,12 @@ class TrainConfig:
     as a checkpoint and exit non-zero naming the step, rank and model) | skip (drop that update on every
     rank, count it as ``train/skipped_steps``) | off (no check: saves that all-reduce and host sync).
     Gradients are not checked under fp16, whose loss scaler skips overflowing steps itself."""
+    nonfinite_check: str = "auto"
+    """How that check waits: auto (deferred on CUDA where it can be, else sync) | sync (the host reads each
+    step's verdict before the optimizer step: one wait for the device per step) | deferred (the optimizer
+    skips a bad update on the device through ``found_inf`` and the host reads the verdict one step later;
+    one process alone at ZeRO-0, fused AdamW or AdamATan2, in the trainers that support it (HRM, the
+    benchmark): elsewhere sync, with a note). See dstrain.engine.deferred_check."""
     max_consecutive_skips: int = 5
     """Under nonfinite=skip, this many skipped steps in a row end the run with an error."""
     collective_timeout_s: float = 1800.0
@@ -407,6 +413,8 @@ def validate(cfg: RunConfig, source: str) -> None:
     _check(t.eps > 0, source, "train.eps", f"must be positive, got {t.eps}")
     _check(t.nonfinite in ("stop", "skip", "off"), source, "train.nonfinite",
            f"must be stop, skip or off, got {t.nonfinite!r}")
+    _check(t.nonfinite_check in ("auto", "sync", "deferred"), source, "train.nonfinite_check",
+           f"must be auto, sync or deferred, got {t.nonfinite_check!r}")
     _check(t.max_consecutive_skips >= 1, source, "train.max_consecutive_skips",
            f"must be at least 1, got {t.max_consecutive_skips}")
     _check(t.collective_timeout_s > 0, source, "train.collective_timeout_s",

@@ -51,10 +51,14 @@ class NonFiniteError(RuntimeError):
 
     exit_code = EXIT_NONFINITE
 
-    def __init__(self, message: str, step: int, rank: int):
+    def __init__(self, message: str, step: int, rank: int, good_step: int | None = None):
         super().__init__(message)
         self.step = step
         self.rank = rank
+        self.good_step = good_step
+        """Set by the deferred check (``Engine`` with ``train.nonfinite_check`` deferred): the step whose state
+        the engine holds and may be saved (the bad step, its update skipped on the device); None: the trainer
+        decides (``RunGuards.last_good``)."""
 
 
 #: The number of the first stop signal this rank got (0 or False: none), set by the trainers' signal handler
@@ -135,6 +139,17 @@ class NonFiniteGuard:
                                                                           for loss in losses])).all())
         bad_loss, bad_grad, stop = _first_bad_ranks([loss_bad, grads_bad, STOP_REQUESTED[0]], self.rank,
                                                     self.world_size)
+        return self._decide(bad_loss, bad_grad, stop, step, name)
+
+    def record(self, step: int, loss_bad: bool, grads_bad: bool, name: str = "") -> bool:
+        """``check`` for one process alone whose step already ran with its update skipped on the device when
+        it was bad (the deferred check, ``Engine.settle``): the same bookkeeping, messages and errors, no
+        all-reduce. Under ``stop`` the error's ``good_step`` is ``step``: the engine holds that step's state,
+        its update not taken."""
+        return self._decide(0 if loss_bad else None, 0 if grads_bad and not loss_bad else None,
+                            0 if STOP_REQUESTED[0] else None, step, name, good_step=step)
+
+    def _decide(self, bad_loss, bad_grad, stop, step: int, name: str, good_step: int | None = None) -> bool:
         self.stop_agreed = self.stop_agreed or stop is not None  # every rank gets the same answer, same step
         if bad_loss is None and bad_grad is None:
             self.consecutive = self._in_a_row[name] = 0
@@ -143,12 +158,12 @@ class NonFiniteGuard:
         where = f"non-finite {what} at step {step} on rank {bad_rank}" + (f" ({name})" if name else "")
         if self.policy == "stop":
             raise NonFiniteError(f"{where}: stopped (train.nonfinite=stop); the checkpoint holds the last "
-                                 f"good state", step, bad_rank)
+                                 f"good state", step, bad_rank, good_step)
         self.skipped += 1
         self.consecutive = self._in_a_row[name] = self._in_a_row.get(name, 0) + 1
         if self.consecutive >= self.max_consecutive:
             raise NonFiniteError(f"{where}: {self.consecutive} steps skipped in a row (train.max_consecutive_skips="
-                                 f"{self.max_consecutive}); stopping", step, bad_rank)
+                                 f"{self.max_consecutive}); stopping", step, bad_rank, good_step)
         if self.rank == 0:
             print(f"dstrain: {where}: update skipped ({self.skipped} so far)", flush=True)
         return True

@@ -379,17 +379,28 @@ class Engine:
         self.name = ""
         self._losses: list[torch.Tensor] = []
         self.updates = 0
-        """Optimizer updates taken (skipped ones not counted)."""
-        self.last_step_taken = True
-        """Whether the last optimizer step's update was taken (False: skipped under train.nonfinite=skip)."""
+        """Optimizer updates taken (skipped ones not counted; under the deferred check every step counts: its
+        state moved on, and a bad step's update was left out on the device)."""
+        self._last_step_taken = True
+        self._deferred = None  # deferred_check.DeferredCheck where the non-finite check is deferred (watch)
+        self.nonfinite_check = "off"
+        """How the non-finite guard runs: off | sync | deferred (see dstrain.engine.deferred_check)."""
+        self.nonfinite_check_note = ""
+        """Why a requested deferred check runs synchronously ("" where it does not)."""
+        self.step_ok: torch.Tensor | None = None
+        """Under the deferred check: the last step's verdict on the device (1.0 taken, 0.0 skipped), for a
+        trainer's own updates that must follow it; None under the synchronous one (``step``'s return says)."""
         self._graphs = plan.compile and compiling.records_cuda_graphs(plan.compile_mode)
         self._norm_guard = False  # the non-finite guard reads the kept norm (set by watch)
         self._attention = lambda: sdpa_priority(plan.attention_backend)  # noqa: E731 - a fresh context per forward
 
-    def watch(self, guard=None, watchdog=None, name: str = "") -> None:
+    def watch(self, guard=None, watchdog=None, name: str = "", check: str = "sync") -> None:
         """Attach the run's non-finite policy (``resilience.NonFiniteGuard``: checked in every ``step`` at a
         gradient-accumulation boundary, over the losses given to ``backward`` and the gradients) and its
-        hang ``Watchdog`` (told the phase: forward, backward, allreduce, step). ``name``: in messages."""
+        hang ``Watchdog`` (told the phase: forward, backward, allreduce, step). ``name``: in messages.
+        ``check``: ``train.nonfinite_check`` (auto | sync | deferred) where the trainer follows ``step_ok``
+        with its own per-step updates, else sync (see :mod:`dstrain.engine.deferred_check`)."""
+        from dstrain.engine.deferred_check import DeferredCheck
         from dstrain.resilience import GradWatch
         self.guard, self.watchdog, self.name = guard, watchdog, name
         # fp16: DeepSpeed's loss scaler owns overflows. One process alone, where dstrain measures the norm
@@ -401,6 +412,46 @@ class Engine:
             self._keeper is not None and self._keeper.guards_gradients
         if guard is not None and self._grads is None and self.plan.precision != "fp16" and not self._norm_guard:
             self._grads = GradWatch(self.ds.module)
+        self._deferred, self.nonfinite_check, self.nonfinite_check_note = None, "off" if guard is None else "sync", ""
+        if guard is not None and check != "sync":
+            why = self._deferral_refusal(check)
+            if why is None:
+                self._deferred, self.nonfinite_check = DeferredCheck(guard, name), "deferred"
+            elif check == "deferred":
+                self.nonfinite_check_note = f"train.nonfinite_check=deferred runs synchronously here: {why}"
+
+    def _deferral_refusal(self, check: str) -> str | None:
+        """Why the non-finite check cannot be deferred on this engine (None: it can)."""
+        from dstrain.engine.deferred_check import device_skip_support
+        from dstrain.resilience import base_optimizer
+        if check == "auto" and self.device.type != "cuda":
+            return "auto defers on CUDA only"
+        if getattr(self.ds, "zenflow", False):
+            return "ZenFlow steps its own way"
+        if not self._norm_guard:
+            return ("it needs one process alone at ZeRO stage 0, without DeepSpeed's fp16/bf16 optimizer "
+                    "wrappers and not fp16")
+        return device_skip_support(base_optimizer(self.ds))
+
+    @property
+    def last_step_taken(self) -> bool:
+        """Whether the last optimizer step's update was taken (False: skipped under train.nonfinite=skip).
+        Under the deferred check, reading it waits for that step's verdict."""
+        if self._deferred is not None:
+            self.settle()
+            return self._deferred.last_taken
+        return self._last_step_taken
+
+    @last_step_taken.setter
+    def last_step_taken(self, value: bool) -> None:
+        self._last_step_taken = value
+
+    def settle(self) -> None:
+        """Under the deferred check: read the last step's verdict now and apply the policy (may raise
+        ``NonFiniteError``: call it where a step's outcome must be known, before logging or saving)."""
+        if self._deferred is not None:
+            from dstrain.resilience import base_optimizer
+            self._deferred.settle(base_optimizer(self.ds))
 
     def _phase(self, phase: str) -> None:
         if self.watchdog is not None:
@@ -433,12 +484,16 @@ class Engine:
         """The optimizer step at an accumulation boundary (else DeepSpeed only counts the micro-step).
         Returns whether an update was taken: False off the boundary, when the guard skipped it and when
         DeepSpeed's fp16 loss scaler did (callers with their own updates, e.g. HRM's puzzle embeddings
-        and EMA, follow this)."""
+        and EMA, follow this). Under the deferred check it is True at every boundary: a bad step's update is
+        left out on the device, the callers' own updates follow ``step_ok``, and the host learns of it at the
+        next step (``settle``)."""
         ds = self.ds
         if getattr(ds, "zenflow", False):  # DeepSpeed's boundary is ZenFlow's full update (it sets its accumulation
             boundary = True  # to update_interval); every step updates the selected rows (refused unless grad_accum 1)
         else:
             boundary = ds.is_gradient_accumulation_boundary()
+        if boundary and self._deferred is not None:
+            return self._deferred_step()
         if self._keeper is not None and boundary:
             self._keeper.before_step(for_guard=self._norm_guard)
         skip = False
@@ -463,6 +518,26 @@ class Engine:
             self.updates += not skip
         return boundary and not skip
 
+    def _deferred_step(self) -> bool:
+        """``step`` at a boundary under the deferred check: the previous step's verdict is read (long
+        computed by now), this step's goes to the optimizer as ``found_inf``; no wait for the device."""
+        from dstrain.engine.deferred_check import verdict
+        from dstrain.resilience import base_optimizer
+        self._phase("step")
+        opt, n = base_optimizer(self.ds), self.ds.global_steps + 1
+        self._deferred.settle(opt)  # the previous step's: may raise NonFiniteError
+        self._keeper.before_step(for_guard=True)
+        losses, self._losses = self._losses, []
+        code = verdict(losses, self._keeper.norm)
+        self.step_ok = self._deferred.arm(opt, code)
+        try:
+            self.ds.step()
+        finally:
+            self._deferred.disarm(opt)
+        self._deferred.post(code, n)
+        self.updates += 1
+        return True
+
     def train(self) -> None:
         self.ds.train()
 
@@ -484,6 +559,7 @@ class Engine:
         return float(norm.item() if torch.is_tensor(norm) else norm)
 
     def save(self, save_dir: str, tag: str, client_state: dict | None = None) -> None:
+        self.settle()
         self.ds.save_checkpoint(save_dir, tag=tag, client_state=client_state or {}, save_latest=False)
 
     def load(self, load_dir: str, tag: str) -> dict:

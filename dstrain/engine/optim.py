@@ -54,7 +54,7 @@ class OptimizerChoice:
         if self.algorithm == "adam_atan2":
             return f"optimizer: dstrain.optim.AdamATan2 (foreach), built by dstrain ({self.reason})"
         name = "AdamW" if self.decoupled else "Adam"
-        how = "fused CUDA kernel" if self.implementation == "torch_fused" else "foreach"
+        how = "fused kernel" if self.implementation == "torch_fused" else "foreach"
         return f"optimizer: torch.optim.{name} ({how}), built by dstrain ({self.reason})"
 
     def factory(self):
@@ -211,8 +211,8 @@ def choose_optimizer(ds_config: dict, requested: str, device_type: str, values,
     impl = requested
     if impl == "auto":
         impl = "torch_fused" if device_type == "cuda" else "torch_foreach"
-    if impl == "torch_fused" and device_type != "cuda":
-        raise ValueError(f"train.optimizer=torch_fused needs CUDA; this run is on {device_type} "
+    if impl == "torch_fused" and device_type not in ("cuda", "cpu"):  # PyTorch's fused Adam: CUDA and CPU kernels
+        raise ValueError(f"train.optimizer=torch_fused needs CUDA or a CPU; this run is on {device_type} "
                          "(use auto or torch_foreach)")
     out.pop("optimizer", None)
     return OptimizerChoice(impl, decoupled, params, f"numbers from {source}"), out

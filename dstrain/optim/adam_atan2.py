@@ -17,6 +17,12 @@ Moments live in the parameter's dtype (fp32 master weights under DeepSpeed's bf1
 and ZeRO; fp32 weights under autocast). The step count is a CPU scalar tensor per
 parameter, as in ``torch.optim.AdamW``, so reading it never syncs a GPU. Implemented
 with PyTorch's foreach ops: a fixed number of kernels per parameter group, whatever its size.
+
+Like PyTorch's fused Adam it honours a ``found_inf`` attribute (a device scalar, 1: skip), the way
+``torch.amp.GradScaler`` and dstrain's deferred non-finite check (``dstrain.engine.deferred_check``) hand it
+over: a step with ``found_inf`` 1 leaves weights and moments exactly as they were, decided on the device.
+Its step counts are host scalars, so they move on regardless; :meth:`AdamATan2.uncount_last_step` takes
+them back once the host has read the flag (before the next step).
 """
 from __future__ import annotations
 
@@ -53,6 +59,7 @@ class AdamATan2(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._counted = []
         for group in self.param_groups:
             params, grads, avgs, sqs, steps = [], [], [], [], []
             for p in group["params"]:
@@ -67,30 +74,65 @@ class AdamATan2(torch.optim.Optimizer):
                 sqs.append(state["exp_avg_sq"])
                 steps.append(state["step"])
             if params:
-                self._update(group, params, grads, avgs, sqs, steps)
+                self._update(group, params, grads, avgs, sqs, steps, getattr(self, "found_inf", None))
+                self._counted += steps
         return loss
 
+    def uncount_last_step(self) -> None:
+        """Take back the step counts the last ``step`` added (it was skipped through ``found_inf``)."""
+        for count in getattr(self, "_counted", []):
+            count.sub_(1.0)
+        self._counted = []
+
     @staticmethod
-    def _update(group, params, grads, avgs, sqs, steps) -> None:
+    def _update(group, params, grads, avgs, sqs, steps, found_inf=None) -> None:
         lr, wd = group["lr"], group["weight_decay"]
         beta1, beta2 = group["betas"]
         torch._foreach_add_(steps, 1.0)
         counts = [float(t) for t in steps]  # CPU tensors: no device sync
+        if found_inf is not None:  # skip on the device: gradients, moment rates and the step times ok (1 or 0)
+            _masked_update(lr, wd, beta1, beta2, counts, params, grads, avgs, sqs, found_inf)
+            return
         if wd != 0:
             torch._foreach_mul_(params, 1.0 - lr * wd)
         torch._foreach_lerp_(avgs, grads, 1.0 - beta1)
         torch._foreach_lerp_(sqs, torch._foreach_mul(grads, grads), 1.0 - beta2)
-        denoms = torch._foreach_sqrt(sqs)
-        torch._foreach_div_(denoms, [math.sqrt(1.0 - beta2 ** n) for n in counts])
-        if any(p.dtype == torch.float16 for p in params):  # too narrow for the floor below: per tensor
-            updates = [torch.atan2(m, d) for m, d in zip(avgs, denoms)]
-        else:
-            # atan2(m, d) with d >= 0 is atan(m / d) once d is raised to fp32's smallest normal number
-            # (1.2e-38; bf16 shares its range): 0 / 0 (no gradient yet) becomes atan(0) = 0 and m / 0
-            # +-pi/2, atan2's values at d = 0. PyTorch has no foreach atan2; this keeps the number of
-            # kernels fixed. (For fp64 moments, only a d below 1.2e-38 is moved.)
-            torch._foreach_maximum_(denoms, torch.finfo(torch.float32).tiny)
-            updates = torch._foreach_div(avgs, denoms)
-            torch._foreach_atan_(updates)
+        updates = _ratio_atan(avgs, sqs, beta2, counts, any(p.dtype == torch.float16 for p in params))
         torch._foreach_mul_(updates, [-lr / (1.0 - beta1 ** n) for n in counts])
         torch._foreach_add_(params, updates)
+
+
+def _ratio_atan(avgs, sqs, beta2: float, counts: list[float], fp16: bool) -> list[torch.Tensor]:
+    """``atan2(m, sqrt(v) / sqrt(1 - beta2**t))`` per tensor (see ``AdamATan2._update``)."""
+    denoms = torch._foreach_sqrt(sqs)
+    torch._foreach_div_(denoms, [math.sqrt(1.0 - beta2 ** n) for n in counts])
+    if fp16:  # too narrow for the floor below: per tensor
+        return [torch.atan2(m, d) for m, d in zip(avgs, denoms)]
+    # atan2(m, d) with d >= 0 is atan(m / d) once d is raised to fp32's smallest normal number
+    # (1.2e-38; bf16 shares its range): 0 / 0 (no gradient yet) becomes atan(0) = 0 and m / 0
+    # +-pi/2, atan2's values at d = 0. PyTorch has no foreach atan2; this keeps the number of
+    # kernels fixed. (For fp64 moments, only a d below 1.2e-38 is moved.)
+    torch._foreach_maximum_(denoms, torch.finfo(torch.float32).tiny)
+    updates = torch._foreach_div(avgs, denoms)
+    torch._foreach_atan_(updates)
+    return updates
+
+
+def _masked_update(lr, wd, beta1, beta2, counts, params, grads, avgs, sqs, found_inf) -> None:
+    """The update with every change multiplied by ``ok = 1 - found_inf`` (a device scalar): exact when ok is 1,
+    no change at all when it is 0. The gradients are zeroed first where ok is 0 (they hold the NaN/Inf
+    that set the flag, and 0 x NaN is NaN), so the moments' and weights' changes are exact zeros."""
+    ok = 1.0 - found_inf.float()
+    safe = torch._foreach_mul(grads, ok.to(grads[0].dtype))
+    for g in safe:
+        torch.nan_to_num_(g, nan=0.0, posinf=0.0, neginf=0.0)
+    if wd != 0:
+        torch._foreach_mul_(params, (1.0 - lr * wd * ok).to(params[0].dtype))
+    for moments, target, beta in ((avgs, safe, beta1), (sqs, torch._foreach_mul(safe, safe), beta2)):
+        step = torch._foreach_sub(target, moments)  # m + (1 - beta) * ok * (g - m)
+        torch._foreach_mul_(step, ((1.0 - beta) * ok).to(moments[0].dtype))
+        torch._foreach_add_(moments, step)
+    updates = _ratio_atan(avgs, sqs, beta2, counts, any(p.dtype == torch.float16 for p in params))
+    torch._foreach_mul_(updates, [-lr / (1.0 - beta1 ** n) for n in counts])
+    torch._foreach_mul_(updates, ok.to(updates[0].dtype))
+    torch._foreach_add_(params, updates)

@@ -35,10 +35,16 @@ class EMA:
         return min(self.decay, (1.0 + self.updates) / (10.0 + self.updates))
 
     @torch.no_grad()
-    def update(self, module: torch.nn.Module) -> None:
+    def update(self, module: torch.nn.Module, ok: torch.Tensor | None = None) -> None:
+        """One average step. ``ok``: a device scalar whose 0 leaves the shadow as it is (the engine's deferred
+        non-finite verdict, ``Engine.step_ok``: the weights did not move either); the count moves on, as
+        the host cannot tell yet (the next steps' decay rises by one step's worth early in training)."""
         d = self.rate()
         for name, p in self._params(module):
-            self.shadow[name].mul_(d).add_(p.detach().float(), alpha=1.0 - d)
+            if ok is None:
+                self.shadow[name].mul_(d).add_(p.detach().float(), alpha=1.0 - d)
+            else:
+                self.shadow[name].lerp_(p.detach().float(), (1.0 - d) * ok.to(p.device, torch.float32))
         self.updates += 1
 
     @contextmanager

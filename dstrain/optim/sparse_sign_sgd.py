@@ -109,11 +109,13 @@ class SparseSignSGD:
         self.equal_counts = equal_counts
 
     @torch.no_grad()
-    def update(self, ids: torch.Tensor, grads: torch.Tensor, lr: float | None = None) -> torch.Tensor:
+    def update(self, ids: torch.Tensor, grads: torch.Tensor, lr: float | None = None,
+               ok: torch.Tensor | None = None) -> torch.Tensor:
         """Apply one step for this rank's ``ids`` ``[n]`` and row gradients ``[n, dim]``.
 
         Collective: every rank must call it. Returns the ids of every rank, sorted (an id
-        appears once per use; each distinct id is updated once).
+        appears once per use; each distinct id is updated once). ``ok``: a device scalar whose
+        0 leaves the rows as they were (the engine's deferred non-finite verdict, ``Engine.step_ok``).
         """
         lr = self.lr if lr is None else lr
         weight = self.embedding.weight
@@ -125,15 +127,18 @@ class SparseSignSGD:
         first = torch.searchsorted(ids, ids)  # each position -> the first position of its id
         summed = torch.zeros_like(grads).index_add_(0, first, grads[order])[first]
         rows = weight[ids] * (1.0 - lr * self.weight_decay) - lr * torch.sign(summed)
+        if ok is not None:
+            rows = torch.where(ok.to(weight.device) > 0, rows, weight[ids])
         weight.index_copy_(0, ids, rows)  # repeated ids write identical rows
         return ids
 
-    def step(self, lr: float | None = None) -> torch.Tensor:
-        """Update from the last :meth:`SparseEmbedding.lookup` and its gradient (zeros if none)."""
+    def step(self, lr: float | None = None, ok: torch.Tensor | None = None) -> torch.Tensor:
+        """Update from the last :meth:`SparseEmbedding.lookup` and its gradient (zeros if none); ``ok`` as
+        in :meth:`update`."""
         emb = self.embedding
         if emb.ids is None or emb.rows is None:
             raise RuntimeError("SparseSignSGD.step() before SparseEmbedding.lookup()")
         grad = emb.rows.grad if emb.rows.grad is not None else torch.zeros_like(emb.rows)
-        touched = self.update(emb.ids, grad, lr)
+        touched = self.update(emb.ids, grad, lr, ok)
         emb.ids = emb.rows = None
         return touched

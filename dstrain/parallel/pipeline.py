@@ -358,9 +358,10 @@ class PipelineEngine(Engine):
                                          max_norm=ds_engine.gradient_clipping(), mpu=ds_engine.mpu)
         ds_engine.clip_fp32_gradients = clip_and_keep
 
-    def watch(self, guard=None, watchdog=None, name: str = "") -> None:
+    def watch(self, guard=None, watchdog=None, name: str = "", check: str = "sync") -> None:
         """As ``Engine.watch``; the check runs inside ``train_batch``, just before DeepSpeed's optimizer step
-        (every stage gets there): the last stage gives the step's summed loss, every stage its gradients."""
+        (every stage gets there): the last stage gives the step's summed loss, every stage its gradients.
+        Always synchronous (``check`` is not used: the stages agree before the step)."""
         super().watch(guard, watchdog, name)
         ds = self.ds
         if guard is None or "_take_model_step" in vars(ds):

@@ -386,7 +386,9 @@ class RunGuards:
     models, or several times per step: the latest checkpoint on disk is then the last good state).
     """
 
-    def __init__(self, cfg: RunConfig, world: runtime.World, engines: dict):
+    def __init__(self, cfg: RunConfig, world: runtime.World, engines: dict, deferrable: bool = False):
+        """``deferrable``: the trainer follows ``Engine.step_ok`` with its own per-step updates, so the
+        engines may defer their check (``train.nonfinite_check``; see dstrain.engine.deferred_check)."""
         from dstrain.resilience import NonFiniteGuard, Watchdog
         t = cfg.train
         self.guard = (None if t.nonfinite == "off" else
@@ -396,7 +398,10 @@ class RunGuards:
         resilience.STOP_REQUESTED[0] = False  # (a run started in the same process after a stopped one)
         self.engines = dict(engines)
         for name, engine in self.engines.items():
-            engine.watch(self.guard, self.watchdog, name)
+            engine.watch(self.guard, self.watchdog, name, check=t.nonfinite_check if deferrable else "sync")
+            note = getattr(engine, "nonfinite_check_note", "")
+            if note and world.is_main:
+                print(f"dstrain: {note}", flush=True)
         self._updates_at_begin = 0
 
     @property
@@ -425,10 +430,13 @@ class RunGuards:
         untouched = sum(e.updates for e in self.engines.values()) == self._updates_at_begin
         return step - 1 if untouched else None
 
-    def keep_last_good(self, step: int, start_step: int, last_saved: int | None, save, saver) -> None:
-        """After ``NonFiniteError`` in ``step``: ``save`` the last good step unless it is already on disk
-        (or is the start), then wait until the saves in flight are complete."""
-        good = self.last_good(step)
+    def keep_last_good(self, step: int, start_step: int, last_saved: int | None, save, saver,
+                       error=None) -> None:
+        """After ``NonFiniteError`` ``error`` in ``step``: ``save`` the last good step unless it is already on
+        disk (or is the start), then wait until the saves in flight are complete. The deferred check names
+        that step itself (``error.good_step``)."""
+        good = getattr(error, "good_step", None)
+        good = self.last_good(step) if good is None else good
         if good is not None and good > start_step and good != last_saved:
             save(good)
         saver.wait()

@@ -116,7 +116,7 @@ class HRMTrainer:
         self.engine = create_engine(lambda: self.spec.build(self.model_cfg), self.spec.parallelize,
                                     self.plan, cfg.train)
         self.device = self.engine.device
-        self.guards = RunGuards(cfg, self.world, {"": self.engine})
+        self.guards = RunGuards(cfg, self.world, {"": self.engine}, deferrable=True)  # step_ok followed below
         self.saver = CheckpointSaver(self.engine, self.ckpt_root, self.world, cfg, self.plan)
         emb_len = getattr(self.model_cfg, "puzzle_emb_len", 0)
         self.puzzle_emb = self.sparse_opt = None
@@ -223,10 +223,11 @@ class HRMTrainer:
         self.engine.backward(loss)
         lr_factor = self.engine.lr / self.cfg.train.lr if self.cfg.train.lr > 0 else 1.0
         taken = self.engine.step()  # False: skipped under train.nonfinite=skip (the table is left too)
+        ok = self.engine.step_ok  # the deferred check's verdict on the device (None: taken says it)
         if self.sparse_opt is not None and taken:
-            self.sparse_opt.step(self.task.puzzle_emb_lr * lr_factor)
+            self.sparse_opt.step(self.task.puzzle_emb_lr * lr_factor, ok)
         if self.ema is not None and taken:
-            self.ema.update(self.engine.module)
+            self.ema.update(self.engine.module, ok)
         self.carry = {"z_H": out["z_H"], "z_L": out["z_L"], "steps": out["steps"],
                       "halted": out["halted"], "inputs": rows["inputs"], "labels": rows["labels"],
                       "groups": rows["groups"]}
@@ -260,8 +261,11 @@ class HRMTrainer:
                 self.guards.begin(step)
                 try:
                     loss, metrics = self.train_step(step - 1)
-                except NonFiniteError:  # train.nonfinite=stop, or too many skips in a row
-                    self.guards.keep_last_good(step, self.start_step, last_saved, self.save, self.saver)
+                    if step == t.steps or self.guards.stop_agreed or any(
+                            every and step % every == 0 for every in (t.log_every, t.eval_every, cfg.checkpoint.every)):
+                        self.engine.settle()  # the deferred check's verdict before logging, evaluating, saving
+                except NonFiniteError as err:  # train.nonfinite=stop, or too many skips in a row
+                    self.guards.keep_last_good(step, self.start_step, last_saved, self.save, self.saver, err)
                     raise
                 losses.append(loss)
                 for k, v in metrics.items():
@@ -323,7 +327,8 @@ class HRMTrainer:
                    "val_accuracy": val.get("accuracy") if val else None, "stopped": stopped,
                    "seconds": time.perf_counter() - start, "profile": self.plan.profile,
                    "precision": self.plan.precision, "world_size": self.world.world_size,
-                   "global_batch": self.global_batch, "skipped_steps": self.guards.skipped}
+                   "global_batch": self.global_batch, "skipped_steps": self.guards.skipped,
+                   "nonfinite_check": self.engine.nonfinite_check}
         if self.world.is_main:
             (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary

@@ -1,11 +1,12 @@
 """``train.nonfinite`` beyond the LM trainer, 2 CPU ranks, faults injected on rank 1 (``dstrain.faults``).
 
 HRM, skip: step 3's gradients are NaN behind a finite loss; every rank drops that update, of the
-network and of the sparse puzzle-embedding table alike (checkpoint 3 equals checkpoint 2), and
-step 4 trains on. SCoRe, stop: the critic's loss of its second step is NaN; the job exits 3 with
+network, of the sparse puzzle-embedding table and of the EMA alike (checkpoint 3 equals checkpoint 2),
+and step 4 trains on; the same in one process under the deferred check, which skips on the device. SCoRe, stop: the critic's loss of its second step is NaN; the job exits 3 with
 one line naming the critic, and since the policy had already taken step 2's update, no new
 checkpoint is written: step 1's stays the latest.
 """
+import json
 import os
 import subprocess
 import sys
@@ -20,10 +21,10 @@ from tests.dist.test_score_train import QUICK as SCORE_QUICK
 RECIPES = harness.ROOT / "models"
 
 
-def _launch(recipe, out, steps, quick, fault_env, *extra):
+def _launch(recipe, out, steps, quick, fault_env, *extra, nproc=2):
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           "DSTRAIN_FAULT_RANK": "1", **fault_env}
-    cmd = [sys.executable, "-m", "dstrain.cli", "launch", "--nproc", "2", str(recipe), *quick,
+           "DSTRAIN_FAULT_RANK": str(nproc - 1), **fault_env}
+    cmd = [sys.executable, "-m", "dstrain.cli", "launch", "--nproc", str(nproc), str(recipe), *quick,
            f"--train.steps={steps}", f"--output.dir={out}", "--checkpoint.every=1", "--checkpoint.keep=10", *extra]
     return subprocess.run(cmd, env=env, cwd=harness.ROOT, capture_output=True, text=True, timeout=400)
 
@@ -32,20 +33,38 @@ def _same(a, b):
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_hrm_skips_a_nan_gradient_step_on_every_rank(tmp_path):
-    out = tmp_path / "hrm"
-    proc = _launch(RECIPES / "hrm" / "recipes" / "sudoku_debug.json", out, 4, HRM_QUICK,
-                   {"DSTRAIN_FAULT_NAN_GRAD_STEP": "3"}, "--train.nonfinite=skip", "--train.log_every=1")
+def _skipped_step_3(out, proc, rank, logged=(1, 2, 3, 4)):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "non-finite gradient at step 3 on rank 1: update skipped" in proc.stdout + proc.stderr
-    assert harness.metrics(out, "train/skipped_steps") == {1: 0, 2: 0, 3: 1, 4: 1}
+    assert f"non-finite gradient at step 3 on rank {rank}: update skipped" in proc.stdout + proc.stderr
+    assert harness.metrics(out, "train/skipped_steps") == {s: int(s >= 3) for s in logged}
     root = out / "checkpoints"
     weights = {s: ckpt.consolidated_state_dict(root / ckpt.tag_for(s))[0] for s in (2, 3, 4)}
     table = {s: torch.load(root / ckpt.tag_for(s) / "hrm" / "puzzle_emb.pt", weights_only=True)["weight"]
              for s in (2, 3, 4)}
+    ema = {s: torch.load(root / ckpt.tag_for(s) / "hrm" / "ema.pt", weights_only=False)["shadow"] for s in (2, 3)}
     assert _same(weights[2], weights[3]) and torch.equal(table[2], table[3]), "the skipped step changed the state"
+    assert _same(ema[2], ema[3])
     assert not _same(weights[3], weights[4]) and not torch.equal(table[3], table[4])
     assert all(torch.isfinite(v).all() for v in weights[4].values())
+    return json.loads((out / "summary.json").read_text())
+
+
+def test_hrm_skips_a_nan_gradient_step_on_every_rank(tmp_path):
+    out = tmp_path / "hrm"
+    proc = _launch(RECIPES / "hrm" / "recipes" / "sudoku_debug.json", out, 4, HRM_QUICK,
+                   {"DSTRAIN_FAULT_NAN_GRAD_STEP": "3"}, "--train.nonfinite=skip", "--train.log_every=1")
+    assert _skipped_step_3(out, proc, 1)["nonfinite_check"] == "sync"
+
+
+def test_hrm_alone_skips_a_nan_gradient_step_on_the_device_under_the_deferred_check(tmp_path):
+    """One process, ``train.nonfinite_check=deferred``: the AdamATan2 update, the puzzle-embedding rows and the
+    EMA of step 3 are left out on the device (the host learns it at step 4's boundary): the same state as the
+    synchronous check leaves."""
+    out = tmp_path / "hrm"
+    proc = _launch(RECIPES / "hrm" / "recipes" / "sudoku_debug.json", out, 4, HRM_QUICK,
+                   {"DSTRAIN_FAULT_NAN_GRAD_STEP": "3"}, "--train.nonfinite=skip", "--train.log_every=2",
+                   "--train.nonfinite_check=deferred", "--train.optimizer_type=adam_atan2", nproc=1)
+    assert _skipped_step_3(out, proc, 0, logged=(2, 4))["nonfinite_check"] == "deferred"
 
 
 def test_score_stops_on_a_nan_critic_loss_and_keeps_the_last_complete_checkpoint(tmp_path):

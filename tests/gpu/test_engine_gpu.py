@@ -56,7 +56,7 @@ def test_every_stage_learns_in_bf16(runs, profile):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["precision"] == "bf16"
     plan = (out / "plan.txt").read_text()
-    assert "torch.compile on" in plan and "fused CUDA kernel" in plan
+    assert "torch.compile on" in plan and "fused kernel" in plan
     if profile == "zero0":  # bf16 autocast: dstrain clips and keeps the norm (DeepSpeed logged none there)
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         norms = [r["train/grad_norm"] for r in rows if "train/loss" in r]

@@ -47,3 +47,22 @@ def test_trainer_runs_on_one_gpu(name, tmp_path):
     assert (tmp_path / "summary.json").is_file()
     plan = (tmp_path / "plan.txt").read_text()
     assert f"hardware: {torch.cuda.get_device_name()}" in plan, plan  # planned for the GPU, not the CPU
+
+
+def test_hrm_skips_a_nan_step_on_the_device_by_default(tmp_path):
+    """``train.nonfinite_check=auto`` defers on CUDA: step 3's NaN gradients are left out on the device (fused
+    AdamW's found_inf, the puzzle-embedding rows), the host counts the skip a step later, training goes on."""
+    from dstrain import checkpoint as ckpt
+    recipe, extra = RUNS["hrm"]
+    extra = [e for e in extra if not e.startswith("--checkpoint.every")]
+    proc = launch(recipe, [*extra, "--train.nonfinite=skip", "--checkpoint.every=1", "--checkpoint.keep=10"],
+                  tmp_path, steps=4, env={"DSTRAIN_FAULT_RANK": "0", "DSTRAIN_FAULT_NAN_GRAD_STEP": "3"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "non-finite gradient at step 3 on rank 0: update skipped" in proc.stdout + proc.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["nonfinite_check"] == "deferred" and summary["skipped_steps"] == 1, summary
+    root = tmp_path / "checkpoints"
+    weights = {s: ckpt.consolidated_state_dict(root / ckpt.tag_for(s))[0] for s in (2, 3, 4)}
+    assert all(torch.equal(weights[2][k], weights[3][k]) for k in weights[2])
+    assert not all(torch.equal(weights[3][k], weights[4][k]) for k in weights[3])
+    assert all(torch.isfinite(v).all() for v in weights[4].values())

@@ -141,12 +141,13 @@ def test_run_guards_last_good_step_depends_on_whether_an_update_was_taken():
     from dstrain.trainers.common import RunGuards
     cfg = load_run_config("models/gpt/recipes/tiny.json", ["--train.nonfinite=skip"])
     attached = {}
-    engines = {name: SimpleNamespace(updates=0, watch=lambda g, w, n: attached.setdefault(n, (g, w)))
+    engines = {name: SimpleNamespace(updates=0, watch=lambda g, w, n, check: attached.setdefault(n, (g, w, check)))
                for name in ("policy", "critic")}
     world = World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
     guards = RunGuards(cfg, world, engines)
     try:
         assert set(attached) == {"policy", "critic"} and attached["critic"][0] is guards.guard
+        assert attached["critic"][2] == "sync"  # a trainer that did not say it follows step_ok: never deferred
         guards.begin(7)
         assert guards.last_good(7) == 6  # nothing updated yet in step 7: step 6's state is the last good one
         engines["policy"].updates += 1
