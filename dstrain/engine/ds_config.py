@@ -190,7 +190,10 @@ _RANGES = {"gradient_clipping": (0.0, None, "a number >= 0 (0 turns clipping off
            "optimizer.params.weight_decay": (0.0, None, "a number >= 0 (torch's AdamW and DeepSpeed's Adam refuse "
                                                         "negative ones)"),
            "optimizer.params.betas": (0.0, 1.0, "two numbers in [0, 1)"),
-           "scheduler.params.warmup_num_steps": (0, None, "an integer >= 0"),
+           # DeepSpeed 0.19's WarmupLR / WarmupDecayLR / WarmupCosineLR raise ValueError on 0 ("must be a positive
+           # integer"); 1 is the shortest warm-up they take (they run at least 2 internally)
+           "scheduler.params.warmup_num_steps": (1, None, "a positive integer (DeepSpeed's warm-up schedulers raise "
+                                                          "on 0; 1 is the shortest warm-up)"),
            "scheduler.params.total_num_steps": (1, None, "a positive integer"),
            "scheduler.params.cos_min_ratio": (0.0, 1.0, "a number in [0, 1]"),
            "scheduler.params.warmup_max_lr": (0.0, None, "a number >= 0")}
@@ -526,9 +529,21 @@ def _fill_zero(cfg: dict, v: RunValues, problems: list[str]) -> None:
                         f"and replaces gradient_accumulation_steps by its update_interval, so the run's gradient "
                         f"accumulation {v.grad_accum} would not happen; use gradient accumulation 1 (a larger "
                         "micro-batch)")
+    hpz = zo.get("zero_hpz_partition_size")
+    if stage == 3 and isinstance(hpz, int) and not isinstance(hpz, bool) and hpz > 1:
+        # DeepSpeed groups the ranks in blocks of min(hpz, world size) and asserts that they divide the world
+        group, world = min(hpz, v.dp_world_size), v.dp_world_size
+        if world % group:
+            fits = [d for d in range(2, group) if world % d == 0]
+            problems.append(f"zero_optimization.zero_hpz_partition_size: {hpz} groups the {world} data-parallel ranks "
+                            f"in blocks of {group}, which do not divide them (DeepSpeed asserts it when it builds the "
+                            f"ZeRO-3 parameter groups); set "
+                            + (f"{fits[-1]} (a divisor of {world}, as the GPUs per node are) or " if fits else "")
+                            + "1 (off)")
     if stage < 3 and _offloads(zo, "offload_param", "cpu_offload_param"):
         problems.append(f"zero_optimization.offload_param: parameter offload is only valid with ZeRO stage 3, "
-                        f"file has stage {stage} (DeepSpeed would silently keep parameters on the device)")
+                        f"file has stage {stage} (DeepSpeed would silently keep parameters on the device); set "
+                        f"\"stage\": 3, or remove offload_param")
 
 
 def _leftover_autos(node, path: str, found: list[str]) -> None:

@@ -176,6 +176,22 @@ def _gradient_scaling_problems(cfg: dict, problems: list[str]) -> None:
                         f"enabled'); remove {them}, or set zero_optimization.reduce_scatter to false")
 
 
+def _checkpoint_writer_problems(cfg: dict, device_type: str, problems: list[str]) -> None:
+    """``checkpoint.writer`` of type "fast" (the type a writer block gets when it names none) on the CPU: DeepSpeed
+    builds that writer when it builds the engine, pinning its I/O buffer (which needs a GPU) for its async_io kernel,
+    so every rank fails in ``deepspeed.initialize``; the "python" writer writes the same files with plain I/O."""
+    ck = cfg.get("checkpoint")
+    writer = ck.get("writer") if isinstance(ck, dict) else None
+    if device_type != "cpu" or not isinstance(writer, dict):
+        return
+    kind = writer.get("type", "fast")
+    if isinstance(kind, str) and kind.strip().lower() == "fast":
+        problems.append("checkpoint.writer.type: DeepSpeed's fast checkpoint writer (a writer block's default type) "
+                        "pins its I/O buffer for the async_io kernel when the engine starts, which the CPU "
+                        "accelerator cannot (every rank would fail); set \"type\": \"python\" or remove "
+                        "checkpoint.writer")
+
+
 def _async_io_available() -> bool:
     try:
         from deepspeed.accelerator import get_accelerator
@@ -219,6 +235,11 @@ def _unused_sections(cfg: dict, problems: list[str]) -> None:
     if isinstance(tp, dict) and (tp.get("autotp_size") or tp.get("tp_size") or 1) not in (0, 1):
         problems.append("tensor_parallel: DeepSpeed's AutoTP is not used by dstrain; remove the section and use "
                         "--parallel.tp=N")
+    ep = cfg.get("expert_parallel")
+    if isinstance(ep, dict) and ep.get("enabled") not in (None, False, 0, ""):  # DeepSpeed reads any other as on
+        problems.append("expert_parallel.enabled: DeepSpeed's AutoEP replaces a model's MoE layers, and dstrain's "
+                        "models have none (with a preset_model or pattern DeepSpeed raises 'no MoE layers "
+                        "detected' on every rank); set it to false or remove the section")
     sp = cfg.get("sequence_parallel_size")
     if sp not in (None, 1):
         problems.append(f"sequence_parallel_size: dstrain splits sequences itself; remove the key and use "
@@ -467,6 +488,7 @@ def section_problems(cfg: dict, device_type: str) -> tuple[list[str], list[str]]
     _dtype_problems(cfg, device_type, problems)
     _gradient_scaling_problems(cfg, problems)
     _unused_sections(cfg, problems)
+    _checkpoint_writer_problems(cfg, device_type, problems)
     _monitor_problems(cfg, problems, notes)
     _plain_section_keys(cfg, problems)
     _quoted_flags(cfg, problems)

@@ -182,7 +182,13 @@ def choose_optimizer(ds_config: dict, requested: str, device_type: str, values,
     source = "the DeepSpeed JSON's optimizer block" if block else "the run config (the JSON has no optimizer block)"
     keep, why = None, ""
     if _offloads_optimizer(out):
-        keep, why = True, "optimizer offload runs DeepSpeed's CPU Adam"
+        # what DeepSpeed's _configure_basic_optimizer builds under offload, by the block's type
+        cpu = {"adagrad": "its CPU Adagrad", "lion": "its CPU Lion"}.get(kind, "its CPU Adam")
+        if kind in ("adam", "adamw") and (block.get("params") or {}).get("torch_adam") is True:
+            cpu = "torch.optim's Adam/AdamW (torch_adam)"
+        elif block and kind not in ("adam", "adamw", "adagrad", "lion"):
+            cpu = f"{block.get('type')!r} from the block"
+        keep, why = True, f"optimizer offload: DeepSpeed builds {cpu}"
     elif requested == "deepspeed":
         keep, why = True, "train.optimizer=deepspeed"
     elif block:

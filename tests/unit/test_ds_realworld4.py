@@ -100,7 +100,7 @@ def test_a_stage_in_quotes_is_the_stage_deepspeeds_parser_reads(tmp_path, stage,
     ("optimizer.params.weight_decay", -0.01, True), ("optimizer.params.weight_decay", 0, False),
     ("optimizer.params.eps", 0.0, True), ("optimizer.params.lr", float("inf"), True),
     ("optimizer.params.betas", [0.9, 1.0], True), ("optimizer.params.betas", [0.9, 0.999], False),
-    ("scheduler.params.warmup_num_steps", -10, True), ("scheduler.params.warmup_num_steps", 0, False),
+    ("scheduler.params.warmup_num_steps", -10, True), ("scheduler.params.warmup_num_steps", 0, True),
     ("scheduler.params.total_num_steps", 0, True), ("scheduler.params.cos_min_ratio", 1.5, True),
     ("gradient_clipping", 0.0, False), ("gradient_clipping", -1.0, True), ("train_batch_size", -4, False),
 ])
