@@ -35,6 +35,12 @@ def read_metrics(path: Path) -> dict[str, dict[int, float]]:
     return series
 
 
+def later_steps(steps: list[int]) -> list[int]:
+    """The logged steps past start-up (after step 3 or the first tenth); a short run (--steps 3) keeps
+    the steps after the first, or all of them, so that it still gives medians."""
+    return [s for s in steps if s > max(3, len(steps) // 10)] or steps[1:] or steps
+
+
 def run(recipe: str, dtype: str, args, extra: list[str], out: Path) -> dict:
     cmd = [sys.executable, "-m", "dstrain.cli", "launch", "--nproc", str(args.nproc), recipe,
            f"--train.steps={args.steps}", "--train.log_every=1", f"--deepspeed.profile={args.profile}",
@@ -47,7 +53,7 @@ def run(recipe: str, dtype: str, args, extra: list[str], out: Path) -> dict:
         raise SystemExit(f"run with comm_dtype={dtype} failed:\n{proc.stderr[-3000:]}")
     m = read_metrics(out / "metrics.jsonl")
     steps = sorted(m["train/loss"])
-    later = [s for s in steps if s > max(3, len(steps) // 10)]  # past start-up
+    later = later_steps(steps)  # past start-up
     tps = statistics.median(m["train/tokens_per_s"][s] for s in later)
     tokens_per_step = None
     cfg = json.loads((out / "run_config.json").read_text())

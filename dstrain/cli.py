@@ -36,6 +36,17 @@ def _load(recipe: str, overrides: list[str], resume: bool = False):
     return cfg
 
 
+def _check_task_files(cfg) -> None:
+    """``task.path`` / ``task.eval_path`` that name a file (not a hub dataset) must exist where ranks start."""
+    from dstrain.config import ConfigError
+    from dstrain.data.tasks import _looks_like_path
+    for key in ("path", "eval_path"):
+        value = cfg.task.get(key) if isinstance(cfg.task, dict) else None
+        if isinstance(value, str) and value and _looks_like_path(value) and not Path(value).expanduser().exists():
+            raise ConfigError("run config", f"task.{key}", f"task file not found: {value} (relative paths are "
+                                                            f"read from {Path.cwd()})")
+
+
 def _adopt(cfg, world_size: int) -> list[tuple[str, object, str]]:
     """``deepspeed.values_from_file``: the DeepSpeed JSON's explicit values into ``cfg``; what changed."""
     from dstrain.engine.ds_preflight import adopt_file_values
@@ -141,6 +152,8 @@ def cmd_launch(args, overrides) -> int:
     return value is its exit status (128+N when killed by signal N).
     """
     cfg = _load(args.recipe, overrides)  # fail here, once, rather than on every rank
+    if not args.hostfile:  # one machine: a missing task file is named before any rank starts
+        _check_task_files(cfg)
     if args.max_restarts < 0:
         print(f"dstrain: error: --max-restarts must not be negative, got {args.max_restarts}", file=sys.stderr)
         return EXIT_CONFIG
@@ -424,6 +437,9 @@ def cmd_check_config(args, overrides) -> int:
               + (f" with {cfg.deepspeed.profile} on {args.world_size or 1} rank(s)"
                  if cfg.deepspeed.profile != "auto" else ""))
         return 0
+    if overrides:  # they would be dropped without a word
+        raise ConfigError("command line", overrides[0].split("=", 1)[0].lstrip("-"),
+                          f"overrides apply to a run config; {args.file} is a DeepSpeed JSON")
     from dstrain.engine.ds_check import check_ds_file
     print(check_ds_file(args.file, device_type=args.device, world_size=args.world_size))
     return 0
@@ -448,7 +464,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="DeepSpeed-centric training driven by JSON configs.")
     sub = p.add_subparsers(dest="command", required=True)
 
-    t = sub.add_parser("train", allow_abbrev=False, help="run training (what each rank runs)")
+    t = sub.add_parser("train", allow_abbrev=False, help="run training (what each rank runs)",
+                       description="--dotted.key=value overrides (e.g. --train.lr=3e-4) win over the recipe.")
     t.add_argument("recipe")
     t.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
     t.set_defaults(func=cmd_train)
@@ -479,7 +496,8 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("-o", "--output", default=None, help="file to write (default: standard output)")
     h.set_defaults(func=cmd_hostfile)
 
-    pl = sub.add_parser("plan", allow_abbrev=False, help="print the memory plan without training")
+    pl = sub.add_parser("plan", allow_abbrev=False, help="print the memory plan without training",
+                        description="--dotted.key=value overrides (e.g. --model.size=xl) win over the recipe.")
     pl.add_argument("recipe")
     pl.add_argument("--world-size", type=int, help="data-parallel ranks to plan for")
     pl.add_argument("--device-memory", help='memory of one device, e.g. "80GB" (plans for GPUs)')
@@ -488,7 +506,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--show-json", action="store_true", help="also print the resolved DeepSpeed JSON")
     pl.set_defaults(func=cmd_plan)
 
-    c = sub.add_parser("check-config", allow_abbrev=False, help="validate a run config or a DeepSpeed JSON")
+    c = sub.add_parser("check-config", allow_abbrev=False, help="validate a run config or a DeepSpeed JSON",
+                       description="A run config takes --dotted.key=value overrides (e.g. --train.lr=3e-4).")
     c.add_argument("file")
     c.add_argument("--device", choices=["cpu", "cuda"], help="device a DeepSpeed JSON is checked for "
                                                              "(default: this machine's)")
@@ -519,6 +538,11 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     overrides, unknown = _split_overrides(extra)
     if unknown:
+        for i, item in enumerate(extra[:-1]):  # "--train.steps 5": an override written without its "="
+            if item in overrides and "=" not in item and extra[i + 1] in unknown:
+                print(f"dstrain: error: command line: {item} {extra[i + 1]}: overrides look like "
+                      f"--section.key=value ({item}={extra[i + 1]})", file=sys.stderr)
+                return EXIT_CONFIG
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.func(args, overrides)

@@ -229,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     if len(args.compare_label) not in (0, len(args.compare)):
         parser.error("give one --compare-label per --compare run, or none")
     run = Path(args.run_dir)
+    for folder in (run, *map(Path, args.compare)):  # a mistyped folder: one line, not a traceback
+        if not (folder / "run_config.json").is_file():
+            parser.error(f"{folder} is not a run folder (no run_config.json there)")
     result = _run_record(run)
     curves = {args.label: result["curve"]}
     labels = args.compare_label or [Path(c).name for c in args.compare]

@@ -101,3 +101,16 @@ def test_meter_reads_timers_resets_and_divides_by_steps(monkeypatch):
 def test_meter_is_silent_without_deepspeed_logger(monkeypatch):
     monkeypatch.delitem(__import__("sys").modules, "deepspeed.comm.comm", raising=False)
     assert comms.CommsMeter().read(5) == {}
+
+
+def test_comm_dtype_benchmark_medians_survive_a_short_run():
+    """benchmarks/comm_dtype.py --steps 3 (a smoke run) crashed with "no median for empty data"."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "comm_dtype.py"
+    spec = importlib.util.spec_from_file_location("comm_dtype_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.later_steps(list(range(1, 201))) == list(range(21, 201))
+    assert bench.later_steps([1, 2, 3]) == [2, 3]
+    assert bench.later_steps([1]) == [1]

@@ -107,6 +107,27 @@ def test_check_config_on_run_config_and_ds_json(tmp_path, capsys):
     assert "zero_optimisation" in err and "offload_param" in err
 
 
+def test_override_without_equals_sign_is_named(capsys):
+    """`--train.steps 5` (a space for the "=") said only "unrecognized arguments: 5"."""
+    from dstrain.cli import main
+    assert main(["plan", str(TINY), "--train.steps", "5"]) == 2
+    err = capsys.readouterr().err
+    assert "--train.steps 5: overrides look like --section.key=value (--train.steps=5)" in err
+    assert err.count("\n") == 1
+    assert main(["check-config", str(ROOT / "ds_configs" / "zero3.json"), "--train.lr=1e-3"]) == 2
+    assert "overrides apply to a run config" in capsys.readouterr().err
+
+
+
+def test_launch_names_a_missing_task_file_before_any_rank_starts(capsys):
+    """A mistyped task.path was found only on the ranks, after DeepSpeed had started them."""
+    from dstrain.cli import main
+    recipe = str(ROOT / "models" / "policy" / "recipes" / "grpo_debug.json")
+    assert main(["launch", "--nproc", "2", recipe, "--task.source=mbpp", "--task.path=data/nope.jsonl",
+                 "--dry-run"]) == 2
+    assert "task.path: task file not found: data/nope.jsonl" in capsys.readouterr().err
+
+
 def test_fault_policies_and_background_saves_reach_every_trainer():
     from dstrain.config import ConfigError, load_run_config
     for recipe in ("models/gpt/recipes/tiny.json", "models/hrm/recipes/sudoku_debug.json",

@@ -82,3 +82,11 @@ def test_run_segments_uses_the_models_halt_rule():
     model.config = dataclasses.replace(cfg, halt_threshold=2.0)
     _, halt = evaluate.run_segments(model, inputs, labels, 2, batch=4)
     assert not halt.any()  # 1.5 < 2
+
+
+def test_report_names_a_folder_that_is_not_a_run(tmp_path, capsys):
+    """A mistyped run folder gave a FileNotFoundError traceback."""
+    with pytest.raises(SystemExit) as exc:
+        report.main([str(tmp_path / "nope"), "--out", str(tmp_path / "r")])
+    assert exc.value.code == 2
+    assert "nope is not a run folder (no run_config.json there)" in capsys.readouterr().err
