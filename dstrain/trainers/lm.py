@@ -86,7 +86,7 @@ class LMTrainer:
         runtime.seed_everything(cfg.train.seed + 7919 * (self.world.rank // cfg.parallel.tp + 1))
         self.start_step = 0
         self.saver = CheckpointSaver(self.engine, self.ckpt_root, self.world, cfg, self.plan)
-        self.guards = RunGuards(cfg, self.world, {"": self.engine})
+        self.guards = RunGuards(cfg, self.world, {"": self.engine}, deferrable=True)  # no updates of its own
         if resume_tag is not None:
             self._resume(resume_tag)
         with torch.device("meta"):
@@ -117,10 +117,11 @@ class LMTrainer:
         start = self.parallel.sp_rank * chunk
         return x[:, start:start + chunk], y[:, start:start + chunk]
 
-    def train_step(self, step: int) -> float | None:
-        """One optimizer step (grad_accum micro-batches); returns this rank's mean loss, None if the
-        update was skipped for a non-finite loss or gradient (``train.nonfinite``, checked by the engine's
-        step; the watchdog sees each phase)."""
+    def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """One optimizer step (grad_accum micro-batches); returns this rank's mean loss (a device tensor: read
+        at log steps) and the deferred check's verdict (``Engine.step_ok``, None under the synchronous one),
+        or None if the update was skipped for a non-finite loss or gradient (``train.nonfinite``, checked by
+        the engine's step; the watchdog sees each phase)."""
         t, n = self.cfg.train, step + 1
         self.guards.begin(n)
         indices = self.sampler.local_batch_indices(step, t.micro_batch, t.grad_accum,
@@ -129,7 +130,7 @@ class LMTrainer:
             self.guards.phase("pipeline step", n)
             loss = self.engine.train_batch(
                 get_batch(self.train_tokens, micro, self.cfg.data.seq_len) for micro in indices)
-            return loss if self.engine.last_step_taken else None
+            return (torch.as_tensor(loss, dtype=torch.float32), None) if self.engine.last_step_taken else None
         losses, taken = [], False
         for k, micro in enumerate(indices):
             x, y = self._local(*get_batch(self.train_tokens, micro, self.cfg.data.seq_len))
@@ -140,7 +141,7 @@ class LMTrainer:
             losses.append(loss.detach())
             self.engine.backward(loss)
             taken = self.engine.step()  # the last micro-batch's may raise NonFiniteError (train.nonfinite)
-        return sum(loss.item() for loss in losses) / len(losses) if taken else None
+        return (torch.stack(losses).float().mean(), self.engine.step_ok) if taken else None
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -172,8 +173,11 @@ class LMTrainer:
             for step in range(self.start_step + 1, t.steps + 1):
                 try:
                     loss = self.train_step(step - 1)
-                except NonFiniteError:
-                    self.guards.keep_last_good(step, self.start_step, last_saved, self.save, self.saver)
+                    if step == t.steps or self.guards.stop_agreed or any(
+                            every and step % every == 0 for every in (t.log_every, t.eval_every, cfg.checkpoint.every)):
+                        self.engine.settle()  # the deferred check's verdict before logging, evaluating, saving
+                except NonFiniteError as err:
+                    self.guards.keep_last_good(step, self.start_step, last_saved, self.save, self.saver, err)
                     raise
                 if loss is not None:
                     losses.append(loss)
@@ -182,7 +186,7 @@ class LMTrainer:
                 if step % t.log_every == 0 or step == t.steps or self.guards.stop_agreed:  # a stop: log, save, leave
                     self.guards.phase("log", step)
                     rates = meter.read()
-                    mean = {"loss": sum(losses) / len(losses)} if losses else {}  # none: every update skipped
+                    mean = mean_of_taken(losses)  # empty: every update skipped
                     stats = reduce_mean({**mean, "stop": float(self.stop.set),
                                          "memory_gb": peak_memory_bytes() / 1e9, **rates})
                     losses = []
@@ -227,6 +231,18 @@ class LMTrainer:
         if self.world.is_main:
             (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
+
+
+def mean_of_taken(losses: list[tuple[torch.Tensor, torch.Tensor | None]]) -> dict:
+    """``{"loss": mean}`` over the steps whose update was taken (``train_step``'s pairs: a verdict of 0 drops its
+    step, a NaN loss included); one read from the device. Empty when there is none."""
+    if not losses:
+        return {}
+    kept = [(loss, torch.ones((), device=loss.device) if ok is None else ok.to(loss.device)) for loss, ok in losses]
+    total = sum(torch.where(ok > 0, loss.float(), torch.zeros((), device=loss.device)) for loss, ok in kept)
+    count = sum(ok.float() for _, ok in kept)
+    total, count = torch.stack([total, count]).tolist()
+    return {"loss": total / count} if count > 0 else {}
 
 
 def _parallel_layout(cfg: RunConfig, world: runtime.World, pp: int = 1):

@@ -46,6 +46,25 @@ def test_nan_on_one_rank_skip_then_stop(tmp_path):
     assert _same(_weights(stop / "checkpoints" / ckpt.tag_for(2)), w2)
 
 
+def test_alone_under_the_deferred_check_stop_saves_the_bad_step_with_its_update_left_out(tmp_path):
+    """One process, fused AdamW, ``train.nonfinite_check=deferred``: step 3's NaN loss reaches the optimizer as
+    ``found_inf`` (its update is left out on the device); the host reads the verdict at step 4's optimizer
+    step and stops.
+    The bad step's own state is good and is the checkpoint kept: step 3, holding step 2's weights."""
+    out = tmp_path / "stop"
+    proc = harness.launch([*harness.overrides(out, 5, "--deepspeed.profile=zero0", "--checkpoint.every=2",
+                                              "--train.log_every=5", "--train.nonfinite=stop",
+                                              "--train.optimizer=torch_fused", "--train.nonfinite_check=deferred")],
+                          env={**NAN_AT, "DSTRAIN_FAULT_RANK": "0"}, nproc=1, check=False)
+    assert proc.returncode == 3, (proc.returncode, proc.stderr[-3000:])
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("dstrain: error:")]
+    assert len(lines) == 1 and "non-finite loss at step 3 on rank 0: stopped" in lines[0], proc.stderr[-3000:]
+    root = out / "checkpoints"
+    assert ckpt.complete_tags(root) == [ckpt.tag_for(2), ckpt.tag_for(3)]
+    assert _same(_weights(root / ckpt.tag_for(2)), _weights(root / ckpt.tag_for(3)))
+    assert "train/loss" not in (out / "metrics.jsonl").read_text()  # stopped before its first log step (5)
+
+
 def test_pipeline_stages_skip_together(tmp_path):
     """pp=2: the last stage (rank 1) holds the loss, both stages their gradients; the check runs inside
     DeepSpeed's train_batch, before its optimizer step. Checkpoints written in the background."""

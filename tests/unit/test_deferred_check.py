@@ -182,3 +182,13 @@ def test_keep_last_good_saves_the_step_the_deferred_check_names():
     finally:
         guards.close()
     assert saved == [8]
+
+
+def test_the_lm_trainer_logs_the_mean_loss_of_the_steps_taken():
+    from dstrain.trainers.lm import mean_of_taken
+    one, nan = torch.tensor(1.0), torch.tensor(float("nan"))
+    assert mean_of_taken([]) == {}
+    assert mean_of_taken([(one, None), (torch.tensor(3.0), None)]) == {"loss": 2.0}  # synchronous: all taken
+    steps = [(one, torch.tensor(1.0)), (nan, torch.tensor(0.0)), (torch.tensor(4.0), torch.tensor(1.0))]
+    assert mean_of_taken(steps) == {"loss": 2.5}  # the skipped step's NaN is left out
+    assert mean_of_taken([(nan, torch.tensor(0.0))]) == {}
