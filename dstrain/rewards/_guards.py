@@ -16,6 +16,7 @@ def _guard_tools(quiet: set, setup: str = "") -> tuple:
     import gc
     import re
     import sys
+    import time
 
     # (decimal's context as it was: an operation on a ``Decimal`` runs in it, not in one the program set, where
     # ``Emin=0`` would round a wrong answer's difference to zero)
@@ -24,9 +25,51 @@ def _guard_tools(quiet: set, setup: str = "") -> tuple:
     # a pattern the test uses, its value a pattern that matches anything) would answer for the library
     caches = {k: v for k, v in vars(re).items() if k.startswith("_cache") and type(v) is dict}  # (3.12: _cache2)
     clears = tuple(getattr(re, k).cache_clear for k in ("_compile_repl", "_compile_template") if hasattr(re, k))
+    # and every ``functools.lru_cache`` of the loaded modules (``fnmatch._compile_pattern``, ``typing``'s), emptied
+    # likewise: a result the program had it memoize while a global it reads was patched (``fnmatch.translate``,
+    # then put back) would answer for the library later, with the module intact again
+    clears += _lru_clears()
+    strptime = sys.modules.get("_strptime")  # (its compiled formats: a pattern planted there would answer likewise)
+    if type(strptime) is type(sys) and type(vars(strptime).get("_regex_cache")) is dict:
+        clears += (vars(strptime)["_regex_cache"].clear,)
     re_cache = (vars(re), caches, clears)
+    # the C library's time zone (``TZ`` and ``time.tzset``): ``localtime``, ``mktime``, ``datetime.fromtimestamp`` and
+    # ``strftime('%Z')`` read it, so a program that moved it three hours would make a wrong timestamp's hour right
+    local, strftime = time.localtime, time.strftime
+
+    def zone():
+        return tuple((tuple(local(t)), strftime("%Z", local(t))) for t in (0, 1_700_000_000, 1_715_000_000))
+    # the interpreter's own table of modules (the C code's imports read it, whatever ``sys.modules`` is bound to later)
     return (_thread._count, gc.disable, gc.callbacks, sys.setprofile, _thread.get_ident, quiet, context, vars(builtins),
-            builtins, re_cache, _prepare_setup(setup), {})  # noqa: F821  (_rewrite.py)
+            builtins, re_cache, _prepare_setup(setup), {}, sys.modules, (zone, zone()))  # noqa: F821  (_rewrite.py)
+
+
+_LRU_CLEARS = (None, ())  # (the _SNAPSHOT they were found for, the functions): see _lru_clears
+
+
+def _lru_clears() -> tuple:
+    """The ``cache_clear`` of every ``functools.lru_cache`` wrapper that a loaded module, one of its classes or one
+    of its dicts (``typing._caches``) holds, the ``re`` ones excepted (see :func:`_guard_tools`). Found once per
+    snapshot of the loaded modules (``_judge._SNAPSHOT``, which the fork server takes, and this with it, before it
+    forks: the walk takes milliseconds), before the program runs."""
+    import functools
+    import sys
+
+    global _LRU_CLEARS
+    if _LRU_CLEARS[0] is _SNAPSHOT and _SNAPSHOT is not None:  # noqa: F821  (_judge.py)
+        return _LRU_CLEARS[1]
+    wrapper, found = functools._lru_cache_wrapper, {}
+    for module in list(sys.modules.values()):
+        if type(module) is not type(sys) or getattr(module, "__name__", None) == "re":
+            continue
+        for v in list(vars(module).values()):
+            inner = list(vars(v).values()) if isinstance(v, type) else list(v.values()) if type(v) is dict else [v]
+            for w in inner:
+                w = getattr(w, "__func__", w) if type(w) in (staticmethod, classmethod) else w
+                if type(w) is wrapper:
+                    found[id(w)] = w.cache_clear
+    _LRU_CLEARS = (_SNAPSHOT, tuple(found.values()))  # noqa: F821
+    return _LRU_CLEARS[1]
 
 
 def _run_setup(ns: dict, tools: tuple) -> None:
@@ -85,7 +128,7 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
     trusted, overridden, operators, library_code, module_intact, library_class = judge
     function, module_type, missing = type(_make_guards), type(_judge_sys), object()  # noqa: F821  (_judge.py)
     count, gc_disable, gc_callbacks, set_profile, get_ident, quiet, (get_context, set_context, context), live, \
-        builtins_module, (re_dict, re_caches, re_clears), _, fixed = tools
+        builtins_module, (re_dict, re_caches, re_clears), _, fixed, interp_modules, (zone, zone_was) = tools
     _str_keys_only(ns)
     # the test function takes its builtins from the globals it is made with (``__import__``, ``__build_class__``)
     dict.__setitem__(ns, "__builtins__", builtins_module)
@@ -182,12 +225,37 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
             bad.append(f"the program changed the class of a module {when}")
             raise AssertionError(bad[-1])
 
-    def builtins_kept(when: str) -> None:
+    c_called = tuple((n, by_name[n]) for n in _C_CALLED if n in by_name)  # noqa: F821  (_judge.py)
+    c_names, operator_functions = frozenset(n for n, _ in c_called), tuple(operators.values())
+
+    def c_called_kept(when: str) -> None:
+        """Fails the test unless the modules the interpreter's C code calls into (``_judge._C_CALLED``) are those of
+        the snapshot, in the interpreter's table of modules, intact (``copyreg`` and ``_strptime`` with what they keep:
+        ``copyreg.dispatch_table``, ``_strptime._TimeRE_cache``): ``copyreg.__newobj__`` or ``_strptime.
+        _strptime_datetime`` replaced by a C callable would decide what ``copy.deepcopy`` or ``datetime.strptime``
+        gives, with no Python frame for the profile guard and no module of the test's call to check."""
+        for clear in re_clears:  # (``_strptime._regex_cache`` grows with each new format the library parses)
+            clear()
+        found = {}
+        for k, v in dict.items(interp_modules):  # (exact str keys only are compared: no program __eq__)
+            if type(k) is str and k in c_names:
+                found[k] = v
+        for n, real in c_called:
+            if found.get(n) is not real or not module_intact(n, 1, n in ("copyreg", "_strptime")):
+                bad.append(f"module {n} was changed by the program {when}")
+                raise AssertionError(bad[-1])
+        if zone() != zone_was:  # (tuples of ints and exact strs: no program code runs)
+            bad.append(f"the program changed the time zone {when}")
+            raise AssertionError(bad[-1])
+
+    def builtins_kept(when: str, calls: bool = True) -> None:
         """Fails the test unless the builtins are those the program started with: library code reads them
         (``builtins.isinstance = slice; builtins.all = bool`` in the tested function, C callables no profile
         sees, and ``Counter() == 3`` says yes). Only exact ``str`` keys are looked up (no program ``__eq__``).
         No module may have a class of the program's either (:func:`modules_kept`)."""
         modules_kept(when)
+        if calls:  # (a call's: an operator of the test on trusted values runs no C code that calls into them)
+            c_called_kept(when)
         if len(live) == len(builtins):
             for k, v in dict.items(live):
                 if type(k) is not str or builtins.get(k, missing) is not v:
@@ -299,7 +367,8 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
 
     def guarded(what: str, fn, *args, **kw):
         """``fn(*args, **kw)`` with no Python code but the library's (and the judge's) allowed to run."""
-        builtins_kept("before " + what)
+        calls = not any(fn is op for op in operator_functions)
+        builtins_kept("before " + what, calls)
         ident = get_ident()
         del flagged[:]
         programs_context = get_context()
@@ -319,7 +388,7 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
         if flagged:
             bad.append(f"the program's code ({flagged[0]}) ran inside {what}")
             raise AssertionError(bad[-1])
-        builtins_kept("during " + what)
+        builtins_kept("during " + what, calls)
         return result
 
     def operate(op, a, b):

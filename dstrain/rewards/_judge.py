@@ -29,11 +29,22 @@ _DUNDERS = ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__bool_
             "__contains__", "__abs__", "__neg__", "__pos__", "__sub__", "__rsub__", "__add__", "__radd__",
             "__mul__", "__rmul__", "__truediv__", "__rtruediv__", "__mod__", "__rmod__", "__xor__", "__rxor__",
             "__float__", "__int__", "__index__", "__round__", "__hash__", "__iter__", "__getitem__",
+            # the other operators a test's expression is judged with (``_operators``), and what the C code of a builtin
+            # or library function a test calls on a value reads off its type (``math.floor``, ``reversed``, ``divmod``)
+            "__floordiv__", "__rfloordiv__", "__pow__", "__rpow__", "__lshift__", "__rlshift__", "__rshift__",
+            "__rrshift__", "__and__", "__rand__", "__or__", "__ror__", "__matmul__", "__rmatmul__", "__invert__",
+            "__divmod__", "__rdivmod__", "__floor__", "__ceil__", "__trunc__", "__complex__", "__reversed__",
             # what isinstance and issubclass read when the type itself does not match
             "__class__", "__getattribute__", "__bases__")
 import sys as _judge_sys  # (its type is the module type)
 
 _SNAPSHOT = None  # (classes, modules, library code) of _type_snapshot(): taken before any untrusted code runs
+_C_CALLED = ("copyreg", "re", "_strptime", "warnings", "encodings", "_compat_pickle")
+"""Modules whose functions the interpreter's C code looks up (in ``sys.modules``) and calls on a test's behalf, with
+no module of the test's call to check: ``object.__reduce_ex__`` -> ``copyreg.__newobj__``, ``datetime.strptime`` and
+``time.strptime`` -> ``_strptime``, a pattern's ``sub`` -> ``re._subx``, ``warnings``, codecs' ``encodings``,
+``pickle``'s ``_compat_pickle``. The guards check them, as the snapshot has them, before and after every library call
+(``_guards._make_guards``' ``builtins_kept``)."""
 _COMMON = ("math", "re", "string", "itertools", "functools", "operator", "heapq", "bisect", "copy", "cmath",
            "array", "struct", "time", "collections", "sys", "fractions")
 """Modules imported before the snapshot even by a spawned child (1-2 ms), so that tests
@@ -63,8 +74,51 @@ def _type_snapshot() -> tuple:
     modules = {}
     for name, module in list(sys.modules.items()):
         if type(module) is type(sys):
-            modules[id(module)] = (module, dict(module.__dict__), name)
+            modules[id(module)] = (module, dict(module.__dict__), name, _held_state(module.__dict__))
     return snap, modules, _library_code(snap, modules)
+
+
+def _held_state(namespace: dict) -> dict:
+    """``{name: (getter, {id(key): (key, value)}, {scalar key: value})}`` for what a module keeps whose contents its
+    library functions read but its namespace does not show: a dict (a dispatch table: ``copy._deepcopy_dispatch``,
+    ``copy.dispatch_table``; ``getter`` None), a list (``getter`` ``list``, then its items) and an instance's own attributes (``json._default_encoder``'s, read
+    with ``getter``, the C-level ``__dict__`` descriptor of its class), and under ``(name, attribute)`` the dicts a
+    Python-level class of the module keeps (``textwrap.TextWrapper.unicode_whitespace_trans``). Taken before the
+    program runs; see ``_make_trust``'s ``module_intact``."""
+    import types
+
+    skip = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType)
+    scalar = (int, float, complex, bool, str, bytes, type(None))
+    mro_of, dict_of = type.__dict__["__mro__"].__get__, type.__dict__["__dict__"].__get__
+    getset = type(type.__dict__["__dict__"])
+    held = {}
+    for k, v in namespace.items():
+        if type(k) is str and issubclass(type(v), type) and type.__dict__["__flags__"].__get__(v) & (1 << 9):
+            for a, x in dict_of(v).items():  # a Python-level class's dicts: under (name, attribute)
+                if type(x) is dict:
+                    items = list(dict.items(x))
+                    held[(k, a)] = (None, {id(p): (p, q) for p, q in items},
+                                    {p: q for p, q in items if type(p) in scalar})
+        if type(k) is not str or issubclass(type(v), skip) or type(v) in scalar:
+            continue
+        getter = None
+        if type(v) is list:  # (a list's items, in order: ``urllib.parse.uses_netloc``)
+            held[k] = (list, tuple(v), None)
+            continue
+        if not issubclass(type(v), dict):
+            for cls in mro_of(type(v)):
+                f = dict_of(cls).get("__dict__")
+                if f is not None:
+                    getter = f.__get__ if type(f) is getset else None
+                    break
+            contents = getter(v) if getter is not None else None
+            if type(contents) is not dict:
+                continue
+        else:
+            contents = v
+        items = list(dict.items(contents))
+        held[k] = (getter, {id(a): (a, b) for a, b in items}, {a: b for a, b in items if type(a) in scalar})
+    return held
 
 
 def _load_imported(job: dict) -> bool:
@@ -76,7 +130,10 @@ def _load_imported(job: dict) -> bool:
     import sys
 
     new = False
-    for name in _imported_modules([*job["tests"], job["setup"]]):  # noqa: F821  (_rewrite.py)
+    names = _imported_modules([*job["tests"], job["setup"]])  # noqa: F821  (_rewrite.py)
+    if any("strptime" in src for src in (*job["tests"], job["setup"]) if type(src) is str):
+        names.append("_strptime")  # (imported by the interpreter's C code on the test's behalf: see _C_CALLED)
+    for name in names:
         if name in sys.modules or name.startswith(_DENY_MODULES) or name.split(".")[0] in ("this", "antigravity"):  # noqa: F821
             continue
         parent = sys.modules.get(name.rpartition(".")[0]) if "." in name else None
@@ -168,6 +225,50 @@ def _make_trust(snapshot: dict, modules: dict | None = None, codes: dict | None 
     rebound_at_fork = ("threading",)  # modules whose objects os.register_at_fork callbacks replace
     module_dict = type(_judge_sys).__dict__["__dict__"].__get__
     module_named = {rec[2]: rec for rec in (modules or {}).values()}
+    scalar_keys = frozenset(map(id, scalars))
+
+    def class_kept(cls, k: str, held: dict) -> bool:
+        """Unless ``cls`` is a Python-level class of the snapshot's: True. Else whether its namespace is as it was,
+        and the dicts it keeps hold what they held (``textwrap.TextWrapper.unicode_whitespace_trans``, which
+        ``textwrap.wrap`` translates with): a class attribute a library function reads, replaced by another library
+        object or a C callable, would decide its result with no Python frame for the profile guard to see."""
+        if not issubclass(type(cls), type):
+            return True
+        entry = snapshot.get(id(cls))
+        if entry is None or entry[0] is not cls or entry[2] is None:
+            return True
+        d, saved = dict_of(cls), entry[2]
+        if len(d) != len(saved) or any(d.get(a, absent) is not x for a, x in dict.items(saved)):
+            return False
+        for a, x in dict.items(saved):
+            h = held.get((k, a))
+            if h is not None and not contents_kept(x, *h):
+                return False
+        return True
+
+    def contents_kept(v, getter, by_id: dict, by_scalar: dict) -> bool:
+        """Whether a dict a module keeps (``getter`` None), or the attributes of an instance it keeps, hold what they
+        held before the program ran: no entry replaced or added (entries may go: a cache the library clears, and
+        ``re``'s and ``_strptime``'s that the guards clear before a library call). A dispatch table's entry
+        (``copy._deepcopy_dispatch[list]``, or one for a list subclass of the program's) or an instance's method (``json.
+        _default_encoder.encode``) set to a C callable would decide the library's result with no Python frame for
+        the profile guard to see. Keys are compared by identity, or as exact scalars: no program code runs."""
+        if getter is list:  # (``by_id``: the items it had)
+            return type(v) is list and len(v) == len(by_id) and all(a is b for a, b in zip(v, by_id))
+        if getter is not None:
+            v = getter(v)
+            if type(v) is not dict:
+                return False
+        for k, x in dict.items(v):
+            if id(type(k)) in scalar_keys:
+                was = by_scalar.get(k, absent)
+            else:
+                e = by_id.get(id(k))
+                was = e[1] if e is not None and e[0] is k else absent
+            if was is absent or x is not was:  # (a scalar too: ``json._default_encoder.item_separator``)
+                return False
+        return True
+
     module_by_id = {id(rec[0]): rec for rec in (modules or {}).values()}
     builtin_names = frozenset(vars(builtins))
     code_kinds = (types.FunctionType, types.BuiltinFunctionType, type, classmethod, staticmethod, property,
@@ -201,11 +302,50 @@ def _make_trust(snapshot: dict, modules: dict | None = None, codes: dict | None 
                 return False  # an object the module keeps given a class of the program's (``__class__`` assigned:
                 # ``json._default_encoder``'s, whose ``encode`` a C callable would be, run by no Python frame;
                 # ``Fraction``'s metaclass, whose ``__call__`` would make any instance)
+            elif caches and v is was and name not in rebound_at_fork and (
+                    k in rec[3] and not contents_kept(v, *rec[3][k]) or not class_kept(v, k, rec[3])):
+                return False
             elif depth and type(v) is types.ModuleType and v is not rec[0]:
                 inner = module_by_id.get(id(v))
                 if inner is not None and inner[0] is v and not module_intact(inner[2], depth - 1):
                     return False
         return True
+    partialmethod = getattr(_judge_sys.modules.get("functools"), "partialmethod", None)
+
+    def c_level(f, depth: int = 3) -> bool:
+        """Whether ``f``, an attribute of a program-made class or of an instance, is (or wraps, or hands out through
+        ``__get__``) a callable that runs no Python frame of its own: a library class's instance such as
+        ``functools.partial``, a builtin function or method, ``operator.attrgetter``, ``functools.partialmethod``, or
+        an object of the program's whose class's ``__call__`` or ``__get__`` is one. Python functions (also as class
+        or static methods and properties) and classes are not: what they run, the profile guard sees. Reads only
+        C-level attributes of library types."""
+        tf = type(f)
+        if tf is classmethod or tf is staticmethod or tf is types.MethodType:
+            return depth > 0 and c_level(f.__func__, depth - 1)
+        if tf is property:
+            return depth > 0 and any(g is not None and c_level(g, depth - 1) for g in (f.fget, f.fset, f.fdel))
+        if tf is types.FunctionType or issubclass(tf, type) or f is None:
+            return False
+        if library_class(tf):
+            return callable(f) or tf is partialmethod
+        for c in mro_of(tf):  # a program's object: its class's __call__ and __get__
+            d = dict_of(c)
+            for n in ("__call__", "__get__"):
+                g = d.get(n)
+                if g is not None and not library_class(c) and depth > 0 and c_level(g, depth - 1):
+                    return True
+        return False
+
+    descriptors, builtin_function = (type(str.join), type(dict.__dict__["fromkeys"]), wrapper), type(len)
+
+    def own_c(f, mro) -> bool:
+        """Whether ``f`` is the C code of a class in ``mro``: its method, class method or slot descriptor, or its
+        ``__new__`` (which only a C class has: a program makes none)."""
+        tf = type(f)
+        if tf in descriptors:
+            return any(f.__objclass__ is c for c in mro)
+        return tf is builtin_function and any(f.__self__ is c for c in mro)
+
     verdicts = {}  # types no program can change (none of their classes is a mutable Python-level one)
     called_by = {}  # id(library class) -> (class, names its comparison code reads off ``self``)
     code_type = types.CodeType
@@ -309,6 +449,15 @@ def _make_trust(snapshot: dict, modules: dict | None = None, codes: dict | None 
             for name, f in d.items():
                 if name in guarded_names and not any(f is x for x in defined[name]):
                     return None, mutable
+        # any attribute of a program-made class that is a C-level callable (``__deepcopy__ = functools.partial(...)``,
+        # ``as_integer_ratio = property(len)``): a library function of Python code that calls it by name (``copy.
+        # deepcopy``, ``statistics.mean``) would run it with no Python frame for the profile guard to see; unless it
+        # is what a library class in the method order has (``__hash__ = object.__hash__``, enum's ``_new_member_``)
+        # (or the C code of a class in the method order: an extension module's class made since, ``_datetime``'s)
+        if made_dicts and any(c_level(f) for d in made_dicts for f in d.values()):
+            allowed = {id(x) for c in mro if library_class(c) for x in dict_of(c).values()}
+            if any(c_level(f) and id(f) not in allowed and not own_c(f, mro) for d in made_dicts for f in d.values()):
+                return None, mutable
         elements = None
         if issubclass(tp, dict):
             elements = dict_items
@@ -393,9 +542,9 @@ def _make_trust(snapshot: dict, modules: dict | None = None, codes: dict | None 
                 if d is not None and type(d) is not proxy:  # (a class's namespace: not the value's data)
                     if type(d) is not dict:  # a dict subclass set as ``__dict__``: not walked, so not trusted
                         return False
-                    for k in dict.keys(d):  # an instance attribute hiding a helper a library comparison calls
-                        if type(k) is not str or k in guarded_names:
-                            return False
+                    for k, x in dict.items(d):  # an instance attribute hiding a helper a library comparison calls,
+                        if type(k) is not str or k in guarded_names or c_level(x):  # or a C-level callable one
+                            return False  # that a library function calls by name (``obj.__deepcopy__ = partial(...)``)
                     stack.extend(dict_items(d))
         return True
 

@@ -30,7 +30,7 @@ once, then per job ``{"started": pid}`` right after the fork and the reply when 
 _PRELOAD = ("ast", "bisect", "collections", "copy", "datetime", "decimal", "enum", "fractions", "functools",
             "heapq", "itertools", "json", "math", "operator", "random", "re", "statistics", "string",
             "tempfile", "textwrap", "typing", "unicodedata", "array", "cmath", "dataclasses", "numbers",
-            "queue", "struct", "time", "traceback", "contextlib")
+            "queue", "struct", "time", "traceback", "contextlib", "_strptime")
 
 
 def _frame(header: dict, blobs=()) -> bytes:
@@ -267,6 +267,7 @@ def _serve(isolation: str) -> None:
     # collections then never walk (and so never copy-on-write) the server's pages.
     global _SNAPSHOT
     _SNAPSHOT = _type_snapshot()  # noqa: F821  (from _judge.py): the classes every child starts with
+    _lru_clears()  # noqa: F821  (from _guards.py: found once here, for every child of this snapshot)
     gc.collect()
     gc.freeze()
     # As its PID namespace's init, the server gets from its children only the signals it

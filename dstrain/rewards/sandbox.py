@@ -55,8 +55,11 @@ program ran, so an always-equal object (however its class was made), a patched
 ``Counter.__eq__`` or such an object inside a list, ``UserList``, ``deque`` or ``Fraction``
 fails the test; builtins, loaded modules and their attributes are read as they were before
 the program ran (a program-defined ``set`` or a patched ``math.isclose`` does not reach the
-test; the one exception is a tested function that is itself named like a builtin); and a
-program thread still running while a value is judged fails the test.
+test; the one exception is a tested function that is itself named like a builtin); a library function
+a test calls finds its module, what that module keeps (dispatch tables, instances' and classes' attributes) and
+the modules the interpreter's C code calls into (``copyreg``, ``_strptime``, ``re``) as they were, its
+memoized results emptied, and the time zone unmoved; and a program thread still running while a value is judged
+fails the test.
 
 Consequences for programs: no ``ctypes`` and therefore no ``numpy``; no subprocesses
 (``import subprocess`` itself is refused, and with it ``asyncio`` and ``multiprocessing``);
