@@ -124,8 +124,8 @@ class TrainConfig:
     """How that check waits: auto (deferred on CUDA where it can be, else sync) | sync (the host reads each
     step's verdict before the optimizer step: one wait for the device per step) | deferred (the optimizer
     skips a bad update on the device through ``found_inf`` and the host reads the verdict one step later;
-    one process alone at ZeRO-0, fused AdamW or AdamATan2, in the trainers that support it (LM, HRM, the
-    benchmark): elsewhere sync, with a note). See dstrain.engine.deferred_check."""
+    ZeRO-0 without DeepSpeed's 16-bit wrappers, fused AdamW or AdamATan2, in the trainers that support it (LM,
+    HRM, the benchmark): elsewhere sync, with a note). See dstrain.engine.deferred_check."""
     max_consecutive_skips: int = 5
     """Under nonfinite=skip, this many skipped steps in a row end the run with an error."""
     collective_timeout_s: float = 1800.0

@@ -99,8 +99,12 @@ class GradWatch:
         self._sum.add_(grad.sum(dtype=torch.float32).to(self._sum.device))
 
     def take(self) -> bool:
+        return bool(self.take_on_device())
+
+    def take_on_device(self):
+        """As ``take``, the answer left on the device (a bool tensor; no host wait)."""
         import torch
-        bad = not bool(torch.isfinite(self._sum))
+        bad = ~torch.isfinite(self._sum)
         self._sum.zero_()
         return bad
 
@@ -141,13 +145,14 @@ class NonFiniteGuard:
                                                     self.world_size)
         return self._decide(bad_loss, bad_grad, stop, step, name)
 
-    def record(self, step: int, loss_bad: bool, grads_bad: bool, name: str = "") -> bool:
-        """``check`` for one process alone whose step already ran with its update skipped on the device when
-        it was bad (the deferred check, ``Engine.settle``): the same bookkeeping, messages and errors, no
-        all-reduce. Under ``stop`` the error's ``good_step`` is ``step``: the engine holds that step's state,
-        its update not taken."""
-        return self._decide(0 if loss_bad else None, 0 if grads_bad and not loss_bad else None,
-                            0 if STOP_REQUESTED[0] else None, step, name, good_step=step)
+    def record(self, step: int, loss_rank: int | None, grad_rank: int | None, stop: bool, name: str = "") -> bool:
+        """``check`` for a step that already ran with its update skipped on the device when it was bad (the
+        deferred check, ``Engine.settle``), given what every rank agreed on the device: the lowest rank with a
+        non-finite loss or gradient, and whether a stop signal reached one. The same bookkeeping, messages and
+        errors. Under ``stop`` the error's ``good_step`` is ``step``: the engine holds that step's state, its
+        update not taken."""
+        return self._decide(loss_rank, None if loss_rank is not None else grad_rank, 0 if stop else None, step,
+                            name, good_step=step)
 
     def _decide(self, bad_loss, bad_grad, stop, step: int, name: str, good_step: int | None = None) -> bool:
         self.stop_agreed = self.stop_agreed or stop is not None  # every rank gets the same answer, same step

@@ -5,7 +5,7 @@ step's loss or gradient norm is finite before the optimizer step: the host waits
 the device idles while the host then launches the optimizer step and prepares the next batch. Where the
 device can skip an update by itself this check is deferred instead:
 
-* the step's verdict is computed on the device (0: finite, 1: a non-finite loss, 2: a non-finite gradient)
+* the step's verdict is computed on the device (finite, or which rank's loss or gradient was not)
   and handed to the optimizer as ``found_inf``, the flag ``torch.amp.GradScaler`` gives the fused optimizers:
   PyTorch's fused Adam/AdamW and dstrain's :class:`~dstrain.optim.adam_atan2.AdamATan2` then leave weights,
   moments and step counts as they were, on the device, without the host knowing;
@@ -15,11 +15,15 @@ device can skip an update by itself this check is deferred instead:
   counted, messages, and under ``stop`` a :class:`~dstrain.resilience.NonFiniteError` whose ``good_step`` is the
   bad step (its state is good: its update was not taken).
 
-It runs where all of this holds, else the synchronous check does: one process alone (peers would need the
-verdict all-reduced before their steps), dstrain's own norm at ZeRO-0 without DeepSpeed's 16-bit wrappers
-(``grad_norm.NormKeeper``; not fp16, whose loss scaler owns overflows), an optimizer that honours
-``found_inf``, and a trainer whose other per-step updates follow the device verdict (``Engine.step_ok``:
-HRM's puzzle embeddings and EMA). ``auto`` defers on CUDA only, where the host wait costs.
+With several ranks the verdict is all-reduced on the device (one small collective, queued like the step's
+others), so every rank skips the same steps; each rank's own losses and gradients (its ``GradWatch``, before
+the gradients' all-reduce) name the rank, and a stop signal rides along, so all ranks stop at the same step.
+
+It runs where all of this holds, else the synchronous check does: dstrain's own norm at ZeRO-0 without
+DeepSpeed's 16-bit wrappers (``grad_norm.NormKeeper``; not fp16, whose loss scaler owns overflows; ZeRO-1/2/3
+measure the norm inside their step), an optimizer that honours ``found_inf``, and a trainer whose other per-step
+updates follow the device verdict (``Engine.step_ok``: HRM's puzzle embeddings and EMA). ``auto`` defers on
+CUDA only, where the host wait costs.
 """
 from __future__ import annotations
 
@@ -37,15 +41,39 @@ def device_skip_support(optimizer) -> str | None:
     return f"{type(optimizer).__name__} takes no found_inf"
 
 
-def verdict(losses: list[torch.Tensor], norm: torch.Tensor) -> torch.Tensor:
-    """On the device: 1 if a loss is NaN/Inf, else 2 if the gradient norm is, else 0 (int32 scalar)."""
+def verdict(losses: list[torch.Tensor], norm: torch.Tensor, grads_bad: torch.Tensor | None = None,
+            rank: int = 0, world_size: int = 1, stop: bool = False) -> torch.Tensor:
+    """The step's verdict on the device, the same on every rank: ``[code, go_on]`` (int64), all-reduced with
+    ``min`` over the ranks (on the device: no host wait). ``code``: ``r`` for a NaN/Inf loss on rank ``r``,
+    ``W + r`` for a NaN/Inf gradient rank ``r`` produced (``grads_bad``: its ``GradWatch``, before the gradients'
+    all-reduce), ``2W`` for a non-finite norm of the reduced gradients alone, ``3W`` for a good step (``W`` the
+    world size): the lowest bad rank wins, losses first, as in the synchronous check. ``go_on`` is 0 when a stop
+    signal reached some rank (``resilience.STOP_REQUESTED``), so every rank learns it at the same step."""
+    from dstrain.runtime import all_reduce
     device = norm.device
     loss_bad = torch.zeros((), dtype=torch.bool, device=device)
     if losses:
         total = torch.stack([loss.detach().float().reshape(-1).sum().to(device) for loss in losses]).sum()
         loss_bad = ~torch.isfinite(total)
-    grad_bad = ~torch.isfinite(norm.float())
-    return torch.where(loss_bad, 1, torch.where(grad_bad, 2, 0)).to(torch.int32)
+    local_grad_bad = torch.zeros((), dtype=torch.bool, device=device) if grads_bad is None else grads_bad.to(device)
+    if grads_bad is None and world_size == 1:  # alone: the norm is this rank's gradients'
+        local_grad_bad = ~torch.isfinite(norm.float())
+    w = world_size
+    code = torch.where(loss_bad, rank, torch.where(local_grad_bad, w + rank,
+                                                   torch.where(torch.isfinite(norm.float()), 3 * w, 2 * w)))
+    both = torch.stack([code.to(torch.int64), torch.full((), 0 if stop else 1, dtype=torch.int64, device=device)])
+    return all_reduce(both, "min") if world_size > 1 else both
+
+
+def decode(code: int, world_size: int) -> tuple[int | None, int | None]:
+    """``verdict``'s code -> (rank of a non-finite loss, rank of a non-finite gradient), None where none; a
+    non-finite norm of the reduced gradients alone counts as a gradient of rank 0."""
+    w = world_size
+    if code < w:
+        return code, None
+    if code < 2 * w:
+        return None, code - w
+    return (None, 0) if code < 3 * w else (None, None)
 
 
 class DeferredCheck:
@@ -63,10 +91,10 @@ class DeferredCheck:
     def pending(self) -> bool:
         return self._pending is not None
 
-    def arm(self, optimizer, code: torch.Tensor) -> torch.Tensor:
-        """Before the optimizer step: hand ``code``'s verdict to ``optimizer`` as ``found_inf``; returns the
+    def arm(self, optimizer, both: torch.Tensor) -> torch.Tensor:
+        """Before the optimizer step: hand ``verdict``'s result to ``optimizer`` as ``found_inf``; returns the
         step's ``ok`` flag (float 1/0 on the device) for the trainer's other updates."""
-        bad = (code > 0).float()
+        bad = (both[0] < 3 * self.guard.world_size).float()
         optimizer.found_inf = bad
         return 1.0 - bad
 
@@ -76,16 +104,16 @@ class DeferredCheck:
         if "found_inf" in vars(optimizer):
             del optimizer.found_inf
 
-    def post(self, code: torch.Tensor, step: int) -> None:
+    def post(self, both: torch.Tensor, step: int) -> None:
         """After the optimizer step: start the verdict's copy to the host; it is read by :meth:`settle`."""
-        if code.is_cuda:
+        if both.is_cuda:
             if self._host is None:
-                self._host = torch.empty((), dtype=code.dtype, pin_memory=True)
+                self._host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
                 self._event = torch.cuda.Event()
-            self._host.copy_(code, non_blocking=True)
+            self._host.copy_(both, non_blocking=True)
             self._event.record()
         else:
-            self._host = code
+            self._host = both
         self._pending = step
 
     def settle(self, optimizer) -> None:
@@ -96,8 +124,9 @@ class DeferredCheck:
         step, self._pending = self._pending, None
         if self._event is not None:
             self._event.synchronize()
-        code = int(self._host)
-        self.last_taken = code == 0
-        if code and hasattr(optimizer, "uncount_last_step"):
+        code, go_on = self._host.tolist()
+        loss_rank, grad_rank = decode(code, self.guard.world_size)
+        self.last_taken = loss_rank is None and grad_rank is None
+        if not self.last_taken and hasattr(optimizer, "uncount_last_step"):
             optimizer.uncount_last_step()
-        self.guard.record(step, code == 1, code == 2, self.name)
+        self.guard.record(step, loss_rank, grad_rank, not go_on, self.name)

@@ -428,9 +428,9 @@ class Engine:
             return "auto defers on CUDA only"
         if getattr(self.ds, "zenflow", False):
             return "ZenFlow steps its own way"
-        if not self._norm_guard:
-            return ("it needs one process alone at ZeRO stage 0, without DeepSpeed's fp16/bf16 optimizer "
-                    "wrappers and not fp16")
+        if self._keeper is None or not self._keeper.guards_gradients or self.plan.precision == "fp16":
+            return ("it needs ZeRO stage 0 without DeepSpeed's fp16/bf16 optimizer wrappers, and not fp16 (ZeRO "
+                    "measures the norm inside its step)")
         return device_skip_support(base_optimizer(self.ds))
 
     @property
@@ -522,19 +522,20 @@ class Engine:
         """``step`` at a boundary under the deferred check: the previous step's verdict is read (long
         computed by now), this step's goes to the optimizer as ``found_inf``; no wait for the device."""
         from dstrain.engine.deferred_check import verdict
-        from dstrain.resilience import base_optimizer
+        from dstrain.resilience import STOP_REQUESTED, base_optimizer
         self._phase("step")
         opt, n = base_optimizer(self.ds), self.ds.global_steps + 1
         self._deferred.settle(opt)  # the previous step's: may raise NonFiniteError
         self._keeper.before_step(for_guard=True)
         losses, self._losses = self._losses, []
-        code = verdict(losses, self._keeper.norm)
-        self.step_ok = self._deferred.arm(opt, code)
+        both = verdict(losses, self._keeper.norm, self._grads.take_on_device() if self._grads is not None else None,
+                       self.guard.rank, self.guard.world_size, bool(STOP_REQUESTED[0]))
+        self.step_ok = self._deferred.arm(opt, both)
         try:
             self.ds.step()
         finally:
             self._deferred.disarm(opt)
-        self._deferred.post(code, n)
+        self._deferred.post(both, n)
         self.updates += 1
         return True
 

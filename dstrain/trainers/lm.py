@@ -226,7 +226,8 @@ class LMTrainer:
         summary = {"step": step, "val_loss": val_loss, "stopped": stopped,
                    "seconds": time.perf_counter() - start, "profile": self.plan.profile,
                    "precision": self.plan.precision, "world_size": self.world.world_size,
-                   "skipped_steps": self.guards.skipped, "checkpoint_stalls_s": self.saver.stalls,
+                   "skipped_steps": self.guards.skipped, "nonfinite_check": self.engine.nonfinite_check,
+                   "checkpoint_stalls_s": self.saver.stalls,
                    "checkpoint_async_s": self.saver.breakdown}
         if self.world.is_main:
             (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

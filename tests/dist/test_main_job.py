@@ -112,12 +112,16 @@ def test_sigterm_to_one_rank_saves_exits_143_unrestarted_and_resume_warns_of_the
     assert max(steps) == stopped_at + 3
 
 
-def test_ctrl_c_stops_at_the_next_step_saves_and_waits_for_its_ranks(tmp_path):
+@pytest.mark.parametrize("check", ["sync", "deferred"])
+def test_ctrl_c_stops_at_the_next_step_saves_and_waits_for_its_ranks(tmp_path, check):
     """Ctrl-C (SIGINT) to ``dstrain launch`` with the next log step far away: the ranks agree on the stop
-    at the next optimizer step (the non-finite guard's per-step all-reduce carries it), save, and leave;
-    the launcher returns 130 only once no process of the job is left, with no traceback."""
+    at the next optimizer step (the non-finite guard's per-step all-reduce carries it; under the deferred check
+    its verdict, all-reduced on the device, one step later), save, and leave; the launcher returns 130 only once
+    no process of the job is left, with no traceback."""
     out = tmp_path / "run"
-    args = harness.overrides(out, 5000, "--checkpoint.every=0", "--train.log_every=1000", "--output.progress=true")
+    deferred = ["--deepspeed.profile=zero0", "--train.optimizer=torch_fused", "--train.nonfinite_check=deferred"]
+    args = harness.overrides(out, 5000, "--checkpoint.every=0", "--train.log_every=1000", "--output.progress=true",
+                             *(deferred if check == "deferred" else []))
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     log = tmp_path / "launch.log"
     with open(log, "w") as sink:
@@ -132,6 +136,7 @@ def test_ctrl_c_stops_at_the_next_step_saves_and_waits_for_its_ranks(tmp_path):
     text = log.read_text()
     tag = ckpt.find_latest(out / "checkpoints")
     assert tag is not None and 1 <= ckpt.step_of(tag) < 1000, text[-3000:]  # not held back to the log step
+    assert json.loads((out / "summary.json").read_text())["nonfinite_check"] == check
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
     ranks = subprocess.run(["pgrep", "-f", f"--output.dir={out}"], capture_output=True, text=True).stdout
     assert ranks.strip() == "", ranks  # the launcher returned after its ranks were gone

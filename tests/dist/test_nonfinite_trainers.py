@@ -2,7 +2,7 @@
 
 HRM, skip: step 3's gradients are NaN behind a finite loss; every rank drops that update, of the
 network, of the sparse puzzle-embedding table and of the EMA alike (checkpoint 3 equals checkpoint 2),
-and step 4 trains on; the same in one process under the deferred check, which skips on the device. SCoRe, stop: the critic's loss of its second step is NaN; the job exits 3 with
+and step 4 trains on; the same under the deferred check, which skips on the device. SCoRe, stop: the critic's loss of its second step is NaN; the job exits 3 with
 one line naming the critic, and since the policy had already taken step 2's update, no new
 checkpoint is written: step 1's stays the latest.
 """
@@ -21,10 +21,10 @@ from tests.dist.test_score_train import QUICK as SCORE_QUICK
 RECIPES = harness.ROOT / "models"
 
 
-def _launch(recipe, out, steps, quick, fault_env, *extra, nproc=2):
+def _launch(recipe, out, steps, quick, fault_env, *extra):
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           "DSTRAIN_FAULT_RANK": str(nproc - 1), **fault_env}
-    cmd = [sys.executable, "-m", "dstrain.cli", "launch", "--nproc", str(nproc), str(recipe), *quick,
+           "DSTRAIN_FAULT_RANK": "1", **fault_env}
+    cmd = [sys.executable, "-m", "dstrain.cli", "launch", "--nproc", "2", str(recipe), *quick,
            f"--train.steps={steps}", f"--output.dir={out}", "--checkpoint.every=1", "--checkpoint.keep=10", *extra]
     return subprocess.run(cmd, env=env, cwd=harness.ROOT, capture_output=True, text=True, timeout=400)
 
@@ -56,15 +56,15 @@ def test_hrm_skips_a_nan_gradient_step_on_every_rank(tmp_path):
     assert _skipped_step_3(out, proc, 1)["nonfinite_check"] == "sync"
 
 
-def test_hrm_alone_skips_a_nan_gradient_step_on_the_device_under_the_deferred_check(tmp_path):
-    """One process, ``train.nonfinite_check=deferred``: the AdamATan2 update, the puzzle-embedding rows and the
-    EMA of step 3 are left out on the device (the host learns it at step 4's boundary): the same state as the
-    synchronous check leaves."""
+def test_hrm_skips_a_nan_gradient_step_on_the_device_under_the_deferred_check(tmp_path):
+    """``train.nonfinite_check=deferred`` on 2 ranks: the verdict is all-reduced on the device and step 3's
+    AdamATan2 update, puzzle-embedding rows and EMA are left out there on both ranks (the hosts learn it at step
+    4's boundary, naming rank 1 from its own gradients): the same state as the synchronous check leaves."""
     out = tmp_path / "hrm"
     proc = _launch(RECIPES / "hrm" / "recipes" / "sudoku_debug.json", out, 4, HRM_QUICK,
                    {"DSTRAIN_FAULT_NAN_GRAD_STEP": "3"}, "--train.nonfinite=skip", "--train.log_every=2",
-                   "--train.nonfinite_check=deferred", "--train.optimizer_type=adam_atan2", nproc=1)
-    assert _skipped_step_3(out, proc, 0, logged=(2, 4))["nonfinite_check"] == "deferred"
+                   "--train.nonfinite_check=deferred", "--train.optimizer_type=adam_atan2")
+    assert _skipped_step_3(out, proc, 1, logged=(2, 4))["nonfinite_check"] == "deferred"
 
 
 def test_score_stops_on_a_nan_critic_loss_and_keeps_the_last_complete_checkpoint(tmp_path):

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dstrain.engine.deferred_check import DeferredCheck, device_skip_support, verdict
+from dstrain.engine.deferred_check import DeferredCheck, decode, device_skip_support, verdict
 from dstrain.optim.adam_atan2 import AdamATan2
 from dstrain.optim.ema import EMA
 from dstrain.optim.sparse_sign_sgd import SparseEmbedding, SparseSignSGD
@@ -79,12 +79,19 @@ def test_which_optimizers_skip_on_the_device():
 
 
 def test_verdict_codes():
-    one, nan, inf = torch.tensor(1.0), torch.tensor(float("nan")), torch.tensor(float("inf"))
-    assert int(verdict([one, one], one)) == 0
-    assert int(verdict([one, nan], one)) == 1  # a loss first, as the synchronous check names it
-    assert int(verdict([one], inf)) == 2
-    assert int(verdict([inf], nan)) == 1
-    assert int(verdict([], nan)) == 2
+    one, nan, inf, no, yes = (torch.tensor(1.0), torch.tensor(float("nan")), torch.tensor(float("inf")),
+                              torch.tensor(False), torch.tensor(True))
+    alone = [verdict([one, one], one), verdict([one, nan], one), verdict([one], inf), verdict([inf], nan),
+             verdict([], nan), verdict([one], one, stop=True)]
+    assert [v.tolist() for v in alone] == [[3, 1], [0, 1], [1, 1], [0, 1], [1, 1], [3, 0]]
+    assert [decode(v[0].item(), 1) for v in alone] == [(None, None), (0, None), (None, 0), (0, None), (None, 0),
+                                                       (None, None)]
+    # rank 2 of 4 (no process group here, so the all-reduce leaves the rank's own): its own loss, its own
+    # gradient (its GradWatch), the reduced gradients' norm alone, a good step
+    four = [verdict([nan], one, no, 2, 4), verdict([one], nan, yes, 2, 4), verdict([one], nan, no, 2, 4),
+            verdict([one], one, no, 2, 4)]
+    assert [int(v[0]) for v in four] == [2, 6, 8, 12]
+    assert [decode(int(v[0]), 4) for v in four] == [(2, None), (None, 2), (None, 0), (None, None)]
 
 
 def test_sparse_rows_and_ema_follow_the_device_verdict():
@@ -118,34 +125,39 @@ def test_sparse_rows_and_ema_follow_the_device_verdict():
         torch.testing.assert_close(ema.shadow[k], plain.shadow[k])
 
 
-def _pending(check, code, step, opt):
-    ok = check.arm(opt, torch.tensor(code, dtype=torch.int32))
-    assert float(opt.found_inf) == float(code > 0) and float(ok) == float(code == 0)
+def _pending(check, code, step, opt, go_on=1):
+    """``code`` as ``verdict`` makes it for one process: 0 a bad loss, 1 a bad gradient, 3 a good step."""
+    both = torch.tensor([code, go_on])
+    ok = check.arm(opt, both)
+    assert float(opt.found_inf) == float(code < 3) and float(ok) == float(code == 3)
     check.disarm(opt)
     assert "found_inf" not in vars(opt)
-    check.post(torch.tensor(code, dtype=torch.int32), step)
+    check.post(both, step)
 
 
 def test_settle_applies_the_policy_one_step_late(capsys):
     opt = AdamATan2([torch.nn.Parameter(torch.zeros(2))])
     guard = NonFiniteGuard("skip", 2, 0, 1)
     check = DeferredCheck(guard, "")
-    _pending(check, 0, 1, opt)
+    _pending(check, 3, 1, opt)
     check.settle(opt)
-    assert check.last_taken and guard.skipped == 0 and not check.pending
-    _pending(check, 2, 2, opt)
+    assert check.last_taken and guard.skipped == 0 and not check.pending and not guard.stop_agreed
+    _pending(check, 1, 2, opt)
     check.settle(opt)
     assert not check.last_taken and guard.skipped == 1
     assert "non-finite gradient at step 2 on rank 0: update skipped" in capsys.readouterr().out
     check.settle(opt)  # nothing pending: nothing happens
     assert guard.skipped == 1
-    _pending(check, 1, 3, opt)
+    _pending(check, 0, 3, opt)
     with pytest.raises(NonFiniteError, match="2 steps skipped in a row") as err:
         check.settle(opt)
     assert err.value.good_step == 3
 
     stop = DeferredCheck(NonFiniteGuard("stop", 5, 0, 1), "critic")
-    _pending(stop, 1, 7, opt)
+    _pending(stop, 3, 6, opt, go_on=0)  # a stop signal on some rank: agreed at the same step everywhere
+    stop.settle(opt)
+    assert stop.guard.stop_agreed and stop.last_taken
+    _pending(stop, 0, 7, opt)
     with pytest.raises(NonFiniteError, match=r"non-finite loss at step 7 on rank 0 \(critic\): stopped") as err:
         stop.settle(opt)
     assert err.value.step == 7 and err.value.good_step == 7  # its update was not taken: its state is good
@@ -156,10 +168,11 @@ def test_settle_takes_back_adam_atan2_step_counts():
     opt = AdamATan2([p], lr=0.1)
     p.grad = torch.full((3,), float("nan"))
     check = DeferredCheck(NonFiniteGuard("skip", 5, 0, 1))
-    check.arm(opt, torch.tensor(2, dtype=torch.int32))
+    bad_gradient = torch.tensor([1, 1])
+    check.arm(opt, bad_gradient)
     opt.step()
     check.disarm(opt)
-    check.post(torch.tensor(2, dtype=torch.int32), 1)
+    check.post(bad_gradient, 1)
     assert float(opt.state[p]["step"]) == 1 and torch.equal(p.detach(), torch.ones(3))
     check.settle(opt)
     assert float(opt.state[p]["step"]) == 0
