@@ -27,15 +27,7 @@ from dstrain.engine.ds_sections import section_problems
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
-@pytest.fixture(autouse=True)
-def _cpu_accelerator(monkeypatch):
-    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-
-
-def _write(tmp_path, cfg: dict, name: str = "ds.json"):
-    path = tmp_path / name
-    path.write_text(json.dumps(cfg))
-    return path
+from tests.unit.test_ds_realworld6 import _cpu_accelerator, _write  # noqa: F401 (the fixture is autouse here too)
 
 
 # --------------------------------------------------------------------------- checkpoint writer
