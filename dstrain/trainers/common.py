@@ -430,6 +430,15 @@ class RunGuards:
         untouched = sum(e.updates for e in self.engines.values()) == self._updates_at_begin
         return step - 1 if untouched else None
 
+    def settle(self, step: int, cfg: RunConfig) -> None:
+        """At a step whose outcome the trainer is about to use (the last, a stop, a log, eval or checkpoint step):
+        read the deferred check's pending verdict of each engine (``Engine.settle``; may raise ``NonFiniteError``)."""
+        t = cfg.train
+        if step == t.steps or self.stop_agreed or any(
+                every and step % every == 0 for every in (t.log_every, t.eval_every, cfg.checkpoint.every)):
+            for engine in self.engines.values():
+                getattr(engine, "settle", lambda: None)()
+
     def keep_last_good(self, step: int, start_step: int, last_saved: int | None, save, saver,
                        error=None) -> None:
         """After ``NonFiniteError`` ``error`` in ``step``: ``save`` the last good step unless it is already on

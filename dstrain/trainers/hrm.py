@@ -261,9 +261,7 @@ class HRMTrainer:
                 self.guards.begin(step)
                 try:
                     loss, metrics = self.train_step(step - 1)
-                    if step == t.steps or self.guards.stop_agreed or any(
-                            every and step % every == 0 for every in (t.log_every, t.eval_every, cfg.checkpoint.every)):
-                        self.engine.settle()  # the deferred check's verdict before logging, evaluating, saving
+                    self.guards.settle(step, cfg)  # the deferred check's verdict before logging, evaluating, saving
                 except NonFiniteError as err:  # train.nonfinite=stop, or too many skips in a row
                     self.guards.keep_last_good(step, self.start_step, last_saved, self.save, self.saver, err)
                     raise

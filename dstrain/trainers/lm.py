@@ -173,9 +173,7 @@ class LMTrainer:
             for step in range(self.start_step + 1, t.steps + 1):
                 try:
                     loss = self.train_step(step - 1)
-                    if step == t.steps or self.guards.stop_agreed or any(
-                            every and step % every == 0 for every in (t.log_every, t.eval_every, cfg.checkpoint.every)):
-                        self.engine.settle()  # the deferred check's verdict before logging, evaluating, saving
+                    self.guards.settle(step, cfg)  # the deferred check's verdict before logging, evaluating, saving
                 except NonFiniteError as err:
                     self.guards.keep_last_good(step, self.start_step, last_saved, self.save, self.saver, err)
                     raise
