@@ -43,7 +43,7 @@ def _reference(tmp_path_factory, stage, nproc):
 
 
 CASES = [pytest.param(2, 2, 1, id="zero2-2to1"), pytest.param(2, 2, 4, id="zero2-2to4"),
-         pytest.param(3, 2, 1, id="zero3-2to1"),
+         pytest.param(3, 2, 1, id="zero3-2to1", marks=pytest.mark.slow),  # (zero3 resume: test_resume_export.py)
          pytest.param(3, 2, 4, id="zero3-2to4", marks=pytest.mark.slow),
          pytest.param(0, 2, 1, id="zero0-2to1", marks=pytest.mark.slow),
          pytest.param(1, 2, 4, id="zero1-2to4", marks=pytest.mark.slow),

@@ -21,7 +21,7 @@ def job_env(hosts, tmp_path):
                       "GLOO_SOCKET_IFNAME": hosts.iface, "DS_ENV_FILE": str(tmp_path / "deepspeed_env")})
 
 
-@pytest.mark.parametrize("slots", [1, 2])
+@pytest.mark.parametrize("slots", [pytest.param(1, marks=pytest.mark.slow), 2])  # 2: two ranks on each host
 def test_two_hosts_zero2_matches_single_process(hosts, tmp_path, slots):
     check_zero2_job(hosts, tmp_path, slots)
 
