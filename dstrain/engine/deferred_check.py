@@ -41,6 +41,20 @@ def device_skip_support(optimizer) -> str | None:
     return f"{type(optimizer).__name__} takes no found_inf"
 
 
+def deferral_refusal(engine, check: str) -> str | None:
+    """Why the non-finite check cannot be deferred on ``engine`` (a ``factory.Engine``; None: it can)."""
+    from dstrain.resilience import base_optimizer
+    if check == "auto" and engine.device.type != "cuda":
+        return "auto defers on CUDA only"
+    if getattr(engine.ds, "zenflow", False):
+        return "ZenFlow steps its own way"
+    keeper = engine._keeper
+    if keeper is None or not keeper.guards_gradients or engine.plan.precision == "fp16":
+        return ("it needs ZeRO stage 0 without DeepSpeed's fp16/bf16 optimizer wrappers, and not fp16 (ZeRO "
+                "measures the norm inside its step)")
+    return device_skip_support(base_optimizer(engine.ds))
+
+
 def verdict(losses: list[torch.Tensor], norm: torch.Tensor, grads_bad: torch.Tensor | None = None,
             rank: int = 0, world_size: int = 1, stop: bool = False) -> torch.Tensor:
     """The step's verdict on the device, the same on every rank: ``[code, go_on]`` (int64), all-reduced with
@@ -115,6 +129,26 @@ class DeferredCheck:
         else:
             self._host = both
         self._pending = step
+
+    def step(self, engine) -> torch.Tensor:
+        """``engine.step`` at a boundary (a ``factory.Engine``): the previous step's verdict is read (long computed
+        by now), this step's goes to the optimizer as ``found_inf``; no wait for the device. Returns ``step_ok``."""
+        from dstrain.resilience import STOP_REQUESTED, base_optimizer
+        engine._phase("step")
+        opt, n = base_optimizer(engine.ds), engine.ds.global_steps + 1
+        self.settle(opt)  # the previous step's: may raise NonFiniteError
+        engine._keeper.before_step(for_guard=True)
+        losses, engine._losses = engine._losses, []
+        watch = engine._grads
+        both = verdict(losses, engine._keeper.norm, watch.take_on_device() if watch is not None else None,
+                       self.guard.rank, self.guard.world_size, bool(STOP_REQUESTED[0]))
+        ok = self.arm(opt, both)
+        try:
+            engine.ds.step()
+        finally:
+            self.disarm(opt)
+        self.post(both, n)
+        return ok
 
     def settle(self, optimizer) -> None:
         """Read the pending verdict (a wait only for the device work up to it) and apply the guard's policy;

@@ -400,7 +400,7 @@ class Engine:
         hang ``Watchdog`` (told the phase: forward, backward, allreduce, step). ``name``: in messages.
         ``check``: ``train.nonfinite_check`` (auto | sync | deferred) where the trainer follows ``step_ok``
         with its own per-step updates, else sync (see :mod:`dstrain.engine.deferred_check`)."""
-        from dstrain.engine.deferred_check import DeferredCheck
+        from dstrain.engine.deferred_check import DeferredCheck, deferral_refusal
         from dstrain.resilience import GradWatch
         self.guard, self.watchdog, self.name = guard, watchdog, name
         # fp16: DeepSpeed's loss scaler owns overflows. One process alone, where dstrain measures the norm
@@ -414,24 +414,11 @@ class Engine:
             self._grads = GradWatch(self.ds.module)
         self._deferred, self.nonfinite_check, self.nonfinite_check_note = None, "off" if guard is None else "sync", ""
         if guard is not None and check != "sync":
-            why = self._deferral_refusal(check)
+            why = deferral_refusal(self, check)
             if why is None:
                 self._deferred, self.nonfinite_check = DeferredCheck(guard, name), "deferred"
             elif check == "deferred":
                 self.nonfinite_check_note = f"train.nonfinite_check=deferred runs synchronously here: {why}"
-
-    def _deferral_refusal(self, check: str) -> str | None:
-        """Why the non-finite check cannot be deferred on this engine (None: it can)."""
-        from dstrain.engine.deferred_check import device_skip_support
-        from dstrain.resilience import base_optimizer
-        if check == "auto" and self.device.type != "cuda":
-            return "auto defers on CUDA only"
-        if getattr(self.ds, "zenflow", False):
-            return "ZenFlow steps its own way"
-        if self._keeper is None or not self._keeper.guards_gradients or self.plan.precision == "fp16":
-            return ("it needs ZeRO stage 0 without DeepSpeed's fp16/bf16 optimizer wrappers, and not fp16 (ZeRO "
-                    "measures the norm inside its step)")
-        return device_skip_support(base_optimizer(self.ds))
 
     @property
     def last_step_taken(self) -> bool:
@@ -493,7 +480,9 @@ class Engine:
         else:
             boundary = ds.is_gradient_accumulation_boundary()
         if boundary and self._deferred is not None:
-            return self._deferred_step()
+            self.step_ok = self._deferred.step(self)
+            self.updates += 1
+            return True
         if self._keeper is not None and boundary:
             self._keeper.before_step(for_guard=self._norm_guard)
         skip = False
@@ -517,27 +506,6 @@ class Engine:
             self.last_step_taken = not skip
             self.updates += not skip
         return boundary and not skip
-
-    def _deferred_step(self) -> bool:
-        """``step`` at a boundary under the deferred check: the previous step's verdict is read (long
-        computed by now), this step's goes to the optimizer as ``found_inf``; no wait for the device."""
-        from dstrain.engine.deferred_check import verdict
-        from dstrain.resilience import STOP_REQUESTED, base_optimizer
-        self._phase("step")
-        opt, n = base_optimizer(self.ds), self.ds.global_steps + 1
-        self._deferred.settle(opt)  # the previous step's: may raise NonFiniteError
-        self._keeper.before_step(for_guard=True)
-        losses, self._losses = self._losses, []
-        both = verdict(losses, self._keeper.norm, self._grads.take_on_device() if self._grads is not None else None,
-                       self.guard.rank, self.guard.world_size, bool(STOP_REQUESTED[0]))
-        self.step_ok = self._deferred.arm(opt, both)
-        try:
-            self.ds.step()
-        finally:
-            self._deferred.disarm(opt)
-        self._deferred.post(both, n)
-        self.updates += 1
-        return True
 
     def train(self) -> None:
         self.ds.train()
