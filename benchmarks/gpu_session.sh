@@ -13,6 +13,13 @@
 #                                                     its data worker (task.data_workers=0|1), and with the
 #                                                     synchronous non-finite check
 #   bash benchmarks/gpu_session.sh all        [OUT]   # the four, one after the other (about 35 min)
+#   bash benchmarks/gpu_session.sh nonfinite  [OUT]   # about 8.5 min: the deferred non-finite check (auto on CUDA)
+#        against the synchronous one: the GPU test of a skipped NaN step, the HRM trainer (data worker) for 100
+#        steps under auto and sync, GPT large zero0 beside plain eager under auto, then under sync, then the
+#        HRM trainer under CUDA graphs (compile_mode=reduce-overhead); tests/unit with CUDA visible beside them.
+#        Trainer metrics come back as hrm_trainer_<variant>_metrics.jsonl (their run folders stay in TMPDIR).
+#        On one H100 (2026-11-27): 58 s, 77 s, 67 s, then GPT large with the compiled plain loop too ran past
+#        200 s (cold Inductor caches; the compiled baseline is the engine part's), alone without it 105 s.
 #   bash benchmarks/gpu_session.sh quick      [OUT]   # at most 9.5 min (one device call): tests/gpu's dilated file
 #        (flash and cuDNN), the HRM trainer tests (the deferred non-finite check's skip too), grad-norm kernels, cuDNN
 #        GPT, memory estimate; the HRM trainer with its data worker, with the deferred (default on CUDA) and the
@@ -29,8 +36,8 @@
 # A failing step is logged and the part goes on with the next one; the exit status is the number
 # of steps that failed. The JSON files name the device, the versions and the command themselves.
 set -u
-part=${1:?usage: gpu_session.sh tests|engine|attention|hrm|all|quick [OUT]}
-case $part in tests|engine|attention|hrm|all|quick) ;; *) echo "unknown part $part (tests, engine, attention, hrm, all or quick)" >&2; exit 2 ;; esac
+part=${1:?usage: gpu_session.sh tests|engine|attention|hrm|all|quick|nonfinite [OUT]}
+case $part in tests|engine|attention|hrm|all|quick|nonfinite) ;; *) echo "unknown part $part (tests, engine, attention, hrm, all, quick or nonfinite)" >&2; exit 2 ;; esac
 out=${2:-benchmarks/results/gpu_session}
 mkdir -p "$out"
 failed=0
@@ -129,6 +136,38 @@ run_part() {
         step dilated-lm-32k-cudnn 150 $timed python benchmarks/throughput.py models/dilated_lm/recipes/small_32k.json \
             --profiles zero0 --plain once --compiled-baseline off --nproc 1 --steps 6 --warmup 2 --train.grad_accum=1 \
             --train.attention_backend=cudnn --out "$out/throughput_gpu_dilated_small_32k_cudnn.json"
+        wait "$unit"
+        tail -3 "$out/unit_cuda_visible.log" | tee -a "$log"
+        grep -q "unit tests exit 0" "$out/unit_cuda_visible.log" || failed=$((failed + 1))
+        ;;
+    nonfinite)
+        local timed="" other=""
+        if [ "$(nproc)" -ge 16 ] && taskset -c 8-15 true 2>/dev/null; then timed="taskset -c 0-7" other="taskset -c 8-15"; fi
+        ( OMP_NUM_THREADS=1 timeout 300 $other python -m pytest -q -p no:cacheprovider -n 6 tests/unit \
+            >"$out/unit_cuda_visible.log" 2>&1; echo "unit tests exit $?" >>"$out/unit_cuda_visible.log" ) &
+        local unit=$!
+        step gpu-nan-skip 120 $timed python -m pytest -q -p no:cacheprovider -rfE \
+            tests/gpu/test_trainers_gpu.py::test_hrm_skips_a_nan_step_on_the_device_by_default
+        local puzzles=${DSTRAIN_DATA_DIR:-../shared/data}/sudoku_diabolical.txt runs=${TMPDIR:-/tmp}/dstrain_gpu_nonfinite
+        hrm_trainer() {  # hrm_trainer VARIANT OVERRIDES...
+            local variant=$1
+            shift
+            step hrm-trainer-$variant 100 $timed python -m dstrain.cli launch --nproc 1 \
+                models/hrm/recipes/sudoku_extreme.json --task.train_file="$puzzles" --task.data_workers=1 \
+                --train.steps=100 --train.log_every=25 --train.eval_every=0 --checkpoint.every=0 \
+                --output.progress=false --output.dir="$runs/$variant" "$@"
+            cp "$runs/$variant/metrics.jsonl" "$out/hrm_trainer_${variant}_metrics.jsonl" 2>/dev/null
+            cat "$runs/$variant/summary.json" >>"$log" 2>/dev/null
+        }
+        hrm_trainer auto --train.nonfinite_check=auto
+        hrm_trainer sync --train.nonfinite_check=sync
+        step gpt-large-auto 150 $timed python benchmarks/throughput.py models/gpt/recipes/tiny.json --model.size=large \
+            --data.seq_len=1024 --train.micro_batch=16 --nproc 1 --steps 10 --warmup 3 --profiles zero0 --plain once \
+            --compiled-baseline off --train.nonfinite_check=auto --out "$out/throughput_gpu_gpt_large_check_auto.json"
+        step gpt-large-sync 150 $timed python benchmarks/throughput.py models/gpt/recipes/tiny.json --model.size=large \
+            --data.seq_len=1024 --train.micro_batch=16 --nproc 1 --steps 10 --warmup 3 --profiles zero0 --plain once \
+            --compiled-baseline off --train.nonfinite_check=sync --out "$out/throughput_gpu_gpt_large_check_sync.json"
+        hrm_trainer graphs --train.nonfinite_check=auto --train.compile_mode=reduce-overhead
         wait "$unit"
         tail -3 "$out/unit_cuda_visible.log" | tee -a "$log"
         grep -q "unit tests exit 0" "$out/unit_cuda_visible.log" || failed=$((failed + 1))
