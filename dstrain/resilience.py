@@ -14,7 +14,7 @@ the optimizer step:
 * ``stop``: the update is not taken; the trainer saves the last good state (the
   previous step) and exits with :data:`EXIT_NONFINITE`, one line naming step and rank.
 
-:class:`~dstrain.engine.factory.Engine` runs the check in its ``step`` once a guard is
+:class:`~dstrain.engine.engine.Engine` runs the check in its ``step`` once a guard is
 attached (``Engine.watch``), so every trainer and every trained model of a trainer
 (SCoRe's critics, value function and guidance model too) gets the same policy.
 Gradients are not watched under fp16, where DeepSpeed's loss scaler owns overflows.

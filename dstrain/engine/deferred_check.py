@@ -42,7 +42,7 @@ def device_skip_support(optimizer) -> str | None:
 
 
 def deferral_refusal(engine, check: str) -> str | None:
-    """Why the non-finite check cannot be deferred on ``engine`` (a ``factory.Engine``; None: it can)."""
+    """Why the non-finite check cannot be deferred on ``engine`` (an ``engine.Engine``; None: it can)."""
     from dstrain.resilience import base_optimizer
     if check == "auto" and engine.device.type != "cuda":
         return "auto defers on CUDA only"
@@ -131,7 +131,7 @@ class DeferredCheck:
         self._pending = step
 
     def step(self, engine) -> torch.Tensor:
-        """``engine.step`` at a boundary (a ``factory.Engine``): the previous step's verdict is read (long computed
+        """``engine.step`` at a boundary (an ``engine.Engine``): the previous step's verdict is read (long computed
         by now), this step's goes to the optimizer as ``found_inf``; no wait for the device. Returns ``step_ok``."""
         from dstrain.resilience import STOP_REQUESTED, base_optimizer
         engine._phase("step")

@@ -21,8 +21,9 @@ from dstrain.engine.ds_files import (DEEPSPEED_NATIVE_AUTO, KNOWN_TOP_LEVEL_KEYS
                                      REMOVED_TOP_LEVEL_KEYS, DSConfigError, ds_configs_dir,
                                      format_override, list_profiles, load_ds_json,
                                      resolve_profile_path, validate_top_level, _top_level_problems)
-
-AUTO = "auto"
+from dstrain.engine.ds_reading import (AUTO, _WEIGHT_DTYPES, _is_auto, _offloads, _param_dtype_value,  # noqa: F401
+                                       describe_zero, open_weights_dtype, param_dtype, pinned_weights,
+                                       pinned_weights_dtype, precision_left_open)
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 _REL_TOL = 1e-6
@@ -118,10 +119,6 @@ class RunValues:
     def train_batch_size(self) -> int:
         """Global batch: micro-batch x gradient accumulation x data-parallel ranks."""
         return self.micro_batch * self.grad_accum * self.dp_world_size
-
-
-def _is_auto(value) -> bool:
-    return isinstance(value, str) and value.strip().lower() == AUTO
 
 
 def _same(file_value, run_value) -> bool:
@@ -398,61 +395,6 @@ def _fill_precision(cfg: dict, v: RunValues, problems: list[str]) -> None:
                           "deepspeed.precision", pinned)
 
 
-#: DeepSpeed's DtypeEnum spellings of the weights' dtypes.
-_WEIGHT_DTYPES = {**dict.fromkeys(("fp32", "float32", "float", "torch.float32"), "fp32"),
-                  **dict.fromkeys(("bf16", "bfloat16", "torch.bfloat16"), "bf16"),
-                  **dict.fromkeys(("fp16", "float16", "half", "torch.float16"), "fp16")}
-
-
-def _param_dtype_value(cfg: dict):
-    """``data_types.param_dtype`` as the file writes it; None when absent or "auto"."""
-    dt = cfg.get("data_types")
-    value = dt.get("param_dtype") if isinstance(dt, dict) else None
-    return None if value is None or _is_auto(value) else value
-
-
-def param_dtype(cfg: dict) -> str | None:
-    """The weights' dtype ``data_types.param_dtype`` names (fp32, bf16, fp16); None where it names none."""
-    value = _param_dtype_value(cfg)
-    return None if value is None else _WEIGHT_DTYPES.get(str(value).lower())
-
-
-def pinned_weights(cfg: dict) -> tuple[str | None, str]:
-    """``(dtype, key)``: the weights' dtype the file pins outside bf16 / fp16: ``data_types.param_dtype``
-    (DeepSpeed asserts it), else at ZeRO stage 0 ``data_types.grad_accum_dtype`` (DeepSpeed's stage 0
-    accumulates only in the weights' dtype). ``(None, "")`` where neither pins it."""
-    if param_dtype(cfg) is not None:
-        return param_dtype(cfg), "data_types.param_dtype"
-    dt = cfg.get("data_types")
-    acc = dt.get("grad_accum_dtype") if isinstance(dt, dict) else None
-    if isinstance(acc, str) and acc.lower() in _WEIGHT_DTYPES and describe_zero(cfg)["stage"] == 0:
-        return _WEIGHT_DTYPES[acc.lower()], "data_types.grad_accum_dtype"
-    return None, ""
-
-
-def pinned_weights_dtype(cfg: dict) -> str | None:
-    return pinned_weights(cfg)[0]
-
-
-def open_weights_dtype(cfg: dict) -> str | None:
-    """:func:`pinned_weights_dtype` where the file's bf16 / fp16 sections leave the precision open (neither
-    sets ``enabled`` other than "auto"): the weights' dtype DeepSpeed then asserts. None otherwise."""
-    for key in ("bf16", "fp16"):
-        section = cfg.get(key)
-        said = section.get("enabled") if isinstance(section, dict) else None
-        if said is not None and not _is_auto(said):
-            return None
-    dtype, key = pinned_weights(cfg)
-    if key == "data_types.grad_accum_dtype" and not precision_left_open(cfg):
-        return None  # no bf16 / fp16 "auto": the weights are fp32, as the file reads
-    return dtype
-
-
-def precision_left_open(cfg: dict) -> bool:
-    """A bf16 or fp16 section with ``"enabled": "auto"``: the precision is the run's (the factory's) choice."""
-    return any(isinstance(cfg.get(k), dict) and _is_auto(cfg[k].get("enabled")) for k in ("bf16", "fp16"))
-
-
 def _check_param_dtype(cfg: dict, v: RunValues, problems: list[str], fixed: str | None) -> None:
     """``data_types.param_dtype`` must be the weights' dtype: DeepSpeed asserts it at start-up. ``fixed`` is the
     weights' precision when the file's bf16 / fp16 sections decide it: a disagreement is then the file's own."""
@@ -470,13 +412,6 @@ def _check_param_dtype(cfg: dict, v: RunValues, problems: list[str], fixed: str 
             problems.mismatch(text, "deepspeed.precision", kind)
         else:
             problems.append(text)
-
-
-def _offloads(zo: dict, key: str, legacy: str) -> bool:
-    block = zo.get(key)
-    if isinstance(block, dict) and str(block.get("device", "none")).lower() not in ("none", "auto"):
-        return True
-    return zo.get(legacy) is True
 
 
 @functools.cache
@@ -595,16 +530,3 @@ def fill_ds_config(template: dict, values: RunValues, source: str) -> dict:
     if problems:
         raise problems.error(source)
     return cfg
-
-
-def describe_zero(cfg: dict) -> dict:
-    """Summarise a config's ZeRO setup: ``{"stage", "offload_optimizer", "offload_param"}``."""
-    zo = cfg.get("zero_optimization", {})
-    if isinstance(zo, bool):  # DeepSpeed's deprecated boolean form means stage 1
-        return {"stage": 1 if zo else 0, "offload_optimizer": False, "offload_param": False}
-    if not isinstance(zo, dict):
-        zo = {}
-    stage = zo.get("stage", 0)
-    return {"stage": int(stage) if isinstance(stage, int) else 0,
-            "offload_optimizer": _offloads(zo, "offload_optimizer", "cpu_offload"),
-            "offload_param": _offloads(zo, "offload_param", "cpu_offload_param")}

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dstrain.engine.factory import Engine
+from dstrain.engine.engine import Engine
 
 PARTITION_METHODS = ("parameters", "uniform", "cost")
 _LAYER_FILE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$|^layer_(\d+)-model_states\.pt$")

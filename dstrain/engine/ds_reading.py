@@ -1,0 +1,89 @@
+"""What a DeepSpeed JSON says about the run, read without filling or checking anything: whether a value is
+"auto", the weights' dtype the file pins (``data_types``) or leaves open (bf16 / fp16 ``"enabled": "auto"``), and
+its ZeRO stage and offloads. ``ds_config.py`` (which fills and checks) and the pre-launch checks read files
+through these.
+
+The module is pure: no deepspeed or torch import.
+"""
+from __future__ import annotations
+
+AUTO = "auto"
+
+
+def _is_auto(value) -> bool:
+    return isinstance(value, str) and value.strip().lower() == AUTO
+
+
+def _offloads(zo: dict, key: str, legacy: str) -> bool:
+    block = zo.get(key)
+    if isinstance(block, dict) and str(block.get("device", "none")).lower() not in ("none", "auto"):
+        return True
+    return zo.get(legacy) is True
+
+
+def describe_zero(cfg: dict) -> dict:
+    """Summarise a config's ZeRO setup: ``{"stage", "offload_optimizer", "offload_param"}``."""
+    zo = cfg.get("zero_optimization", {})
+    if isinstance(zo, bool):  # DeepSpeed's deprecated boolean form means stage 1
+        return {"stage": 1 if zo else 0, "offload_optimizer": False, "offload_param": False}
+    if not isinstance(zo, dict):
+        zo = {}
+    stage = zo.get("stage", 0)
+    return {"stage": int(stage) if isinstance(stage, int) else 0,
+            "offload_optimizer": _offloads(zo, "offload_optimizer", "cpu_offload"),
+            "offload_param": _offloads(zo, "offload_param", "cpu_offload_param")}
+
+
+#: DeepSpeed's DtypeEnum spellings of the weights' dtypes.
+_WEIGHT_DTYPES = {**dict.fromkeys(("fp32", "float32", "float", "torch.float32"), "fp32"),
+                  **dict.fromkeys(("bf16", "bfloat16", "torch.bfloat16"), "bf16"),
+                  **dict.fromkeys(("fp16", "float16", "half", "torch.float16"), "fp16")}
+
+
+def _param_dtype_value(cfg: dict):
+    """``data_types.param_dtype`` as the file writes it; None when absent or "auto"."""
+    dt = cfg.get("data_types")
+    value = dt.get("param_dtype") if isinstance(dt, dict) else None
+    return None if value is None or _is_auto(value) else value
+
+
+def param_dtype(cfg: dict) -> str | None:
+    """The weights' dtype ``data_types.param_dtype`` names (fp32, bf16, fp16); None where it names none."""
+    value = _param_dtype_value(cfg)
+    return None if value is None else _WEIGHT_DTYPES.get(str(value).lower())
+
+
+def pinned_weights(cfg: dict) -> tuple[str | None, str]:
+    """``(dtype, key)``: the weights' dtype the file pins outside bf16 / fp16: ``data_types.param_dtype``
+    (DeepSpeed asserts it), else at ZeRO stage 0 ``data_types.grad_accum_dtype`` (DeepSpeed's stage 0
+    accumulates only in the weights' dtype). ``(None, "")`` where neither pins it."""
+    if param_dtype(cfg) is not None:
+        return param_dtype(cfg), "data_types.param_dtype"
+    dt = cfg.get("data_types")
+    acc = dt.get("grad_accum_dtype") if isinstance(dt, dict) else None
+    if isinstance(acc, str) and acc.lower() in _WEIGHT_DTYPES and describe_zero(cfg)["stage"] == 0:
+        return _WEIGHT_DTYPES[acc.lower()], "data_types.grad_accum_dtype"
+    return None, ""
+
+
+def pinned_weights_dtype(cfg: dict) -> str | None:
+    return pinned_weights(cfg)[0]
+
+
+def open_weights_dtype(cfg: dict) -> str | None:
+    """:func:`pinned_weights_dtype` where the file's bf16 / fp16 sections leave the precision open (neither
+    sets ``enabled`` other than "auto"): the weights' dtype DeepSpeed then asserts. None otherwise."""
+    for key in ("bf16", "fp16"):
+        section = cfg.get(key)
+        said = section.get("enabled") if isinstance(section, dict) else None
+        if said is not None and not _is_auto(said):
+            return None
+    dtype, key = pinned_weights(cfg)
+    if key == "data_types.grad_accum_dtype" and not precision_left_open(cfg):
+        return None  # no bf16 / fp16 "auto": the weights are fp32, as the file reads
+    return dtype
+
+
+def precision_left_open(cfg: dict) -> bool:
+    """A bf16 or fp16 section with ``"enabled": "auto"``: the precision is the run's (the factory's) choice."""
+    return any(isinstance(cfg.get(k), dict) and _is_auto(cfg[k].get("enabled")) for k in ("bf16", "fp16"))
