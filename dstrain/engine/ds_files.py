@@ -244,7 +244,8 @@ PLAIN_FLAGS = ("wall_clock_breakdown", "memory_breakdown", "prescale_gradients",
                "torch_autocast.enabled", "autotuning.enabled", "data_efficiency.enabled",
                "activation_checkpointing.partition_activations", "activation_checkpointing.cpu_checkpointing",
                "activation_checkpointing.contiguous_memory_optimization",
-               "activation_checkpointing.synchronize_checkpoint_boundary", "activation_checkpointing.profile")
+               "activation_checkpointing.synchronize_checkpoint_boundary", "activation_checkpointing.profile",
+               "managed_gradient_accumulation", "disable_python_gc")
 
 
 #: Strings DeepSpeed's (pydantic) precision sections accept for a boolean.

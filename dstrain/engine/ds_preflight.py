@@ -181,7 +181,10 @@ def check_run(cfg: RunConfig, world_size: int, device_type: str, strict: bool = 
     from dstrain.engine.ds_check import _placeholders, deepspeed_problems, merge_problems
     from dstrain.engine.ds_sections import section_problems
     template, source = _template(cfg)
-    found, notes = section_problems(template, device_type) if template is not None else ([], [])
+    # the clipping DeepSpeed gets where the file leaves it out or "auto": the run's (ZeRO's compute_grad_norm needs 0)
+    seen = template if template is None or _explicit(template, "gradient_clipping") is not None else \
+        {**template, "gradient_clipping": cfg.train.grad_clip}
+    found, notes = section_problems(seen, device_type) if template is not None else ([], [])
     if template is not None:
         found += _leaf_problems(cfg, template)
     if device_type == "cpu" and cfg.deepspeed.precision == "fp16" and not found:  # else the file's fp16 is named

@@ -16,6 +16,7 @@ import importlib.util
 import os
 
 from dstrain.engine.ds_config import describe_zero, precision_left_open, sets_lr_itself
+from dstrain.engine.ds_engine_keys import engine_key_problems
 
 #: ZeRO keys read only at stage 3 (with DeepSpeed's aliases).
 STAGE3_ONLY = frozenset({
@@ -492,6 +493,7 @@ def section_problems(cfg: dict, device_type: str) -> tuple[list[str], list[str]]
     _monitor_problems(cfg, problems, notes)
     _plain_section_keys(cfg, problems)
     _quoted_flags(cfg, problems)
+    problems += engine_key_problems(cfg, device_type, problems)
     return problems, notes
 
 

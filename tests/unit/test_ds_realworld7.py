@@ -47,8 +47,9 @@ def test_the_fast_checkpoint_writer_is_refused_on_the_cpu_with_the_fix(writer):
 
 
 def test_the_python_writer_and_other_checkpoint_keys_pass():
+    # load_universal true is refused since round 8 (every resume stopped): test_ds_realworld8.py
     for ck in ({"writer": {"type": "python", "data_parallel": "replica"}}, {"writer": {"type": "mock"}},
-               {"parallel_write": {"pipeline_stage": True}}, {"load_universal": True, "use_node_local_storage": True}):
+               {"parallel_write": {"pipeline_stage": True}}, {"load_universal": False, "use_node_local_storage": True}):
         assert section_problems({"checkpoint": ck}, "cpu")[0] == [], ck
 
 
