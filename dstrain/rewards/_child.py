@@ -248,7 +248,8 @@ def _set_limits(cfg: dict) -> None:
 def _make_hook(tmp: str, read_roots: tuple, violations: list, quiet: set = frozenset()):
     """The audit hook: refuses process creation, signals, sockets, ctypes, introspection,
     writes outside ``tmp`` and reads outside ``read_roots``; records refusals. ``quiet``: ids of
-    threads inside the judge's own ``sys.setprofile`` calls (nothing else runs there)."""
+    threads inside the judge's own ``sys.setprofile`` calls (nothing else runs there), and ``"defaults"`` once a
+    function's defaults were read or set."""
     import _thread
     import gc
     import os
@@ -367,11 +368,13 @@ def _make_hook(tmp: str, read_roots: tuple, violations: list, quiet: set = froze
                 deny(event, f"listing of {target or shown(path)}")
         elif event == "sys._getframe":
             raise ValueError("sandbox: frame access is not allowed")
-        elif event == "object.__getattr__":
-            if len(args) > 1 and type(args[1]) is str and args[1] in _FRAME_ATTRS:
-                raise AttributeError(f"sandbox: {args[1]} is not accessible")
-        elif event == "object.__setattr__":
-            if len(args) > 1 and type(args[1]) is str and args[1] == "__code__":  # a library function made to run the program's code
+        elif event in ("object.__getattr__", "object.__setattr__"):
+            name = args[1] if len(args) > 1 and type(args[1]) is str else ""
+            if name in ("__defaults__", "__kwdefaults__"):  # from now on the guards check the library's functions'
+                quiet.add("defaults")  # defaults (``_guards._make_guards``' ``cells_kept``: costly for every test)
+            if event == "object.__getattr__" and name in _FRAME_ATTRS:
+                raise AttributeError(f"sandbox: {name} is not accessible")
+            if event == "object.__setattr__" and name == "__code__":  # a library function made to run the program's code
                 deny(event, "replacing a function's __code__")
         elif event in _PATH_WRITE:
             path_at, dir_fd_at = _PATH_WRITE[event]
@@ -400,14 +403,6 @@ def _make_hook(tmp: str, read_roots: tuple, violations: list, quiet: set = froze
     return hook
 
 
-def _describe(exc: BaseException) -> str:
-    try:
-        text = f"{type(exc).__name__}: {exc}"
-    except BaseException:
-        text = type(exc).__name__
-    return str.__str__(text) if isinstance(text, str) else "error"
-
-
 def _worker(job: dict, prepared: list, box: list, judge: tuple, done) -> None:
     """Runs program, setup and tests (the only place untrusted code runs); fills ``box``
     with ``[passed, phase, detail]``. Each prepared test (``_rewrite._prepare_test``) is a
@@ -425,14 +420,14 @@ def _worker(job: dict, prepared: list, box: list, judge: tuple, done) -> None:
         try:
             code = compile(job["program"], "<solution>", "exec")
         except BaseException as e:  # SyntaxError, ValueError (null bytes), MemoryError
-            box[1:] = ["compile", _describe(e)]
+            box[1:] = ["compile", _describe(e)]  # noqa: F821  (_guards.py)
             return
         saved = dict(bdict)
         ns = {"__name__": "solution", "__builtins__": builtins}
         try:
             exec(code, ns)
         except BaseException as e:
-            box[1:] = ["program", _describe(e)]
+            box[1:] = ["program", _describe(e)]  # noqa: F821  (_guards.py)
             return
         dict.clear(bdict)
         dict.update(bdict, saved)
@@ -440,7 +435,7 @@ def _worker(job: dict, prepared: list, box: list, judge: tuple, done) -> None:
             try:
                 _run_setup(ns, tools)  # noqa: F821  (_guards.py: with the real builtins, its bindings kept)
             except BaseException as e:
-                box[1:] = ["setup", _describe(e)]
+                box[1:] = ["setup", _describe(e)]  # noqa: F821  (_guards.py)
                 return
         passed, detail = 0, ""
         for i, prep in enumerate(prepared):
@@ -456,7 +451,7 @@ def _worker(job: dict, prepared: list, box: list, judge: tuple, done) -> None:
                     function(prep[0], ns)(*guards)
                     ok = not bad
             except BaseException as e:
-                why = _describe(e)
+                why = _describe(e)  # noqa: F821  (_guards.py)
             if bad:  # even when the program caught the guard's exception
                 ok, why = False, bad[0]
             if ok:
@@ -548,7 +543,7 @@ def _execute(job: dict, result_fd: int, isolation: str, max_processes: int) -> N
         try:
             prepared.append(_prepare_test(src))  # noqa: F821  (from _rewrite.py, in whose globals this file runs)
         except (SyntaxError, ValueError, TypeError) as e:
-            prepared.append(_describe(e))
+            prepared.append(_describe(e))  # noqa: F821  (_guards.py)
     total = len(prepared)
     checks = _make_trust(*_SNAPSHOT)  # noqa: F821
     violations = []

@@ -6,6 +6,14 @@ private globals (see ``sandbox.py``). Importing it in the trainer defines functi
 """
 
 
+def _describe(exc: BaseException) -> str:
+    try:
+        text = f"{type(exc).__name__}: {exc}"
+    except BaseException:
+        text = type(exc).__name__
+    return str.__str__(text) if isinstance(text, str) else "error"
+
+
 def _guard_tools(quiet: set, setup: str = "") -> tuple:
     """What the guards call, taken before the program runs (it could patch the modules);
     ``quiet``: the audit hook lets a thread listed there call ``sys.setprofile``; ``setup``: the task's
@@ -41,7 +49,7 @@ def _guard_tools(quiet: set, setup: str = "") -> tuple:
         return tuple((tuple(local(t)), strftime("%Z", local(t))) for t in (0, 1_700_000_000, 1_715_000_000))
     # the interpreter's own table of modules (the C code's imports read it, whatever ``sys.modules`` is bound to later)
     return (_thread._count, gc.disable, gc.callbacks, sys.setprofile, _thread.get_ident, quiet, context, vars(builtins),
-            builtins, re_cache, _prepare_setup(setup), {}, sys.modules, (zone, zone()))  # noqa: F821  (_rewrite.py)
+            builtins, re_cache, _prepare_setup(setup), {}, sys.modules, (zone, zone()), _library_cells())  # noqa: F821
 
 
 _LRU_CLEARS = (None, ())  # (the _SNAPSHOT they were found for, the functions): see _lru_clears
@@ -70,6 +78,58 @@ def _lru_clears() -> tuple:
                     found[id(w)] = w.cache_clear
     _LRU_CLEARS = (_SNAPSHOT, tuple(found.values()))  # noqa: F821
     return _LRU_CLEARS[1]
+
+
+_CELLS = (None, ((), ()))  # (the _SNAPSHOT they were found for, (cells, defaults)): see _library_cells
+
+
+def _shallow(x):
+    """What a default value of a library function holds, if it is a list, a set or a dict (exact types: no program code
+    runs), as a tuple to compare item by item; None for anything else."""
+    tx = type(x)
+    return tuple(dict.items(x)) if tx is dict else tuple(x) if tx is list or tx is set else None
+
+
+def _library_cells() -> tuple:
+    """``(((cell, contents), ...), ((function, defaults, kwdefaults, their items, what their lists and dicts hold),
+    ...))`` for the library's functions (those the snapshot's classes and modules hold, and the functions their cells
+    hold: ``Fraction.__sub__`` is a closure of ``_operator_fallbacks`` over ``Fraction._sub``). A cell's
+    ``cell_contents``, a function's ``__defaults__`` and ``__kwdefaults__`` (or what they hold) can be changed with no
+    audit event, and the library function, its class and its module unchanged, would then run what the program put
+    there (a C callable: no Python frame for the profile guard either; ``copy.deepcopy``'s ``memo`` prefilled, ``json.
+    dumps``' ``default``). Found once per snapshot, like :func:`_lru_clears`, before the program runs."""
+    import types
+
+    global _CELLS
+    if _CELLS[0] is _SNAPSHOT and _SNAPSHOT is not None:  # noqa: F821  (_judge.py)
+        return _CELLS[1]
+    function, todo, seen, found, defaulted = types.FunctionType, [], set(), [], []
+    values = [v for rec in _SNAPSHOT[0].values() if rec[2] is not None for v in rec[2].values()]  # noqa: F821
+    values += [v for rec in _SNAPSHOT[1].values() for v in rec[1].values()]  # noqa: F821
+    for v in values:
+        tv = type(v)
+        f = v.__func__ if tv is classmethod or tv is staticmethod else v.fget if tv is property else v
+        if type(f) is function:
+            todo.append(f)
+    while todo:
+        f = todo.pop()
+        if id(f) in seen:
+            continue
+        seen.add(id(f))
+        d, kw = f.__defaults__, f.__kwdefaults__
+        if d is not None or kw is not None:  # (the lists, sets and dicts among them, with what they hold)
+            held = tuple((x, _shallow(x)) for x in (*(d or ()), *(kw or {}).values()) if _shallow(x) is not None)
+            defaulted.append((f, d, kw, _shallow(kw), held))
+        for cell in f.__closure__ or ():
+            try:
+                x = cell.cell_contents
+            except ValueError:  # (empty: nothing to keep)
+                continue
+            found.append((cell, x))
+            if type(x) is function:
+                todo.append(x)
+    _CELLS = (_SNAPSHOT, (tuple(found), tuple(defaulted)))  # noqa: F821
+    return _CELLS[1]
 
 
 def _run_setup(ns: dict, tools: tuple) -> None:
@@ -128,7 +188,8 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
     trusted, overridden, operators, library_code, module_intact, library_class = judge
     function, module_type, missing = type(_make_guards), type(_judge_sys), object()  # noqa: F821  (_judge.py)
     count, gc_disable, gc_callbacks, set_profile, get_ident, quiet, (get_context, set_context, context), live, \
-        builtins_module, (re_dict, re_caches, re_clears), _, fixed, interp_modules, (zone, zone_was) = tools
+        builtins_module, (re_dict, re_caches, re_clears), _, fixed, interp_modules, (zone, zone_was), \
+        (cells, defaulted) = tools
     _str_keys_only(ns)
     # the test function takes its builtins from the globals it is made with (``__import__``, ``__build_class__``)
     dict.__setitem__(ns, "__builtins__", builtins_module)
@@ -182,6 +243,7 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
     real_map, real_filter = builtins["map"], builtins["filter"]
     lambda_takers = tuple(builtins[n] for n in _LAMBDA_CALLS)  # noqa: F821  (_rewrite.py)
     method, builtin_method = type(_make_guards.__get__(0)), type([].append)  # bound methods
+    slot_method = type([].__len__)  # a slot bound to its value (``v.__contains__``, ``v.__eq__``): a method too
     mro_of, dict_of = type.__dict__["__mro__"].__get__, type.__dict__["__dict__"].__get__
     flags_of, heap = type.__dict__["__flags__"].__get__, 1 << 9
     judge_globals = _make_guards.__globals__
@@ -240,6 +302,9 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
         for k, v in dict.items(interp_modules):  # (exact str keys only are compared: no program __eq__)
             if type(k) is str and k in c_names:
                 found[k] = v
+            elif type(k) is str and k in by_name and by_name[k] is not v:  # a library function's own ``import``
+                bad.append(f"module {k} was replaced by the program {when}")  # (``Counter.most_common``'s ``import
+                raise AssertionError(bad[-1])  # heapq``) would read this entry, a fake of the program's
         for n, real in c_called:
             if found.get(n) is not real or not module_intact(n, 1, n in ("copyreg", "_strptime")):
                 bad.append(f"module {n} was changed by the program {when}")
@@ -248,12 +313,50 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
             bad.append(f"the program changed the time zone {when}")
             raise AssertionError(bad[-1])
 
+    cell_contents = type((lambda: cells).__closure__[0]).__dict__["cell_contents"].__get__
+    scalar_ids = frozenset(map(id, (int, float, complex, bool, str, bytes, type(None))))
+    same_object = operators["is_"]
+    cell_list, cell_was = tuple(c for c, _ in cells), tuple(x for _, x in cells)
+    fns = tuple(r[0] for r in defaulted)
+    get_defaults, get_kw = function.__dict__["__defaults__"].__get__, function.__dict__["__kwdefaults__"].__get__
+    defaults_was, kw_was = tuple(r[1] for r in defaulted), tuple(r[2] for r in defaulted)
+    contents_was = tuple((r[2], r[3]) for r in defaulted if r[2] is not None) + tuple(h for r in defaulted for h in r[4])
+
+    def cells_kept(when: str) -> None:
+        """Fails the test unless every closure cell of the library's functions (``_library_cells``) holds what it held
+        before the program ran, or another number or string (a counter the library keeps there), and their defaults
+        too, with what their lists, sets and dicts hold: ``Fraction.__sub__``'s cell assigned a C callable would decide
+        what ``f(1) - 3`` gives, ``copy.deepcopy``'s ``memo`` prefilled what it copies (mostly C loops: this runs at
+        every library call)."""
+        try:
+            kept = all(map(same_object, map(cell_contents, cell_list), cell_was))
+        except ValueError:  # (a cell the program emptied)
+            kept = False
+        for cell, was in () if kept else cells:
+            try:
+                x = cell_contents(cell)
+            except ValueError:
+                x = missing
+            if x is not was and not (id(type(x)) in scalar_ids and id(type(was)) in scalar_ids):
+                bad.append(f"a closure of the library was changed by the program {when}")
+                raise AssertionError(bad[-1])
+        if "defaults" in quiet and not (all(map(same_object, map(get_defaults, fns), defaults_was)) and all(
+                map(same_object, map(get_kw, fns), kw_was)) and all(same(_shallow(x), h) for x, h in contents_was)):
+            bad.append(f"the defaults of a library function were changed by the program {when}")
+            raise AssertionError(bad[-1])
+
+    def same(a, b) -> bool:  # two ``_shallow`` tuples: the same objects, in the same order
+        return a is None and b is None or a is not None and b is not None and len(a) == len(b) and all(
+            x is y or type(x) is tuple and type(y) is tuple and len(x) == 2 == len(y) and x[0] is y[0] and x[1] is y[1]
+            for x, y in zip(a, b))
+
     def builtins_kept(when: str, calls: bool = True) -> None:
         """Fails the test unless the builtins are those the program started with: library code reads them
         (``builtins.isinstance = slice; builtins.all = bool`` in the tested function, C callables no profile
         sees, and ``Counter() == 3`` says yes). Only exact ``str`` keys are looked up (no program ``__eq__``).
         No module may have a class of the program's either (:func:`modules_kept`)."""
         modules_kept(when)
+        cells_kept(when)
         if calls:  # (a call's: an operator of the test on trusted values runs no C code that calls into them)
             c_called_kept(when)
         if len(live) == len(builtins):
@@ -310,7 +413,8 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
             return (call(args[0], *items) for items in zip(*args[1:], **kw))
         if fn is real_filter and len(args) == 2 and args[0] is not None and not kw:
             return (x for x in args[1] if call(args[0], x))
-        receiver = getattr(fn, "__self__", None) if type(fn) is method or type(fn) is builtin_method else None
+        tf = type(fn)
+        receiver = getattr(fn, "__self__", None) if tf is method or tf is builtin_method or tf is slot_method else None
         if receiver is None or type(receiver) is module_type:
             if (name_of is not None or issubclass(type(fn), type) and library_class(fn) and flags_of(fn) & heap) \
                     and not any(type(a) is function or type(a) is method for a in (*args, *kw.values())):
@@ -334,10 +438,14 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
             return result
         # a library method of a value (``u.startswith``, ``c.most_common``): the program's code must not
         # run inside it (a ``str`` subclass held as ``UserString.data``, a ``Counter`` subclass's ``items``)
+        # and the value itself is checked like an operand, before and after (``[E()].count(3)``: a list of the
+        # program's objects whose ``__eq__`` is a C callable, run by no Python frame for the profile guard to see)
         args = [materialized(a) for a in args]
-        for a in args:
+        for a in (receiver, *args, *kw.values()):
             value(a)
-        return guarded("the test's call of " + getattr(fn, "__name__", "a method"), fn, *args, **kw)
+        result = guarded("the test's call of " + getattr(fn, "__name__", "a method"), fn, *args, **kw)
+        value(receiver)
+        return result
 
     def setup_call(fn, code, args, kw):
         """A function (or method) the task's setup defined: its arguments are checked like a library call's, it

@@ -121,32 +121,6 @@ def _held_state(namespace: dict) -> dict:
     return held
 
 
-def _load_imported(job: dict) -> bool:
-    """Imports the modules the task's tests and setup import (``_rewrite._imported_modules``) before the
-    program runs, so that they are in the snapshot and a test's or the setup's import reads them as they were
-    (a finder the program put into ``sys.meta_path``, or its ``sys.modules`` entry, would hand them a fake);
-    whether any was new (then the snapshot is taken again). A name that is not found (the program's own
-    module) is left to the test."""
-    import sys
-
-    new = False
-    names = _imported_modules([*job["tests"], job["setup"]])  # noqa: F821  (_rewrite.py)
-    if any("strptime" in src for src in (*job["tests"], job["setup"]) if type(src) is str):
-        names.append("_strptime")  # (imported by the interpreter's C code on the test's behalf: see _C_CALLED)
-    for name in names:
-        if name in sys.modules or name.startswith(_DENY_MODULES) or name.split(".")[0] in ("this", "antigravity"):  # noqa: F821
-            continue
-        parent = sys.modules.get(name.rpartition(".")[0]) if "." in name else None
-        if parent is not None and type(parent) is type(sys) and "__path__" not in vars(parent):
-            continue  # (``from math import isclose``: no submodule to look for)
-        try:
-            __import__(name)
-        except BaseException:  # (ImportError: a module the program writes; anything its import raises)
-            continue
-        new = True
-    return new
-
-
 def _library_code(snap: dict, modules: dict) -> dict:
     """``{id: code}`` of every code object of the functions (and the functions, lambdas and
     comprehensions nested in them) held by the snapshot's classes and modules: the Python code
@@ -227,6 +201,9 @@ def _make_trust(snapshot: dict, modules: dict | None = None, codes: dict | None 
     module_named = {rec[2]: rec for rec in (modules or {}).values()}
     scalar_keys = frozenset(map(id, scalars))
 
+    def is_scalar(v) -> bool:  # (by identity: ``type(v) in scalars`` would run a metaclass's ``__eq__``)
+        return id(type(v)) in scalar_keys
+
     def class_kept(cls, k: str, held: dict) -> bool:
         """Unless ``cls`` is a Python-level class of the snapshot's: True. Else whether its namespace is as it was,
         and the dicts it keeps hold what they held (``textwrap.TextWrapper.unicode_whitespace_trans``, which
@@ -294,7 +271,7 @@ def _make_trust(snapshot: dict, modules: dict | None = None, codes: dict | None 
                     return False
             elif v is not was and issubclass(type(was), code_kinds):  # (isinstance would read ``__class__``)
                 return False
-            elif caches and v is not was and not (type(was) in scalars and type(v) in scalars) and (
+            elif caches and v is not was and not (is_scalar(was) and is_scalar(v)) and (
                     name not in rebound_at_fork or type(was) is dict):  # (a number or a string may change: a
                 return False  # counter; an object or a pattern a module keeps may not; threading rebinds its sets
                 # and locks in every forked child, its private dicts it clears in place)
@@ -312,7 +289,7 @@ def _make_trust(snapshot: dict, modules: dict | None = None, codes: dict | None 
         return True
     partialmethod = getattr(_judge_sys.modules.get("functools"), "partialmethod", None)
 
-    def c_level(f, depth: int = 3) -> bool:
+    def c_level(f, depth: int = 6) -> bool:
         """Whether ``f``, an attribute of a program-made class or of an instance, is (or wraps, or hands out through
         ``__get__``) a callable that runs no Python frame of its own: a library class's instance such as
         ``functools.partial``, a builtin function or method, ``operator.attrgetter``, ``functools.partialmethod``, or
@@ -324,25 +301,86 @@ def _make_trust(snapshot: dict, modules: dict | None = None, codes: dict | None 
             return depth > 0 and c_level(f.__func__, depth - 1)
         if tf is property:
             return depth > 0 and any(g is not None and c_level(g, depth - 1) for g in (f.fget, f.fset, f.fdel))
-        if tf is types.FunctionType or issubclass(tf, type) or f is None:
+        if tf is types.FunctionType:  # the library's code, made at run time around what it forwards to
+            return depth > 0 and library_made(f, depth - 1)
+        if issubclass(tf, type):  # a class of the program's: what calling it runs (``__new__ = staticmethod(c)``, a
+            return depth > 0 and any(  # metaclass's ``__call__ = c``)
+                c_level(g, depth - 1) for c in (*mro_of(f), *mro_of(tf)) if not library_class(c)
+                for g in (dict_of(c).get("__new__"), dict_of(c).get("__init__"), dict_of(c).get("__call__"))
+                if g is not None)
+        if f is None:
             return False
-        if library_class(tf):
-            return callable(f) or tf is partialmethod
+        if library_class(tf):  # (or a library descriptor holding one: ``singledispatchmethod``'s dispatcher)
+            return callable(f) or tf is partialmethod or depth > 0 and any("__get__" in dict_of(c) for c in mro_of(tf)) \
+                and any(forwards(x, depth - 1) for x in own_dict(f))
         for c in mro_of(tf):  # a program's object: its class's __call__ and __get__
             d = dict_of(c)
             for n in ("__call__", "__get__"):
                 g = d.get(n)
-                if g is not None and not library_class(c) and depth > 0 and c_level(g, depth - 1):
-                    return True
+                if g is None:
+                    continue
+                if not library_class(c):
+                    if depth > 0 and c_level(g, depth - 1):
+                        return True
+                elif type(g) is not types.FunctionType:  # a library callable or descriptor of C code, subclassed
+                    return True  # (``class P(functools.partial)``: its C code calls what the instance holds)
+                elif depth > 0 and any(forwards(x, depth - 1) for x in own_dict(f)):  # one of Python code: what
+                    return True  # the instance holds (``cached_property``'s ``func``)
         return False
 
     descriptors, builtin_function = (type(str.join), type(dict.__dict__["fromkeys"]), wrapper), type(len)
+    library_namespaces = {id(rec[1]) for rec in (modules or {}).values()} | {
+        id(module_dict(rec[0])) for rec in (modules or {}).values()}
+
+    def own_dict(obj) -> tuple:
+        """The values of ``obj``'s instance dictionary, read with its class's C-level ``__dict__`` descriptor."""
+        for c in mro_of(type(obj)):
+            g = dict_of(c).get("__dict__")
+            if g is not None:
+                d = g.__get__(obj) if type(g) is getset else None
+                return tuple(dict.values(d)) if type(d) is dict else ()
+        return ()
+
+    def library_made(f, depth: int) -> bool:
+        """Whether ``f``, a Python function, runs the library's code (a code object of the snapshot's) around what the
+        program chose: globals that are no library module's, or a closure cell, a default or what those hold that
+        :func:`forwards` to a C-level callable (``functools.partialmethod(c)._make_unbound_method()``, the wrapper of
+        ``functools.singledispatch(c)``: the profile guard sees only the library's frame, then ``c`` decides)."""
+        if codes is None or codes.get(id(f.__code__)) is not f.__code__:
+            return False  # the program's own code: the profile guard sees it run
+        defaults, kw, held = f.__defaults__, f.__kwdefaults__, []
+        if id(f.__globals__) not in library_namespaces or defaults is not None and type(defaults) is not tuple \
+                or kw is not None and type(kw) is not dict:
+            return True
+        for cell in f.__closure__ or ():
+            try:
+                held.append(cell.cell_contents)
+            except ValueError:  # (an empty cell)
+                pass
+        return any(forwards(x, depth) for x in (*held, *(defaults or ()), *(kw or {}).values()))
+
+    def forwards(x, depth: int) -> bool:
+        """Whether ``x``, held by a library function or descriptor made at run time, leads to a C-level callable of the
+        program's choosing: one bound to an object (``{...}.get``, a ``functools.partial``), not a module's function
+        or a class's method (``len``, ``tuple.__new__``: namedtuple's closures hold those)."""
+        tx = type(x)
+        if id(tx) in plain or x is None or issubclass(tx, type) or any(tx is d for d in descriptors) or (
+                issubclass(tx, weakref.ReferenceType) and library_class(tx)):  # (a weak reference gives its referent)
+            return False
+        if depth <= 0:
+            return True
+        if tx is tuple or tx is list or tx is dict:
+            return any(forwards(e, depth - 1) for e in (dict.values(x) if tx is dict else x))
+        if tx is builtin_function:
+            s = x.__self__
+            return not (s is None or type(s) is types.ModuleType or issubclass(type(s), type))
+        return c_level(x, depth)
 
     def own_c(f, mro) -> bool:
         """Whether ``f`` is the C code of a class in ``mro``: its method, class method or slot descriptor, or its
         ``__new__`` (which only a C class has: a program makes none)."""
         tf = type(f)
-        if tf in descriptors:
+        if any(tf is d for d in descriptors):  # (``in`` would compare: a metaclass's ``__eq__`` would answer)
             return any(f.__objclass__ is c for c in mro)
         return tf is builtin_function and any(f.__self__ is c for c in mro)
 
@@ -467,9 +505,10 @@ def _make_trust(snapshot: dict, modules: dict | None = None, codes: dict | None 
                     elements = base.__iter__
                     break
             else:
-                for view in view_types:
-                    if tp is view:
+                for view in view_types:  # (and their subclasses: ``OrderedDict``'s views, which compare as sets)
+                    if issubclass(tp, view):
                         elements = view.__iter__
+                        break
         return (elements, tuple(members), dict_get, guarded_names), mutable
 
     value_bases = (int, float, complex, str, bytes, list, tuple, dict, set, frozenset)

@@ -172,7 +172,7 @@ def _prepare_setup(setup: str):
 
 def _imported_modules(sources) -> list:
     """The modules the task's tests and setup import (``import a.b``: ``a.b``; ``from a import b``: ``a``, and
-    ``a.b`` in case it is a submodule), in order: loaded before the program runs (``_judge._load_imported``), a
+    ``a.b`` in case it is a submodule), in order: loaded before the program runs (:func:`_load_imported`), a
     test's or the setup's import reads them as they were, not what the program's finders or ``sys.modules`` give."""
     import ast
 
@@ -216,3 +216,29 @@ def _prepare_test(src: str):
     module = ast.fix_missing_locations(ast.Module([fn], []))
     code = compile(module, "<test>", "exec")
     return next(c for c in code.co_consts if type(c) is type(code)), tuple(sorted(state[1]))
+
+
+def _load_imported(job: dict) -> bool:
+    """Imports the modules the task's tests and setup import (``_rewrite._imported_modules``) before the
+    program runs, so that they are in the snapshot and a test's or the setup's import reads them as they were
+    (a finder the program put into ``sys.meta_path``, or its ``sys.modules`` entry, would hand them a fake);
+    whether any was new (then the snapshot is taken again). A name that is not found (the program's own
+    module) is left to the test."""
+    import sys
+
+    new = False
+    names = _imported_modules([*job["tests"], job["setup"]])
+    if any("strptime" in src for src in (*job["tests"], job["setup"]) if type(src) is str):
+        names.append("_strptime")  # (imported by the interpreter's C code on the test's behalf: see _judge._C_CALLED)
+    for name in names:
+        if name in sys.modules or name.startswith(_DENY_MODULES) or name.split(".")[0] in ("this", "antigravity"):  # noqa: F821
+            continue
+        parent = sys.modules.get(name.rpartition(".")[0]) if "." in name else None
+        if parent is not None and type(parent) is type(sys) and "__path__" not in vars(parent):
+            continue  # (``from math import isclose``: no submodule to look for)
+        try:
+            __import__(name)
+        except BaseException:  # (ImportError: a module the program writes; anything its import raises)
+            continue
+        new = True
+    return new
