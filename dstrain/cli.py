@@ -36,15 +36,17 @@ def _load(recipe: str, overrides: list[str], resume: bool = False):
     return cfg
 
 
-def _check_task_files(cfg) -> None:
-    """``task.path`` / ``task.eval_path`` that name a file (not a hub dataset) must exist where ranks start."""
+def _task_file_problem(cfg):
+    """A task file the ranks would not find (``task.path`` / ``eval_path`` naming a file, not a hub dataset;
+    HRM's ``train_file`` / ``eval_file`` under ``source=file``): the ConfigError naming it, else None."""
     from dstrain.config import ConfigError
-    from dstrain.data.tasks import _looks_like_path
-    for key in ("path", "eval_path"):
-        value = cfg.task.get(key) if isinstance(cfg.task, dict) else None
-        if isinstance(value, str) and value and _looks_like_path(value) and not Path(value).expanduser().exists():
-            raise ConfigError("run config", f"task.{key}", f"task file not found: {value} (relative paths are "
-                                                            f"read from {Path.cwd()})")
+    from dstrain.data.tasks import _looks_like_path, missing_task_file
+    task = cfg.task if isinstance(cfg.task, dict) else {}
+    for key in ("path", "eval_path") + (("train_file", "eval_file") if task.get("source") == "file" else ()):
+        value = task.get(key)
+        named = key.endswith("_file") or _looks_like_path(value or "")  # *_file: always a file, never a hub name
+        if isinstance(value, str) and value and named and not Path(value).expanduser().exists():
+            return ConfigError("run config", f"task.{key}", missing_task_file(value, key))
 
 
 def _adopt(cfg, world_size: int) -> list[tuple[str, object, str]]:
@@ -152,8 +154,8 @@ def cmd_launch(args, overrides) -> int:
     return value is its exit status (128+N when killed by signal N).
     """
     cfg = _load(args.recipe, overrides)  # fail here, once, rather than on every rank
-    if not args.hostfile:  # one machine: a missing task file is named before any rank starts
-        _check_task_files(cfg)
+    if not args.hostfile and (missing := _task_file_problem(cfg)):  # one machine: named before any rank starts
+        raise missing
     if args.max_restarts < 0:
         print(f"dstrain: error: --max-restarts must not be negative, got {args.max_restarts}", file=sys.stderr)
         return EXIT_CONFIG
@@ -317,9 +319,12 @@ def _output_problem(cfg, resume: bool = False) -> str | None:
             except BlockingIOError:
                 return (f"output.dir {out} is in use by another run (process {handle.read().strip() or '?'}); "
                         "wait for it or choose another output.dir")
-    latest = None if resume else ckpt.find_latest(out / "checkpoints")
-    if latest is not None:
+    latest = ckpt.find_latest(out / "checkpoints")
+    if latest is not None and not resume:
         return f"{out} already holds checkpoint {latest}; pass --resume to continue it or choose another output.dir"
+    from dstrain.trainers.common import _resume_problem  # damaged, or another model's: refused before any rank starts
+    if latest is not None and (problem := _resume_problem(cfg, out / "checkpoints", latest)):
+        return problem
     there = next((p for p in (out, *out.parents) if p.exists()), None)  # what the ranks would create it in
     if there is not None and not os.access(there, os.W_OK | os.X_OK):
         return f"output.dir {out}: {there} is not writable (read-only, or not yours)"
@@ -433,6 +438,8 @@ def cmd_check_config(args, overrides) -> int:
             adopt_file_values(cfg, world)
             for note in check_run(cfg, world, args.device or this_device()):
                 print(f"dstrain: note: {note}", file=sys.stderr)
+        if (missing := _task_file_problem(cfg)) is not None:  # valid, but better heard now than at launch
+            print(f"dstrain: note: {missing}", file=sys.stderr)
         print(f"{args.file}: valid run config"
               + (f" with {cfg.deepspeed.profile} on {args.world_size or 1} rank(s)"
                  if cfg.deepspeed.profile != "auto" else ""))

@@ -545,8 +545,9 @@ def _validate_model(cfg: RunConfig, source: str) -> None:
                           f"sizes: {', '.join(spec.sizes)}")
     try:
         mcfg = registry.make_model_config(cfg.model.name, cfg.model.size, cfg.model.args)
-    except (ValueError, TypeError) as err:
-        raise ConfigError(source, "model.args", str(err)) from None
+    except (ValueError, TypeError) as err:  # the key it names, so that a typo in an override names the command line
+        bad = next((k for k in cfg.model.args if repr(k) in str(err) or str(err).startswith(f"{k} ")), None)
+        raise ConfigError(source, "model.args" + (f".{bad}" if bad else ""), str(err)) from None
     block = getattr(mcfg, "block_size", None)
     if block is not None and cfg.data.seq_len > block:
         raise ConfigError(source, "data.seq_len",

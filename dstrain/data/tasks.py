@@ -87,6 +87,12 @@ def _fields(row: Mapping[str, Any], what: str, *names: str) -> None:
         raise ValueError(f"{what} record {str(ident)[:60]!r} lacks field(s) {', '.join(missing)}")
 
 
+def missing_task_file(source: str, key: str = "path") -> str:
+    """The one line for a task file that is not there: where relative paths start, and how to name it."""
+    where = "" if Path(source).expanduser().is_absolute() else f" (relative paths are read from {Path.cwd()})"
+    return f"task file not found: {source}{where}; name the file with --task.{key}=FILE"
+
+
 def _looks_like_path(source: str) -> bool:
     """Hub names look like ``owner/name``; files end in .json/.jsonl or start like paths."""
     return source.endswith((".json", ".jsonl")) or source.startswith((".", "~", "/"))
@@ -97,7 +103,7 @@ def _records(source: str, split: str, hub_args: Callable[[str], tuple]) -> list[
     if path.exists():
         return _read_records(path)
     if _looks_like_path(source):
-        raise FileNotFoundError(f"task file not found: {source}")
+        raise FileNotFoundError(missing_task_file(source))
     import datasets  # only for hub names; optional dependency
 
     return [dict(row) for row in datasets.load_dataset(*hub_args(source), split=split)]

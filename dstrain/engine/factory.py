@@ -129,7 +129,10 @@ def plan_engine(cfg: RunConfig, world_size: int, hw=None, hw_notes: str = "",
         precision, _ = choose_precision(hw, requested)
         profile = ds.profile
         ckpt = ds.activation_checkpointing is True
-        why = f"profile {profile}: named in the run config (the factory would pick {plan.profile})"
+        pinned = getattr(ds, "pinned_from", None)
+        why = (f"profile {profile}: kept from the checkpoint resumed, {pinned} (the factory would pick "
+               f"{plan.profile})" if pinned else
+               f"profile {profile}: named in the run config (the factory would pick {plan.profile})")
     template = apply_optimizer_type(dsc.load_ds_json(dsc.resolve_profile_path(profile)), cfg.train.optimizer_type)
     source = str(dsc.resolve_profile_path(profile))
     if pipe is not None:
@@ -148,7 +151,8 @@ def plan_engine(cfg: RunConfig, world_size: int, hw=None, hw_notes: str = "",
     section_notes += comm_notes
     compile_, compile_why = compiling.compile_choice(cfg, hw.device_type, pipe is not None)
     scope = compiling.compile_scope(cfg, spec.compile_regions) if compile_ else "model"
-    table = ("" if ds.profile == "auto" else "the factory's own choice, NOT used (the run names a profile, below):\n") \
+    named_by = "checkpoint resumed sets" if getattr(ds, "pinned_from", None) else "run names"
+    table = ("" if ds.profile == "auto" else f"the factory's own choice, NOT used (the {named_by} a profile, below):\n") \
         + format_plan(plan, stats, hw, dims.replica_size, cfg.train.micro_batch)
     layout = (f"parallel layout: dp {dims.dp} x tp {dims.tp} x sp {dims.sp} = {world_size} ranks; model states "
               f"planned for the full model partitioned over dp x sp = {dims.replica_size}, activations "

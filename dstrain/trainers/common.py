@@ -124,6 +124,9 @@ def pin_plan(cfg: RunConfig, ckpt_root: Path, tag: str) -> None:
     """
     state = json.loads((ckpt_root / tag / "trainer_state.json").read_text())
     ds = cfg.deepspeed
+    if ds.profile == "auto" and state.get("profile", "auto") != "auto":
+        # not a dataclass field (never saved): lets the plan say the profile is the checkpoint's, not the user's
+        ds.pinned_from = str(ckpt_root / tag)
     for key in ("profile", "precision", "activation_checkpointing"):
         if key in state and getattr(ds, key) in ("auto", state[key]):
             setattr(ds, key, state[key])

@@ -86,6 +86,9 @@ def evaluate_checkpoint(run_dir: str | Path, puzzle_file: str | Path, limit: int
 
     model, mcfg, run_cfg, emb, tag, loaded = load_checkpoint_model(run_dir, weights)
     puzzles, solutions = sudoku.read_puzzle_file(puzzle_file, limit=limit)
+    if puzzles.shape[1] != mcfg.seq_len:  # a 9x9 file against a 6x6 run: said here, not by the model's forward
+        raise ValueError(f"{puzzle_file}: puzzles of {puzzles.shape[1]} cells, but the run's model reads "
+                         f"{mcfg.seq_len} (a {int(mcfg.seq_len ** 0.5)}x{int(mcfg.seq_len ** 0.5)} grid)")
     inputs, labels = sudoku.encode(puzzles, solutions, run_cfg["task"].get("mask_givens", False))
     start = time.perf_counter()
     stats = evaluate_rows(model, mcfg.halt_max_steps, inputs, labels, batch, puzzle_emb=emb)
@@ -232,6 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     for folder in (run, *map(Path, args.compare)):  # a mistyped folder: one line, not a traceback
         if not (folder / "run_config.json").is_file():
             parser.error(f"{folder} is not a run folder (no run_config.json there)")
+        if not (folder / "metrics.jsonl").is_file():  # a run that stopped before its first logged step
+            parser.error(f"{folder}: no metrics.jsonl there (the run has logged no step yet)")
+    if args.puzzles and not Path(args.puzzles).is_file():  # before the curves are read: one line, not a traceback
+        parser.error(f"--puzzles {args.puzzles}: no such puzzle file (relative paths are read from {Path.cwd()})")
     result = _run_record(run)
     curves = {args.label: result["curve"]}
     labels = args.compare_label or [Path(c).name for c in args.compare]
@@ -241,7 +248,10 @@ def main(argv: list[str] | None = None) -> int:
         result["compare"][label] = _run_record(Path(other))
         curves[label] = result["compare"][label]["curve"]
     if args.puzzles:
-        result["checkpoint_eval"] = evaluate_checkpoint(run, args.puzzles, args.limit, weights=args.weights)
+        try:
+            result["checkpoint_eval"] = evaluate_checkpoint(run, args.puzzles, args.limit, weights=args.weights)
+        except ValueError as err:  # a malformed file, or another grid size than the run's
+            parser.error(str(err))
         result["checkpoint_eval"]["file"] = Path(args.puzzles).name
     blanks = [int(b) for b in args.blanks.split(",") if b.strip()]
     out = Path(args.out)

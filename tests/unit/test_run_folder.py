@@ -73,9 +73,12 @@ def test_a_folder_holding_a_checkpoint_is_refused_before_launch_unless_resumed(t
     tag = tmp_path / "checkpoints" / "step_00000300"
     tag.mkdir(parents=True)
     (tag / "COMPLETE").write_text("{}")
-    cfg = SimpleNamespace(output=SimpleNamespace(dir=str(tmp_path)))
+    cfg = SimpleNamespace(output=SimpleNamespace(dir=str(tmp_path)), to_dict=lambda: {"model": {"name": "gpt"}})
     assert _output_problem(cfg) == (f"{tmp_path} already holds checkpoint step_00000300; pass --resume to "
                                     "continue it or choose another output.dir")
+    assert "is damaged" in _output_problem(cfg, resume=True)  # no trainer_state.json: rank 0 would refuse it
+    (tag / "trainer_state.json").write_text('{"step": 300}')
+    (tag / "run_config.json").write_text('{"model": {"name": "gpt"}}')
     assert _output_problem(cfg, resume=True) is None
 
 
