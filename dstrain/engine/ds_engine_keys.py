@@ -7,8 +7,12 @@ checkpointing on), ``managed_gradient_accumulation: false`` (the caller then own
 accumulation boundary), ``checkpoint.load_universal`` (every resume then expects a
 universal checkpoint), ``zero_optimization.legacy_stage1``, ``compute_grad_norm: false``
 beside clipping or offload, torch optimizers and schedulers that cannot run under DeepSpeed's step (LBFGS,
-SparseAdam, ReduceLROnPlateau, ``capturable`` on the CPU), and a warm-up type its
-schedulers replace by the log curve with only a warning. Each is refused here, by key,
+SparseAdam, ReduceLROnPlateau, ``capturable`` on the CPU), a warm-up type its
+schedulers replace by the log curve with only a warning, LRRangeTest / OneCycle step sizes
+they raise on, a ``last_batch_iteration`` that starts a fresh run partway into the schedule,
+``weight_quantization`` (inference-only, or acting only inside ``zero.Init``), torch schedulers
+whose arguments are Python objects, and (:func:`run_length_problems`, called by
+``ds_preflight.check_run``) a torch OneCycleLR shorter than the run. Each is refused here, by key,
 with the fix; :func:`engine_key_problems` is called by ``ds_sections.section_problems``.
 """
 from __future__ import annotations
@@ -150,6 +154,110 @@ def _torch_optimizer_problems(cfg: dict, device_type: str) -> list[str]:
             "torch asserts at the first step ('params and state_steps must be on supported devices'); remove it"]
 
 
+def _step_size_problems(name: str, params: dict) -> list[str]:
+    """The step sizes DeepSpeed 0.19's LRRangeTest / OneCycle check only when the engine builds them (a ValueError
+    on every rank in initialize): ``lr_range_test_step_size`` a positive int (2.0 fails too), ``cycle_first_step_size``
+    > 0 and ``cycle_second_step_size`` >= 0."""
+    if name == "LRRangeTest":
+        wants = {"lr_range_test_step_size": (1, "a positive integer")}
+    elif name == "OneCycle":
+        wants = {"cycle_first_step_size": (0, "a number > 0"), "cycle_second_step_size": (-1, "a number >= 0")}
+    else:
+        return []
+    out = []
+    for key, (low, want) in wants.items():
+        value = params.get(key)
+        if value is None or _is_auto(value):
+            continue  # DeepSpeed's default, or a leftover "auto" (named by the checks of "auto")
+        number = value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+        if name == "OneCycle" and isinstance(value, str):
+            try:
+                number = float(value)  # DeepSpeed's OneCycle reads the sizes through float()
+            except ValueError:
+                number = None
+        if name == "LRRangeTest":
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
+        else:
+            ok = number is not None and number > 0 if low == 0 else number is not None and number >= 0
+        if ok:
+            continue
+        whole = number is not None and float(number).is_integer() and number >= max(low, 1)
+        fix = f"write {int(number)}" if whole else f"write {want} (the number of steps per lr change)"
+        out.append(f"scheduler.params.{key}: {name} needs {want}, file says {value!r} (DeepSpeed raises "
+                   f"ValueError when the engine builds the scheduler, on every rank); {fix}")
+    return out
+
+
+def _weight_quantization_problems(cfg: dict) -> list[str]:
+    """DeepSpeed's ``weight_quantization`` block (ZeRO-Inference's recipes). ``post_init_quant`` is read only by its
+    inference helper ``_init_group_wise_weight_quantization``: the training engine ignores it. ``quantized_initialization``
+    (read whatever ``enabled`` says) acts only inside ``zero.Init``: where dstrain builds the model without it the
+    weights train unquantized, and under it on the CPU the first step's gradient was non-finite on every rank."""
+    block = cfg.get("weight_quantization")
+    if not isinstance(block, dict):
+        return []
+    out = []
+    if block.get("quantized_initialization"):
+        out.append("weight_quantization.quantized_initialization: DeepSpeed quantizes the weights only inside zero.Init "
+                   "(without it they train unquantized, not as the file says; with it, on the CPU, the first step's "
+                   "gradient is non-finite); remove it (or the weight_quantization block) for training")
+    if block.get("post_init_quant") and block.get("enabled", True) not in (False, "false"):
+        out.append("weight_quantization.post_init_quant: read only by DeepSpeed's inference quantization, never by "
+                   "the training engine (the weights would train unquantized, not as the file says); remove it (or "
+                   "the weight_quantization block) for training")
+    return out
+
+
+#: torch.optim.lr_scheduler classes whose arguments are Python objects a JSON file cannot hold (DeepSpeed passes the
+#: params as written: a string lr_lambda is called, scheduler names are stepped).
+_OBJECT_SCHEDULERS = {"LambdaLR": "lr_lambda", "MultiplicativeLR": "lr_lambda", "SequentialLR": "schedulers",
+                      "ChainedScheduler": "schedulers"}
+
+
+def run_length_problems(cfg: dict, steps: int) -> list[str]:
+    """torch's OneCycleLR raises ('Tried to step N times') at the first step past its total_steps (or epochs x
+    steps_per_epoch): a file shorter than the run stopped every rank partway, after its checkpoints."""
+    sched = cfg.get("scheduler")
+    params = sched.get("params") if isinstance(sched, dict) and isinstance(sched.get("params"), dict) else {}
+    if not isinstance(sched, dict) or sched.get("type") != "OneCycleLR":
+        return []
+    total = params.get("total_steps")
+    if total is None and all(isinstance(params.get(k), int) for k in ("epochs", "steps_per_epoch")):
+        total, key = params["epochs"] * params["steps_per_epoch"], "epochs x steps_per_epoch"
+    else:
+        key = "total_steps"
+    if total is None:
+        return ["scheduler.params.total_steps: torch's OneCycleLR needs total_steps (or epochs and steps_per_epoch; "
+                f"it raises when the engine builds it, on every rank); write \"total_steps\": {steps}"]
+    if isinstance(total, int) and not isinstance(total, bool) and total < steps:
+        named = "total_steps" if key == "total_steps" else "epochs"
+        return [f"scheduler.params.{named}: torch's OneCycleLR runs {total} steps ({key}) and the run {steps} (it "
+                f"raises 'Tried to step {total + 1} times' at step {total + 1}, on every rank); write "
+                f"\"total_steps\": {steps}, or run --train.steps={total}"]
+    return []
+
+
+def _torch_scheduler_problem(name: str, params: dict) -> str | None:
+    """A torch.optim.lr_scheduler class built with the file's params on a stand-in optimizer, as DeepSpeed builds it
+    in initialize: torch's own value checks (LinearLR's start_factor 0, CosineAnnealingWarmRestarts' T_0 0, ...)
+    raised there on every rank. Skipped where a value is "auto" (filled later) or not a JSON number / list."""
+    import warnings
+
+    import torch
+    cls = getattr(torch.optim.lr_scheduler, name, None)
+    if not isinstance(cls, type) or not all(isinstance(v, (int, float, list)) for v in params.values()):
+        return None
+    groups = [{"params": [torch.nn.Parameter(torch.zeros(1))]}, {"params": [torch.nn.Parameter(torch.zeros(1))]}]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cls(torch.optim.AdamW(groups, lr=1e-3), **params)
+    except (ValueError, TypeError, ZeroDivisionError) as err:
+        return (f"scheduler.params: torch's {name} refuses the file's params ({err}); DeepSpeed builds it when the "
+                "engine starts and would stop there on every rank; fix the value torch names")
+    return None
+
+
 def _scheduler_problems(cfg: dict, problems: list[str]) -> list[str]:
     sched = cfg.get("scheduler")
     if not isinstance(sched, dict) or not isinstance(sched.get("type"), str):
@@ -162,6 +270,21 @@ def _scheduler_problems(cfg: dict, problems: list[str]) -> list[str]:
                    "pass (it retries with the batch size, so the lr would fall by 'factor' every patience + 1 "
                    "steps whatever the loss does); use one of DeepSpeed's schedulers (WarmupCosineLR, "
                    "WarmupDecayLR, ...) or remove the block (dstrain's warm-up + cosine)")
+    out += _step_size_problems(name, params)
+    start = params.get("last_batch_iteration", -1)
+    if name in _WARMUP_SCHEDULERS + ("OneCycle", "LRRangeTest") and start != -1 and not _is_auto(start):
+        out.append(f"scheduler.params.last_batch_iteration: {start!r} starts a fresh run partway into {name} (and "
+                   "DeepSpeed then leaves the first step at optimizer.params.lr, not the schedule's lr); remove it "
+                   "(or write -1): dstrain's --resume restores the scheduler's position from the checkpoint")
+    deepspeed_own = name in _WARMUP_SCHEDULERS + ("OneCycle", "LRRangeTest")
+    if not deepspeed_own and name not in _OBJECT_SCHEDULERS and name != "ReduceLROnPlateau" and \
+            not any(p.startswith("scheduler.") for p in problems):
+        out += [p for p in (_torch_scheduler_problem(name, params),) if p is not None]
+    if name in _OBJECT_SCHEDULERS:
+        out.append(f"scheduler.type: torch's {name} takes Python objects as {_OBJECT_SCHEDULERS[name]}, which a JSON "
+                   "file cannot hold (DeepSpeed passes the text on and torch fails when the engine builds it); use "
+                   "one of DeepSpeed's schedulers (WarmupCosineLR, WarmupDecayLR, ...) or remove the block "
+                   "(dstrain's warm-up + cosine)")
     kind = params.get("warmup_type")
     if name in _WARMUP_SCHEDULERS and kind is not None and kind not in _WARMUP_TYPES:
         same = [t for t in _WARMUP_TYPES if isinstance(kind, str) and t == kind.strip().lower()]
@@ -175,7 +298,7 @@ def engine_key_problems(cfg: dict, device_type: str, problems: list[str]) -> lis
     """Problems (key, reason, fix) with keys DeepSpeed accepts and its engine fails on, or silently misreads."""
     out = [p for p in (_log_level_problem(cfg), _datastates_problem(cfg), _managed_accumulation_problem(cfg),
                        _load_universal_problem(cfg)) if p is not None]
-    out += _legacy_stage1(cfg) + _grad_norm_problems(cfg)
+    out += _legacy_stage1(cfg) + _grad_norm_problems(cfg) + _weight_quantization_problems(cfg)
     out += _torch_optimizer_problems(cfg, device_type)
     out += _scheduler_problems(cfg, problems)
     return out
