@@ -15,13 +15,14 @@ same comparison/arithmetic/truth methods, before the program ran (the snapshot
 :func:`_type_snapshot`), or of classes created later whose such methods are all inherited
 or implemented in C by the class itself. Containers (``list``, ``tuple``, ``dict``,
 ``set``, ``deque``, dict views, subclasses of these), the instance dictionaries and slots of
-Python-level objects, ``slice`` and ``SimpleNamespace`` are searched; weak proxies, cells
-and mapping proxies are never trusted. A program thread still running, or a gc callback,
-when a value is checked makes the test fail (it could swap the value after the check). While
-the operation itself runs, a profile function fails the test if any Python code runs that is
-not the library's (:func:`_library_code`): whatever path led there (an ABC check reaching a
-program's metaclass, a helper replaced in a subclass or an instance, a function put into a
-library module), the program's code does not get to decide an operation's result.
+Python-level objects, ``slice`` and ``SimpleNamespace`` are searched; weak proxies, cells, mapping
+proxies and ``list[x]``, ``int | x`` (whose arguments compare) are never trusted.
+A program thread still running, or a gc callback, when a value is checked makes the test fail
+(it could swap the value after the check). While the operation itself runs, a profile function
+fails the test if any Python code runs that is not the library's (:func:`_library_code`): whatever
+path led there (an ABC check reaching a program's metaclass, a helper replaced in a subclass or an
+instance, a function put into a library module), the program's code does not get to decide an operation's
+result.
 """
 
 # Methods a trusted operation of a test may call on a value.
@@ -189,7 +190,7 @@ def _make_trust(snapshot: dict, modules: dict | None = None, codes: dict | None 
     plain = {id(t) for t in (int, float, complex, bool, str, bytes, type(None))}
     dunders = frozenset(_DUNDERS)
     never = (weakref.ProxyType, weakref.CallableProxyType, weakref.ReferenceType, types.MappingProxyType,
-             types.CellType, types.FrameType, types.TracebackType)
+             types.CellType, types.FrameType, types.TracebackType, types.GenericAlias, types.UnionType)
     view_types = (type({}.keys()), type({}.values()), type({}.items()))
     seq_bases = (list, tuple, set, frozenset, collections.deque)
     walk_static = {id(slice), id(types.SimpleNamespace)}
