@@ -20,7 +20,7 @@ from __future__ import annotations
 import difflib
 import importlib.util
 
-from dstrain.engine.ds_reading import _is_auto, describe_zero
+from dstrain.engine.ds_reading import DEEPSPEED_OPTIMIZER_TYPES, _is_auto, describe_zero
 
 #: DeepSpeed's log levels (deepspeed.utils.logging.log_levels), and the numbers of Python's logging for them.
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -147,7 +147,7 @@ def _torch_optimizer_problems(cfg: dict, device_type: str) -> list[str]:
     offload = describe_zero(cfg)["offload_optimizer"]
     kind = name.lower()
     torch_class = (kind in ("adam", "adamw") and params.get("torch_adam") is True) or \
-        kind not in ("adam", "adamw", "adagrad", "lamb", "lion", "muadam", "muadamw", "musgd", "muon", "adamatan2")
+        kind not in DEEPSPEED_OPTIMIZER_TYPES
     if offload or not torch_class:
         return []  # DeepSpeed's own classes do not take it (named by ds_sections)
     return ["optimizer.params.capturable: true keeps torch's optimizer step on a GPU (CUDA graphs); on the CPU "
@@ -271,12 +271,12 @@ def _scheduler_problems(cfg: dict, problems: list[str]) -> list[str]:
                    "steps whatever the loss does); use one of DeepSpeed's schedulers (WarmupCosineLR, "
                    "WarmupDecayLR, ...) or remove the block (dstrain's warm-up + cosine)")
     out += _step_size_problems(name, params)
+    deepspeed_own = name in _WARMUP_SCHEDULERS + ("OneCycle", "LRRangeTest")
     start = params.get("last_batch_iteration", -1)
-    if name in _WARMUP_SCHEDULERS + ("OneCycle", "LRRangeTest") and start != -1 and not _is_auto(start):
+    if deepspeed_own and start != -1 and not _is_auto(start):
         out.append(f"scheduler.params.last_batch_iteration: {start!r} starts a fresh run partway into {name} (and "
                    "DeepSpeed then leaves the first step at optimizer.params.lr, not the schedule's lr); remove it "
                    "(or write -1): dstrain's --resume restores the scheduler's position from the checkpoint")
-    deepspeed_own = name in _WARMUP_SCHEDULERS + ("OneCycle", "LRRangeTest")
     if not deepspeed_own and name not in _OBJECT_SCHEDULERS and name != "ReduceLROnPlateau" and \
             not any(p.startswith("scheduler.") for p in problems):
         out += [p for p in (_torch_scheduler_problem(name, params),) if p is not None]

@@ -1,13 +1,17 @@
 """What a DeepSpeed JSON says about the run, read without filling or checking anything: whether a value is
 "auto", the weights' dtype the file pins (``data_types``) or leaves open (bf16 / fp16 ``"enabled": "auto"``), and
-its ZeRO stage and offloads. ``ds_config.py`` (which fills and checks) and the pre-launch checks read files
-through these.
+its ZeRO stage and offloads, and the optimizer types DeepSpeed builds itself. ``ds_config.py`` (which fills and
+checks) and the pre-launch checks read files through these.
 
 The module is pure: no deepspeed or torch import.
 """
 from __future__ import annotations
 
 AUTO = "auto"
+
+#: Optimizer types DeepSpeed builds itself (lower case); any other name is looked up in torch.optim as spelled.
+DEEPSPEED_OPTIMIZER_TYPES = frozenset({"adam", "adamw", "adagrad", "lamb", "lion", "muadam", "muadamw", "musgd",
+                                       "muon", "adamatan2"})
 
 
 def _is_auto(value) -> bool:

@@ -17,6 +17,7 @@ import os
 
 from dstrain.engine.ds_config import describe_zero, precision_left_open, sets_lr_itself
 from dstrain.engine.ds_engine_keys import engine_key_problems
+from dstrain.engine.ds_reading import DEEPSPEED_OPTIMIZER_TYPES
 
 #: ZeRO keys read only at stage 3 (with DeepSpeed's aliases).
 STAGE3_ONLY = frozenset({
@@ -68,9 +69,6 @@ CUDA_ONLY_OPTIMIZERS = {"lamb": "FusedLamb"}
 #: and stops at start-up, on every device).
 REMOVED_OPTIMIZERS = {"onebitadam": "1-bit Adam", "zerooneadam": "0/1 Adam", "onebitlamb": "1-bit LAMB"}
 
-#: Optimizer types DeepSpeed builds itself (lower case); any other name is looked up in torch.optim as spelled.
-DEEPSPEED_OPTIMIZER_TYPES = frozenset({"adam", "adamw", "adagrad", "lamb", "lion", "muadam", "muadamw", "musgd",
-                                       "muon", "adamatan2"})
 
 #: Keys of DeepSpeed's dict-based (not pydantic) sections, which otherwise ignore typos.
 PLAIN_SECTION_KEYS = {
