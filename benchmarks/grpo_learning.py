@@ -19,7 +19,8 @@ GRPO. Its curve is the verifier reward of each step's regular prompts (the first
 so the three curves are comparable. ``--rest-steps K`` adds one more dynamic run in which
 prompts whose latest group agreed rest for K steps (``task.dynamic_sampling_rest_steps``),
 with the same overhead figures (its regular prompts are then partly swapped: its curve is
-not the same prompts' reward).
+not the same prompts' reward). ``--carry`` adds one more dynamic run that keeps informative
+groups beyond the share for the next step (``task.dynamic_sampling_carry``), with the same figures.
 """
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ def means(out: Path, keys: tuple[str, ...]) -> dict[str, float]:
 STEP_KEYS = ("time/step", "time/generation", "time/reward", "time/reference", "time/training",
              "dynamic/rounds", "dynamic/dropped_fraction", "dynamic/filled_fraction", "dynamic/generated_groups",
              "dynamic/round0_groups", "dynamic/generated_per_trained", "dynamic/refill_seconds",
-             "dynamic/keep_rate_estimate", "dynamic/surplus_groups",
+             "dynamic/keep_rate_estimate", "dynamic/surplus_groups", "dynamic/carried_groups",
              "train/zero_variance_groups", "train/trained_zero_variance_groups")
 
 
@@ -85,14 +86,16 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4))
-    for name, style in (("grpo", "-"), ("lr0", "--"), ("dynamic", "-."), ("dynamic_rest", ":")):
+    for name, style in (("grpo", "-"), ("lr0", "--"), ("dynamic", "-."), ("dynamic_rest", ":"),
+                        ("dynamic_carry", (0, (5, 1, 1, 1, 1, 1)))):
         if name not in result["runs"]:
             continue
         curve = result["runs"][name]["reward_mean"]
         label = f"lr {result['runs'][name]['lr']:g}" + {"grpo": " (GRPO)", "lr0": " (no update)",
                                                         "dynamic": " (GRPO + dynamic sampling)",
-                                                        "dynamic_rest": " (dynamic sampling, resting prompts)"}[name]
-        ax.plot([int(k) for k in curve], list(curve.values()), style, marker="o", ms=3, label=label)
+                                                        "dynamic_rest": " (dynamic sampling, resting prompts)",
+                                                        "dynamic_carry": " (dynamic sampling, kept groups)"}[name]
+        ax.plot([int(k) for k in curve], list(curve.values()), linestyle=style, marker="o", ms=3, label=label)
     ax.set_xlabel("step")
     ax.set_ylabel(f"mean reward (log window of {result['log_every']} steps)")
     ax.set_title(f"GRPO on {result['recipe']} ({result['device']}, {result['nproc']} ranks)")
@@ -117,6 +120,8 @@ def main(argv=None) -> int:
     ap.add_argument("--target", type=float, default=None, help="task.dynamic_sampling_target of that run")
     ap.add_argument("--rest-steps", type=int, default=0,
                     help="with --dynamic: one more dynamic run with task.dynamic_sampling_rest_steps of this")
+    ap.add_argument("--carry", action="store_true",
+                    help="with --dynamic: one more dynamic run with task.dynamic_sampling_carry on")
     ap.add_argument("--no-lr0", action="store_true", help="skip the lr-0 control (overhead measurements)")
     ap.add_argument("--warm-start", help="a finished warm_start/ folder of the same recipe to reuse instead of "
                                          "training one (the runs then start from it)")
@@ -141,6 +146,8 @@ def main(argv=None) -> int:
     dynamic_runs = {"dynamic": []} if args.dynamic else {}
     if args.dynamic and args.rest_steps:
         dynamic_runs["dynamic_rest"] = [f"--task.dynamic_sampling_rest_steps={args.rest_steps}"]
+    if args.dynamic and args.carry:
+        dynamic_runs["dynamic_carry"] = ["--task.dynamic_sampling_carry=true"]
     for name, rest in dynamic_runs.items():
         if warm.is_dir():
             shutil.copytree(warm, out / name / "warm_start")

@@ -113,17 +113,24 @@ class GroupFiller:
     :meth:`add` takes one round's groups (rewards ``[k * G]`` and any per-sample items)
     and keeps the informative ones, first come first kept, up to ``needed``; the others
     are counted as dropped (the first ``needed * G`` dropped samples are remembered as
-    fillers: rows that pad a short batch with zero weight).
+    fillers: rows that pad a short batch with zero weight). Informative groups beyond
+    ``needed`` are surplus; the first ``carry_limit`` of them are kept as spare (for the
+    next step: ``task.dynamic_sampling_carry``). :meth:`add_carried` takes one group kept
+    from the previous step (counted as carried, not as generated).
     """
 
     needed: int
     group_size: int
+    carry_limit: int = 0
     kept_rewards: list = field(default_factory=list)
     kept_items: list = field(default_factory=list)
     filler_items: list = field(default_factory=list)
+    spare_rewards: list = field(default_factory=list)
+    spare_items: list = field(default_factory=list)
     generated: int = 0
     dropped: int = 0
     surplus: int = 0
+    carried: int = 0
     rounds: int = 0
 
     @property
@@ -149,11 +156,25 @@ class GroupFiller:
                 self.kept_items.extend(items[rows])
             elif ok:
                 self.surplus += 1  # informative but not needed: the batch is full
+                if len(self.spare_items) < self.carry_limit * G:
+                    self.spare_rewards.extend(rewards[rows].tolist())
+                    self.spare_items.extend(items[rows])
             else:
                 self.dropped += 1
                 if len(self.filler_items) < self.needed * G:
                     self.filler_items.extend(items[rows])
         return keep
+
+    def add_carried(self, rewards: list[float], items: list) -> None:
+        """Keep one informative group of the previous step (``G`` rewards and items)."""
+        if self.deficit <= 0:
+            raise ValueError("GroupFiller.add_carried: the share is already full")
+        if len(rewards) != self.group_size or len(items) != self.group_size:
+            raise ValueError(f"GroupFiller.add_carried takes one group of {self.group_size}, "
+                             f"got {len(rewards)} rewards and {len(items)} items")
+        self.kept_rewards.extend(rewards)
+        self.kept_items.extend(items)
+        self.carried += 1
 
     def next_count(self) -> int:
         """Groups to sample in the next round: the deficit divided by the fraction kept so
@@ -164,9 +185,12 @@ class GroupFiller:
         return min(self.needed, math.ceil(self.deficit / rate))
 
     def stats(self) -> dict[str, float]:
-        return {"dropped_fraction": self.dropped / max(self.generated, 1), "rounds": float(self.rounds),
-                "filled_fraction": self.kept / max(self.needed, 1), "generated_groups": float(self.generated),
-                "surplus_groups": float(self.surplus)}
+        out = {"dropped_fraction": self.dropped / max(self.generated, 1), "rounds": float(self.rounds),
+               "filled_fraction": self.kept / max(self.needed, 1), "generated_groups": float(self.generated),
+               "surplus_groups": float(self.surplus)}
+        if self.carry_limit or self.carried:
+            out.update(carried_groups=float(self.carried), spare_groups=float(len(self.spare_items) // self.group_size))
+        return out
 
 
 def binomial_at_least(n: int, p: float, k: int) -> float:

@@ -40,7 +40,7 @@ from dstrain.resilience import torch_timeout_s
 from dstrain.trainers.common import (CheckpointSaver, RunGuards, StopFlag, decide_resume, load_checkpoint, pin_plan,
                                      plan_and_record, warn_batch_change)
 from dstrain.trainers.grpo_config import PolicyTaskConfig
-from dstrain.trainers.grpo_sampling import StepBatch, step_batch
+from dstrain.trainers.grpo_sampling import StepBatch, load_reserve, save_reserve, step_batch, with_stored
 from dstrain.trainers.rl_loop import RLLoop, batch_layout, sandbox_pool
 
 
@@ -103,6 +103,8 @@ class GRPOTrainer(RLLoop):
         self.start_step = 0
         self.keep_rate = None  # dynamic sampling's estimate of the informative fraction (grpo_sampling)
         self.prompt_rest = None  # dynamic sampling's resting prompts (task.dynamic_sampling_rest_steps)
+        # dynamic sampling's informative groups kept for the next step (task.dynamic_sampling_carry)
+        self.dynamic_reserve = [] if self.task.dynamic_sampling_carry else None
         if resume_tag is not None:
             state = load_checkpoint(self.engine, self.ckpt_root, resume_tag, self.world)
             self.start_step, self.guards.skipped = int(state["step"]), int(state.get("skipped_steps", 0))
@@ -114,6 +116,10 @@ class GRPOTrainer(RLLoop):
             if "dynamic_prompt_rest" in state and self.task.dynamic_sampling_rest_steps:
                 self.prompt_rest = PromptRest.from_state(self.task.dynamic_sampling_rest_steps,
                                                          state["dynamic_prompt_rest"])
+            if self.dynamic_reserve is not None:
+                self.dynamic_reserve, note = load_reserve(self.ckpt_root / resume_tag, self.world.rank, ws)
+                if note:
+                    self._print(f"dstrain: {note}")
         self.stop = StopFlag()
         self.rollouts = make_rollout(self, cfg.rollout)
 
@@ -134,6 +140,16 @@ class GRPOTrainer(RLLoop):
         logits = model(ids, attention_mask=attn)
         return logits, self.rl.token_logprobs(logits, ids, temperature=self.task.temperature)
 
+    def token_logprobs_now(self, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """``[B, T-1]`` next-token log-probabilities under the policy as it is (no gradient), on the CPU."""
+        dev = self.engine.device
+        with torch.no_grad():
+            self.engine.eval()
+            try:
+                return self._logits_logp(self.engine, ids.to(dev), attn.to(dev))[1].float().cpu()
+            finally:
+                self.engine.train()
+
     def train_step(self, step: int) -> dict[str, float]:
         t, dev = self.cfg.train, self.engine.device
         step_start = time.perf_counter()
@@ -143,6 +159,7 @@ class GRPOTrainer(RLLoop):
         weights = sb.weights.to(dev)
         mask = b["completion_mask"][:, 1:].float() * weights[:, None]
         adv = sb.advantages.to(dev)
+        stored = sb.old_logprobs.to(dev) if sb.old_logprobs is not None else None  # carried rows; NaN elsewhere
         micro = [slice(i * t.micro_batch, (i + 1) * t.micro_batch) for i in range(t.grad_accum)]
         old = ref = None
         start = time.perf_counter()
@@ -156,6 +173,7 @@ class GRPOTrainer(RLLoop):
                 self.engine.eval()
                 old = torch.cat([self._logits_logp(self.engine, ids[m], attn[m])[1] for m in micro])
                 self.engine.train()
+                old = with_stored(old, stored)
         tokens_global = _sum_all(mask.sum().item())
         rows_global = _sum_all(weights.sum().item())
         short = rows_global < self.samples_per_step  # padding or filtered rows: normalise over the rest
@@ -165,7 +183,8 @@ class GRPOTrainer(RLLoop):
         for _ in range(self.task.num_iterations):
             for m in micro:
                 logits, logp = self._logits_logp(self.engine, ids[m], attn[m])
-                old_m = old[m] if old is not None else logp.detach()
+                # a carried row's ratio is taken against the policy that sampled it
+                old_m = old[m] if old is not None else with_stored(logp.detach(), None if stored is None else stored[m])
                 loss, stats = gm.grpo_loss(logp, old_m, None if ref is None else ref[m], adv[m], mask[m],
                                            self.loss_cfg, token_normaliser=tokens_global,
                                            sequence_normaliser=rows_global if short else None)
@@ -207,7 +226,12 @@ class GRPOTrainer(RLLoop):
             state["dynamic_keep_rate"] = self.keep_rate.rate
         if self.prompt_rest is not None:
             state["dynamic_prompt_rest"] = self.prompt_rest.state()
-        self.saver.save(step, state)
+        reserve = getattr(self, "dynamic_reserve", None)
+        if reserve is None:
+            self.saver.save(step, state)
+        else:
+            rank = self.world.rank
+            self.saver.save(step, state, write_extra=lambda tag_dir: save_reserve(tag_dir, rank, list(reserve)))
 
     def evaluate(self, step: int) -> dict[str, float]:
         stats = prl.evaluate_pass_at_k(self.policy, self.tokenizer, self.rl, self.eval_tasks, self.task,

@@ -90,6 +90,13 @@ class PolicyTaskConfig:
     steps: a regular prompt of the step that is resting is swapped for a fresh one, and refills skip
     resting prompts and those already dropped in this step. Fewer groups are generated only to be
     dropped; the prompts seen are then no longer plain GRPO's. 0: off."""
+    dynamic_sampling_carry: bool = False
+    """Keep this step's informative groups beyond its share (at most one share per rank) and use them
+    in the next step where its first round falls short, before any refill round; the first round is
+    then sized to the share over the estimated informative fraction. A carried group was sampled by
+    the policy before the last update: its log-probabilities under that policy are kept (one forward
+    over the kept rows, no gradient) and its clipped importance ratio corrects for the update. The
+    groups kept go into checkpoints (per rank). Off: informative groups beyond the share are discarded."""
     overlong_filter: bool = False
     """Mask out of the loss the completions that ``max_new_tokens`` cut (no stop string, no EOS)."""
     overlong_buffer: int = 0
@@ -143,6 +150,8 @@ class PolicyTaskConfig:
                              f"got {self.dynamic_sampling_target}")
         if self.dynamic_sampling_rest_steps and not self.dynamic_sampling:
             raise ValueError("task.dynamic_sampling_rest_steps needs task.dynamic_sampling=true")
+        if self.dynamic_sampling_carry and not self.dynamic_sampling:
+            raise ValueError("task.dynamic_sampling_carry needs task.dynamic_sampling=true")
         if self.dynamic_sampling_sizing not in ("cost", "target", "fixed"):
             raise ValueError(f"task.dynamic_sampling_sizing must be cost, target or fixed, "
                              f"got {self.dynamic_sampling_sizing!r}")

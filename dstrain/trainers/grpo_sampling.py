@@ -24,6 +24,13 @@ With ``task.dynamic_sampling_rest_steps`` (:class:`dapo.PromptRest`), prompts wh
 agreed rest: resting regular prompts are swapped for fresh ones (drawn as "round -1"), and round-0
 extras and refills leave out resting prompts and those this rank dropped earlier in the step; every
 rank's (prompt, informative) outcomes are gathered after the step, so the rest is the same everywhere.
+With ``task.dynamic_sampling_carry`` a rank keeps its informative groups beyond the share (up to
+one share, with each completion's log-probabilities under the policy that sampled it: one forward
+without gradient) and uses them in the next step where round 0 falls short, before any refill; round 0
+is then sized to the share over the estimated informative fraction, so that the kept groups, not
+refill rounds, absorb the step-to-step spread, and no informative group is generated only to be
+thrown away. A kept group is one update old: the trainer's clipped ratio is taken against its stored
+log-probabilities. The kept groups go into checkpoints, one file per rank (:func:`save_reserve`).
 When the cap of rounds is reached with a share still short, that rank trains on the
 groups it kept, padded to its ``n`` rows with dropped samples of weight 0 (their loss
 mask is zero), and the loss is normalised over the kept samples of the whole batch
@@ -64,6 +71,45 @@ class StepBatch:
     times: dict = field(default_factory=dict)
     """Seconds: ``generation`` (weight gathering under ZeRO-3 included), ``reward``."""
     gen_tokens: int = 0
+    old_logprobs: torch.Tensor | None = None
+    """``[n, T-1]`` log-probabilities of carried rows' completion tokens under the policy that sampled
+    them (``task.dynamic_sampling_carry``), NaN elsewhere; None when no row was carried."""
+
+
+@dataclass
+class CarriedGroup:
+    """An informative group kept for the next step (``task.dynamic_sampling_carry``)."""
+
+    rewards: list
+    """The group's ``G`` shaped rewards."""
+    items: list
+    """Its ``G`` completions."""
+    old: list
+    """Per completion, a 1-D fp32 tensor: each completion token's log-probability under the policy
+    that sampled it."""
+
+
+RESERVE_FILE = "dynamic_reserve_rank{:05d}.pt"
+
+
+def save_reserve(tag_dir, rank: int, reserve: list[CarriedGroup]) -> None:
+    """This rank's kept groups into checkpoint folder ``tag_dir``."""
+    from pathlib import Path
+    torch.save([(g.rewards, g.items, g.old) for g in reserve], Path(tag_dir) / RESERVE_FILE.format(rank))
+
+
+def load_reserve(tag_dir, rank: int, world_size: int) -> tuple[list[CarriedGroup], str]:
+    """(This rank's kept groups of checkpoint ``tag_dir``, a note when they cannot be used): none when
+    the checkpoint holds none or was written by another number of ranks (each rank's groups are its own)."""
+    from pathlib import Path
+    files = sorted(Path(tag_dir).glob(RESERVE_FILE.replace("{:05d}", "*")))
+    if not files:
+        return [], ""
+    if len(files) != world_size:
+        return [], (f"the checkpoint's dynamic-sampling groups kept for the next step were written by {len(files)} "
+                    f"ranks, not {world_size}: the resumed run starts without them")
+    saved = torch.load(Path(tag_dir) / RESERVE_FILE.format(rank), weights_only=False)  # our own file
+    return [CarriedGroup(list(r), list(i), list(o)) for r, i, o in saved], ""
 
 
 def _max_all(value: float) -> float:
@@ -163,6 +209,41 @@ def round_size(task, filler: dapo.GroupFiller, estimate: float) -> int:
     return dapo.groups_for_cost(filler.deficit, p, task.dynamic_sampling_round_cost, cap)
 
 
+def carry_round0(task, fresh: int, share: int, estimate: float, regular: int) -> int:
+    """Round 0's groups under ``task.dynamic_sampling_carry``: as many as are expected to give ``fresh``
+    informative groups (the share less the groups kept from the last step: ``fresh / estimate``), so
+    that the kept groups are used before they age out; at least the ``regular`` prompts, at most
+    ``(1 + max_oversample) x`` the ``share``."""
+    cap = max(regular, math.floor((1.0 + task.dynamic_sampling_max_oversample) * share))
+    return min(cap, max(regular, math.ceil(max(fresh, 0) / max(estimate, 1e-6) - 1e-9)))
+
+
+def behaviour_logprobs(tr, items: list) -> list[torch.Tensor]:
+    """Each completion's token log-probabilities under the policy now (before the step's update): one 1-D
+    fp32 tensor per item. Every rank calls it together and runs as many forwards as the rank with the
+    most rows (ZeRO-3 gathers parameters in each); a rank with none left forwards a one-token stand-in."""
+    import types
+    mb = max(int(tr.cfg.train.micro_batch), 1)
+    pad = tr.tokenizer.pad_token_id
+    out: list[torch.Tensor] = []
+    for c in range(int(_max_all(float(math.ceil(len(items) / mb))))):
+        part = items[c * mb:(c + 1) * mb]
+        rows = part or [types.SimpleNamespace(prompt_ids=[pad], completion_ids=[pad])]
+        batch = tr.rl.pack(rows, pad)
+        logp = tr.token_logprobs_now(batch["input_ids"], batch["attention_mask"])
+        for i, comp in enumerate(part):
+            p, length = len(comp.prompt_ids), len(comp.completion_ids)
+            out.append(logp[i, p - 1:p - 1 + length].detach().float().cpu().clone())
+    return out
+
+
+def with_stored(old: torch.Tensor, stored: torch.Tensor | None) -> torch.Tensor:
+    """``old`` log-probabilities with the carried rows' stored ones (non-NaN entries of ``stored``) in place."""
+    if stored is None:
+        return old
+    return torch.where(torch.isnan(stored), old, stored.to(old.dtype))
+
+
 def _sum_all(values: list[float]) -> list[float]:
     return runtime.all_reduce(torch.tensor(values, dtype=torch.float64)).tolist()
 
@@ -190,7 +271,10 @@ def _record_outcomes(rest: dapo.PromptRest, step: int, outcomes: list[tuple[int,
 def dynamic_batch(tr, step: int) -> StepBatch:
     task, G, n, r = tr.task, tr.task.num_generations, tr.local_samples, tr.world.rank
     n_tasks, seed = len(tr.train_tasks), tr.cfg.data.seed
-    filler = dapo.GroupFiller(needed=n // G, group_size=G)
+    carry = task.dynamic_sampling_carry
+    filler = dapo.GroupFiller(needed=n // G, group_size=G, carry_limit=n // G if carry else 0)
+    reserve = list(getattr(tr, "dynamic_reserve", None) or []) if carry else []
+    carried_old: dict[int, torch.Tensor] = {}  # kept row -> its log-probabilities under the sampling policy
     estimate, rest = keep_rate(tr), prompt_rest(tr)
     prompts = prl.step_prompts(n_tasks, step, tr.prompts_per_step, seed)
     groups = [prompts[s // G] for s in range(r * n, (r + 1) * n, G)]
@@ -200,7 +284,8 @@ def dynamic_batch(tr, step: int) -> StepBatch:
         fresh = iter(dapo.refill_prompts(n_tasks, step, -1, r, len(swapped), seed, skip | set(groups)))
         for i in swapped:
             groups[i] = next(fresh)
-    round0 = round_size(task, filler, estimate.rate)
+    round0 = (carry_round0(task, filler.needed - len(reserve), filler.needed, estimate.rate, len(groups)) if carry
+              else round_size(task, filler, estimate.rate))
     log_estimate = estimate.rate
     if round0 > len(groups):  # round 0 also samples fresh prompts, so that one round usually fills the share
         taken = skip | set(groups) if rest is not None else frozenset()
@@ -221,6 +306,12 @@ def dynamic_batch(tr, step: int) -> StepBatch:
         if rest is not None and groups:
             outcomes += zip(groups, informative)
             skip = skip | {g for g, ok in outcomes if not ok}  # dropped in this step: not drawn again
+        if filler.rounds == 1:  # the last step's kept groups make up round 0's shortfall
+            for group in reserve:
+                if filler.deficit <= 0:
+                    break
+                carried_old.update({len(filler.kept_items) + j: lp for j, lp in enumerate(group.old)})
+                filler.add_carried(group.rewards, group.items)
         if _max_all(float(filler.deficit > 0)) == 0 or filler.rounds >= task.dynamic_sampling_max_rounds:
             break
         groups = dapo.refill_prompts(n_tasks, step, filler.rounds, r, round_size(task, filler, estimate.rate),
@@ -231,6 +322,11 @@ def dynamic_batch(tr, step: int) -> StepBatch:
         _record_outcomes(rest, step, outcomes)
         log.update({"dynamic/resting_prompts": float(len(rest.resting(step + 1))),
                     "dynamic/swapped_regular": float(len(swapped))})
+    if carry:  # this step's spare groups, with their log-probabilities under the policy that sampled them
+        spare = filler.spare_items
+        old_lp = behaviour_logprobs(tr, spare)
+        tr.dynamic_reserve = [CarriedGroup(filler.spare_rewards[i:i + G], spare[i:i + G], old_lp[i:i + G])
+                              for i in range(0, len(spare), G)]
     kept = filler.kept_items
     rows = kept + filler.filler_items[:n - len(kept)]
     weights = torch.cat([row_weights(kept, task), torch.zeros(len(rows) - len(kept))])
@@ -247,7 +343,14 @@ def dynamic_batch(tr, step: int) -> StepBatch:
                 "dynamic/refill_seconds": refill_s})  # generation + verifiers of the rounds after the first
     if task.overlong_filter:
         log["overlong_filtered"] = 1.0 - weights[:len(kept)].mean().item() if kept else 0.0
-    return StepBatch(tr.rl.pack(rows, tr.tokenizer.pad_token_id), adv * weights, weights, log, times, tokens)
+    packed = tr.rl.pack(rows, tr.tokenizer.pad_token_id)
+    old = None
+    if carried_old:
+        old = torch.full((len(rows), packed["input_ids"].shape[1] - 1), float("nan"))
+        for i, lp in carried_old.items():
+            p = len(rows[i].prompt_ids)
+            old[i, p - 1:p - 1 + lp.numel()] = lp
+    return StepBatch(packed, adv * weights, weights, log, times, tokens, old)
 
 
 def step_batch(tr, step: int) -> StepBatch:

@@ -40,3 +40,49 @@ def test_two_rank_dynamic_sampling(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["time_split"]["generation"]["seconds"] > 0
     assert list((out / "tensorboard").iterdir())
+
+
+def test_two_rank_kept_groups_are_used_and_resume_exactly(tmp_path):
+    """task.dynamic_sampling_carry on 2 ranks: groups kept by one step are trained in the next, each rank's
+    kept groups go into the checkpoint, and a run resumed from step 1 repeats steps 2-4 of the run that
+    went straight through (same losses, rewards and kept groups: step 2 trains those step 1 kept)."""
+    import shutil
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    carry = [*QUICK, "--checkpoint.every=1", "--checkpoint.keep=5", "--task.dynamic_sampling_carry=true",
+             "--task.num_generations=2", "--train.micro_batch=2", "--task.dynamic_sampling_max_rounds=4",
+             "--task.dynamic_sampling_oversample=2"]  # a first estimate of 1/3: round 0 samples 3x the share
+
+    def launch(out, *extra):
+        cmd = [sys.executable, "-m", "dstrain.cli", "launch", "--nproc", "2", str(RECIPE), *carry,
+               "--train.steps=4", f"--output.dir={out}", *extra]
+        proc = subprocess.run(cmd, env=env, cwd=harness.ROOT, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+    def by_step(out):
+        steps: dict[int, dict] = {}
+        for line in (out / "metrics.jsonl").read_text().splitlines():
+            record = json.loads(line)
+            steps.setdefault(record["step"], {}).update(record)  # a resumed step's lines come last
+        return steps
+
+    straight = tmp_path / "straight"
+    launch(straight)
+    for tag in ("step_00000001", "step_00000004"):
+        assert sorted(p.name for p in (straight / "checkpoints" / tag).glob("dynamic_reserve_rank*.pt")) == [
+            "dynamic_reserve_rank00000.pt", "dynamic_reserve_rank00001.pt"]
+    a = by_step(straight)
+    assert all(a[s]["train/trained_zero_variance_groups"] == 0.0 for s in (1, 2, 3, 4))
+    assert all("dynamic/carried_groups" in a[s] and "dynamic/spare_groups" in a[s] for s in (1, 2, 3, 4))
+    assert a[1]["dynamic/spare_groups"] > 0 and a[2]["dynamic/carried_groups"] > 0, \
+        {s: {k: v for k, v in r.items() if k.startswith("dynamic/")} for s, r in a.items()}
+    resumed = tmp_path / "resumed"
+    shutil.copytree(straight, resumed)
+    for tag in ("step_00000002", "step_00000003", "step_00000004"):
+        shutil.rmtree(resumed / "checkpoints" / tag)
+    (resumed / "checkpoints" / "latest").write_text("step_00000001\n")
+    launch(resumed, "--resume")
+    b = by_step(resumed)
+    for s in (2, 3, 4):
+        for key in ("train/loss", "train/reward_mean", "dynamic/carried_groups", "dynamic/spare_groups",
+                    "dynamic/generated_groups"):
+            assert b[s][key] == a[s][key], (s, key, a[s][key], b[s][key])
