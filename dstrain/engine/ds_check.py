@@ -110,9 +110,11 @@ def _strict_sections():
     from deepspeed.monitor.config import CometConfig, CSVConfig, TensorBoardConfig, WandbConfig
     from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from deepspeed.compile.config import CompileConfig
+    from deepspeed.runtime.config import HybridEngineConfig
     return {"zero_optimization": DeepSpeedZeroConfig, "bf16": DeepSpeedBF16Config, "fp16": DeepSpeedFP16Config,
             "tensorboard": TensorBoardConfig, "csv_monitor": CSVConfig, "wandb": WandbConfig, "comet": CometConfig,
-            "comms_logger": CommsLoggerConfig}
+            "comms_logger": CommsLoggerConfig, "hybrid_engine": HybridEngineConfig, "compile": CompileConfig}
 
 
 def _numeric_text(value) -> bool:

@@ -115,7 +115,7 @@ def _grad_norm_problems(cfg: dict) -> list[str]:
                    "raises when the engine starts); remove compute_grad_norm")
     dtypes = cfg.get("data_types") if isinstance(cfg.get("data_types"), dict) else {}
     bf16 = isinstance(cfg.get("bf16"), dict) and cfg["bf16"].get("enabled") is True
-    accum = str(dtypes.get("grad_accum_dtype", "")).lower() in ("fp32", "float32", "float")
+    accum = str(dtypes.get("grad_accum_dtype", "")).lower() in ("fp32", "float32", "float", "torch.float32")
     if stage == 1 and bf16 and accum and not offload:
         out.append("zero_optimization.compute_grad_norm: false does not work at ZeRO stage 1 with bf16 weights and "
                    "fp32 gradient accumulation (DeepSpeed raises when the engine starts); remove compute_grad_norm "

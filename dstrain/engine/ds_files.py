@@ -57,6 +57,16 @@ REMOVED_TOP_LEVEL_KEYS: dict[str, str] = {
     "progressive_layer_drop": "progressive layer drop was removed from DeepSpeed",
 }
 
+#: Top-level keys whose null (an empty entry of a YAML-to-JSON dump: ``zero_optimization:`` with nothing under it)
+#: stops DeepSpeed 0.19.8's config parser ("'NoneType' object has no attribute 'get'", "argument after ** must be a
+#: mapping"); its other keys take null as their default.
+NULL_STOPS_PARSER: frozenset[str] = frozenset({
+    "activation_checkpointing", "autotuning", "bfloat16", "checkpoint", "comet", "comms_logger", "compile",
+    "csv_monitor", "data_efficiency", "data_types", "flops_profiler", "fp16", "gradient_allreduce_op",
+    "hybrid_engine", "optimizer", "pipeline", "scheduler", "tensor_parallel", "tensorboard", "timers",
+    "torch_autocast", "wall_clock_breakdown", "wandb", "weight_quantization", "zero_optimization",
+})
+
 #: Places where "auto" is a value DeepSpeed itself understands, so it is left alone.
 DEEPSPEED_NATIVE_AUTO: frozenset[str] = frozenset({
     "pipeline.stages", "data_types.keep_in_fp32_modules",
@@ -198,8 +208,8 @@ def load_ds_json(path) -> dict:
     except json.JSONDecodeError as exc:
         data = _as_hjson(text)
         if data is None:
-            raise DSConfigError(str(path), f"invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") \
-                from exc
+            raise DSConfigError(str(path), f"invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}"
+                                + _python_dict_hint(text)) from exc
     except ValueError as exc:  # duplicate key
         raise DSConfigError(str(path), str(exc)) from exc
     if not isinstance(data, dict):
@@ -208,6 +218,15 @@ def load_ds_json(path) -> dict:
         raise DSConfigError(str(path), [f"{where}: {name} is not a JSON number (DeepSpeed's hjson loader reads it as "
                                          "text); write a finite number or \"auto\"" for where, name in _non_finite(data)])
     return canonical_forms(data)
+
+
+def _python_dict_hint(text: str) -> str:
+    """The fix for a Python dict printed or pasted as the file (``{'stage': 2, 'enabled': True}``)."""
+    import re
+    if not re.search(r"""[{,]\s*'[^'"]+'\s*:""", text):
+        return ""
+    return (" (the file is a Python dict: single-quoted keys, True / False / None, which DeepSpeed's JSON / hjson "
+            "loader cannot read either); write it with json.dump(config, file)")
 
 
 class _NonFinite(str):
@@ -272,16 +291,20 @@ def canonical_forms(cfg: dict) -> dict:
         section = out.get(key)
         if isinstance(section, dict) and isinstance(section.get("enabled"), str):
             out[key] = {**section, "enabled": _as_boolean(section["enabled"])}
+        elif isinstance(section, dict) and _zero_or_one(section.get("enabled")):  # pydantic reads 1 / 0 as booleans
+            out[key] = {**section, "enabled": bool(section["enabled"])}
     for path in PLAIN_FLAGS:  # "true" is true to DeepSpeed too; "false" is left for ds_sections to refuse
         head, _, key = path.rpartition(".")
         node = out.get(head) if head else out
-        if isinstance(node, dict) and isinstance(node.get(key), str) and _as_boolean(node[key]) is True:
+        value = node.get(key) if isinstance(node, dict) else None
+        if (isinstance(value, str) and _as_boolean(value) is True) or _zero_or_one(value):  # 1 / 0: as truthy to it
+            flag = True if isinstance(value, str) else bool(value)
             if head:
-                out[head] = {**node, key: True}
+                out[head] = {**node, key: flag}
             else:
-                out[key] = True
+                out[key] = flag
     zo = out.get("zero_optimization")
-    if isinstance(zo, dict) and any(isinstance(v, str) for v in _walk_values(zo)):
+    if isinstance(zo, dict) and any(isinstance(v, str) or _zero_or_one(v) for v in _walk_values(zo)):
         out["zero_optimization"] = _zero_string_booleans(zo)
     return out
 
@@ -294,13 +317,26 @@ _ZERO_OPTIONAL_BOOLEANS = frozenset({"overlap_comm", "cpu_offload", "cpu_offload
 
 
 def _walk_values(zo: dict):
-    for value in zo.values():
+    for key, value in zo.items():
+        if key == "stage":
+            continue
         yield from (value.values() if isinstance(value, dict) else (value,))
+
+
+def _zero_or_one(value) -> bool:
+    """An integer 1 or 0 where a boolean belongs (generated files write them): pydantic reads them as true / false,
+    and DeepSpeed's plain flags test them by truthiness, so they are read as the booleans."""
+    return isinstance(value, int) and not isinstance(value, bool) and value in (0, 1)
 
 
 def _as_boolean(value):
     word = value.strip().lower() if isinstance(value, str) else None
     return _STRING_BOOLEANS[word] if word in _STRING_BOOLEANS else value
+
+
+def _as_flag(value):
+    """A boolean key's value as DeepSpeed's pydantic parser reads it: words and 1 / 0 as booleans."""
+    return bool(value) if _zero_or_one(value) else _as_boolean(value)
 
 
 def _zero_string_booleans(zo: dict) -> dict:
@@ -310,28 +346,40 @@ def _zero_string_booleans(zo: dict) -> dict:
     see what DeepSpeed will run."""
     from dstrain.engine.ds_config import zero_defaults
     flags = {k for k, v in zero_defaults().items() if isinstance(v, bool)} | _ZERO_OPTIONAL_BOOLEANS
-    out = {k: (_as_boolean(v) if k in flags else v) for k, v in zo.items()}
+    out = {k: (_as_flag(v) if k in flags else v) for k, v in zo.items()}
     for key in ("offload_optimizer", "offload_param"):
         if isinstance(out.get(key), dict):
-            out[key] = {k: (_as_boolean(v) if k in _OFFLOAD_BOOLEANS else v) for k, v in out[key].items()}
+            out[key] = {k: (_as_flag(v) if k in _OFFLOAD_BOOLEANS else v) for k, v in out[key].items()}
     return out
 
 
-def nests_ds_config(data) -> bool:
-    """A top-level ``"deepspeed"`` object holding DeepSpeed's own top-level keys (not dstrain's deepspeed section)."""
+#: Top-level keys under which trainers' dumps nest a whole DeepSpeed config (``"deepspeed"``: a YAML-to-JSON dump;
+#: ``"deepspeed_config"`` / ``"ds_config"``: an argument or attribute dumped with its name, as Megatron-DeepSpeed's
+#: ``--deepspeed_config`` and HF's ``hf_deepspeed_config`` are).
+NESTING_KEYS = ("deepspeed", "deepspeed_config", "ds_config")
+
+
+def nests_ds_config(data, key: str = "deepspeed") -> bool:
+    """A top-level ``key`` object holding DeepSpeed's own top-level keys (for ``"deepspeed"``: not dstrain's
+    deepspeed section)."""
     from dstrain.config import DeepSpeedConfig
-    inner = data.get("deepspeed") if isinstance(data, dict) else None
-    return isinstance(inner, dict) and any(k in KNOWN_TOP_LEVEL_KEYS and k not in DeepSpeedConfig.__dataclass_fields__
-                                           for k in inner)
+    inner = data.get(key) if isinstance(data, dict) else None
+    own = DeepSpeedConfig.__dataclass_fields__ if key == "deepspeed" else ()
+    return isinstance(inner, dict) and any(k in KNOWN_TOP_LEVEL_KEYS and k not in own for k in inner)
 
 
 def _top_level_problems(cfg: dict) -> list[str]:
     problems = []
     for key in cfg:
+        if cfg[key] is None and key in NULL_STOPS_PARSER:
+            fix = "a value" if key in ("gradient_allreduce_op", "wall_clock_breakdown") else "{} (an empty section)"
+            problems.append(f"{key}: null (an empty entry, as a YAML-to-JSON dump writes one), which DeepSpeed's "
+                            f"config parser stops on at start-up; remove the key, or write {fix}")
+            continue
         if key in KNOWN_TOP_LEVEL_KEYS:
             continue
-        if key == "deepspeed" and nests_ds_config(cfg):
-            problems.append("top-level key 'deepspeed' holds a DeepSpeed config one level down (as a trainer's "
+        if key in NESTING_KEYS and nests_ds_config(cfg, key):
+            problems.append(f"top-level key {key!r} holds a DeepSpeed config one level down (as a trainer's "
                             "YAML-to-JSON dump nests it); DeepSpeed reads only top-level keys and would silently "
                             "ignore it: move its keys to the top level")
             continue

@@ -17,6 +17,7 @@ import os
 
 from dstrain.engine.ds_config import describe_zero, precision_left_open, sets_lr_itself
 from dstrain.engine.ds_engine_keys import engine_key_problems
+from dstrain.engine.ds_unread import unread_problems
 from dstrain.engine.ds_reading import DEEPSPEED_OPTIMIZER_TYPES
 
 #: ZeRO keys read only at stage 3 (with DeepSpeed's aliases).
@@ -78,6 +79,10 @@ PLAIN_SECTION_KEYS = {
                                  "synchronize_checkpoint_boundary", "profile", "cpu_checkpointing"},
     "aio": {"block_size", "queue_depth", "intra_op_parallelism", "single_submit", "overlap_events", "use_gds",
             "thread_count"},
+    "data_types": {"grad_accum_dtype", "param_dtype", "buffer_dtype", "keep_in_fp32_modules"},
+    "torch_autocast": {"enabled", "dtype", "lower_precision_safe_modules"},
+    "checkpoint": {"tag_validation", "checkpoint_serialization", "writer", "load_universal", "use_node_local_storage",
+                   "parallel_write"},
 }
 
 _DTYPES = {"fp32", "float32", "float", "fp16", "float16", "half", "bf16", "bfloat16"}
@@ -209,8 +214,8 @@ def _dtype_problems(cfg: dict, device_type: str, problems: list[str]) -> None:
                          if isinstance(cfg.get("data_types"), dict) else None)):
         if value is None:
             continue
-        if path == "torch_autocast.dtype" and isinstance(value, str):
-            value = value.removeprefix("torch.")  # DeepSpeed also takes torch's names there
+        if path in ("torch_autocast.dtype", "data_types.grad_accum_dtype") and isinstance(value, str):
+            value = value.removeprefix("torch.")  # DeepSpeed also takes torch's names there (its DtypeEnum)
         if not isinstance(value, str) or value.lower() not in _DTYPES:
             problems.append(f"{path}: must be one of fp32, fp16, bf16, file says {value!r}")
         elif device_type == "cpu" and value.lower() in _HALF:
@@ -491,7 +496,7 @@ def section_problems(cfg: dict, device_type: str) -> tuple[list[str], list[str]]
     _monitor_problems(cfg, problems, notes)
     _plain_section_keys(cfg, problems)
     _quoted_flags(cfg, problems)
-    problems += engine_key_problems(cfg, device_type, problems)
+    problems += engine_key_problems(cfg, device_type, problems) + unread_problems(cfg)
     return problems, notes
 
 
