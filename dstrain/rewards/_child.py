@@ -27,8 +27,8 @@ pipe and leaves with ``os._exit``.
 
 How tests are judged (every value a test operates on must be made of classes that existed,
 unchanged, before the program ran; builtins and loaded modules as they were then) is in
-``_judge.py`` and ``_guards.py`` (and how tests are rewritten for them in ``_rewrite.py``), whose
-texts run in front of this file's in the same globals.
+``_judge.py`` and ``_guards.py`` (and how tests are rewritten for them in ``_rewrite.py``; what the
+program's builtins and modules lack in ``_frames.py``), whose texts run in front of this file's in the same globals.
 """
 
 STUB = "import sys; exec(compile(sys.argv[1], '<sandbox>', 'exec'), {'__name__': '__sandbox__'})"
@@ -63,7 +63,7 @@ _DENY_MODULES = ("_posixsubprocess", "_ctypes", "_test", "_xx", "xx", "_tkinter"
                  "_posixshmem", "_multiprocessing", "_ssl")  # (_ssl: OpenSSL reads certificate files anywhere)
 _DENY_PREFIXES = ("socket.", "ctypes.", "_ctypes.", "sqlite3.", "winreg.", "msvcrt.")
 # Calls with no audit event that reach other processes of the same user, make special files or
-# expose the judge: removed from the modules before the program runs (:func:`_drop_unaudited`). With
+# expose the judge: removed from the modules before the program runs (``_frames._drop_unaudited``). With
 # PID and mount namespaces they reach nothing outside anyway; without them (an unprivileged
 # trainer with no user namespaces, a container that forbids unshare) ``pidfd_open`` +
 # ``pidfd_send_signal`` would signal the trainer, ``setpriority`` / ``sched_set*`` slow it, and
@@ -85,8 +85,10 @@ _UNAUDITED = (("posix", "os", ("pidfd_open", "mknod", "mkfifo", "setpriority", "
 # would run inside a test's C call, ``codecs.encode``, where no profile guard watches)
 # Descriptor owners that get SIGIO (or any signal ``F_SETSIG`` picks, SIGKILL too) when I/O is ready: a signal
 # to any process of the same uid (or any, for euid 0) with no kill event (F_SETOWN, F_SETSIG, F_SETOWN_EX; ioctl
-# FIOSETOWN, SIOCSPGRP).
-_SIGNAL_OWNER = {"fcntl.fcntl": (8, 10, 15), "fcntl.ioctl": (0x8901, 0x8902)}
+# FIOSETOWN, SIOCSPGRP); and, on a descriptor opened to read a file outside, a lease (F_SETLEASE: the trainer's open
+# waits) or the inode's flags and version (FS_IOC_SETFLAGS, FS_IOC_FSSETXATTR, FS_IOC_SETVERSION, 64- and 32-bit).
+_SIGNAL_OWNER = {"fcntl.fcntl": (8, 10, 15, 1024),
+                 "fcntl.ioctl": (0x8901, 0x8902, 0x40086602, 0x40046602, 0x401C5820, 0x40087602, 0x40047602)}
 # Frame access: refused (so the nonce stays out of reach) but not counted, because the
 # standard library probes sys._getframe (namedtuple, enum) and copes with ValueError.
 _FRAME_ATTRS = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_back"})
@@ -341,7 +343,7 @@ def _make_hook(tmp: str, read_roots: tuple, violations: list, quiet: set = froze
             deny(event, "forbidden")
         elif event in _SIGNAL_OWNER and type(args) is tuple and len(args) > 1 and type(args[1]) is int \
                 and args[1] in _SIGNAL_OWNER[event]:  # the C call's own ints (``sys.audit`` may pass anything)
-            deny(event, "a signal owner for a descriptor")
+            deny(event, "a signal owner, lease or inode flags for a descriptor")
         elif event == "resource.prlimit":
             pid = (tuple(args) + (0,))[0]  # an exact int: the C value the call will use
             if type(pid) is not int or (pid != 0 and pid != getpid()):  # another process: the fork server, say
@@ -380,15 +382,19 @@ def _make_hook(tmp: str, read_roots: tuple, violations: list, quiet: set = froze
             path_at, dir_fd_at = _PATH_WRITE[event]
             args = tuple(args)
             for n, at in enumerate(path_at):
-                if at >= len(args) or (kind(args[at], int) and not kind(args[at], bool)):
-                    continue  # absent, or an already-open file descriptor
+                if at >= len(args):
+                    continue
+                if kind(args[at], int) and not kind(args[at], bool):  # an open descriptor: the file it is open on
+                    if event in ("os.chmod", "os.chown", "os.utime"):  # may be outside (opened to read), and no
+                        deny(event, "a descriptor's mode, owner or times")  # check of it outraces a dup2
+                    continue
                 dir_fd = args[dir_fd_at[n]] if n < len(dir_fd_at) and dir_fd_at[n] < len(args) else None
                 target = resolve(args[at], dir_fd)
                 if not writable(target):
                     deny(event, f"change to {target or shown(args[at])}")
 
     def hook(event: str, args: tuple) -> None:
-        if event == "sys.setprofile" and get_ident() in quiet:  # the judge's own call
+        if (event == "sys.setprofile" or event == "sys._getframe") and get_ident() in quiet:  # the judge's own call
             return
         # No event is let through unchecked, even one raised by code run in here; and no collection runs in
         # here (a finalizer of the program's would run in the middle of the check)
@@ -491,22 +497,6 @@ def _run(result_fd: int, isolation: str, max_processes: int) -> None:
     _execute(job, result_fd, isolation, max_processes)
 
 
-def _drop_unaudited() -> None:
-    """Delete the :data:`_UNAUDITED` functions from their C modules and from the Python modules
-    that re-export them (``os``, ``signal``; a reload of those copies from the C module, which
-    no longer has them)."""
-    import sys
-
-    for core, facade, names in _UNAUDITED:
-        for name in (core, facade):
-            if name in sys.builtin_module_names:  # (gc: imported later, it would come back whole)
-                __import__(name)
-        for module in (sys.modules.get(core), sys.modules.get(facade)):
-            for name in names:
-                if module is not None and name in vars(module):
-                    delattr(module, name)
-
-
 def _execute(job: dict, result_fd: int, isolation: str, max_processes: int) -> None:
     """Install the hook, run the worker, report with the nonce, leave with ``os._exit``.
 
@@ -536,6 +526,7 @@ def _execute(job: dict, result_fd: int, isolation: str, max_processes: int) -> N
         if p:
             roots.add(os.path.realpath(p))
     global _SNAPSHOT
+    _frame_builtins()  # noqa: F821  (_frames.py: eval, exec, globals, locals and vars refuse the judge's frames)
     if _load_imported(job) or _SNAPSHOT is None:  # noqa: F821  (the fork server took it once, before forking)
         _SNAPSHOT = _type_snapshot()  # noqa: F821
     prepared = []
@@ -554,8 +545,8 @@ def _execute(job: dict, result_fd: int, isolation: str, max_processes: int) -> N
     # _DENY) and none can be planted, as the cache folder would be inside the program's own.
     sys.pycache_prefix = os.path.join(tmp, ".no-pycache")
     import signal  # noqa: F401  (loaded now, so that _drop_unaudited reaches its copy too)
-    _drop_unaudited()
-    tools = _guard_tools(set(), job["setup"])  # noqa: F821  (_guards.py)
+    _drop_unaudited()  # noqa: F821  (_frames.py, like _frame_builtins)
+    tools = _guard_tools(_QUIET, job["setup"])  # noqa: F821  (_guards.py; _QUIET: _frames.py)
     sys.addaudithook(_make_hook(tmp, tuple(sorted(roots)), violations, tools[5]))
     _thread.start_new_thread(_worker, (job, prepared, box, (checks, _SNAPSHOT[1], tools), done))
     try:  # only now: counted per user, the limit could otherwise stop the worker thread itself

@@ -60,7 +60,7 @@ def _type_snapshot() -> tuple:
     import sys
 
     for name in _COMMON + tuple(sys.builtin_module_names):  # every built-in module now: none is made later
-        if not name.startswith(_DENY_MODULES):  # noqa: F821  (from _child.py; see its _drop_unaudited)
+        if not name.startswith(_DENY_MODULES):  # noqa: F821  (from _child.py; see _frames._drop_unaudited)
             __import__(name)
     dict_of, flags_of = type.__dict__["__dict__"].__get__, type.__dict__["__flags__"].__get__
     subclasses = type.__dict__["__subclasses__"]

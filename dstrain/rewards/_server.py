@@ -266,6 +266,7 @@ def _serve(isolation: str) -> None:
     # Everything the server holds now goes to the collector's permanent generation: a child's
     # collections then never walk (and so never copy-on-write) the server's pages.
     global _SNAPSHOT
+    _frame_builtins()  # noqa: F821  (from _frames.py: before the snapshot, which holds every module's __builtins__)
     _SNAPSHOT = _type_snapshot()  # noqa: F821  (from _judge.py): the classes every child starts with
     _lru_clears()  # noqa: F821  (from _guards.py: found once here, for every child of this snapshot)
     _library_cells()  # noqa: F821  (likewise)

@@ -115,7 +115,7 @@ def default_mode() -> str:
     """``"fork_server"`` on Linux (it relies on ``fork`` and ``/proc``), ``"spawn"`` elsewhere."""
     return "fork_server" if sys.platform.startswith("linux") else "spawn"
 _CHILD_SOURCE = "".join((Path(_child.__file__).parent / name).read_text()
-                        for name in ("_rewrite.py", "_judge.py", "_guards.py", "_child.py"))
+                        for name in ("_rewrite.py", "_judge.py", "_guards.py", "_frames.py", "_child.py"))
 _RESULT_CAP = 1 << 16
 
 
