@@ -87,6 +87,9 @@ SIZES = {
     # 0.13M parameters; a GRPO step on 2 CPU cores takes well under a second
     "tiny": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                  intermediate_size=192, max_positions=512),
+    # 0.80M parameters; a GRPO step of grpo_mbpp_heldout_cpu.json on 2 CPU ranks: 5.5-7 s (load ~5)
+    "mid": dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
+                intermediate_size=352, max_positions=1024),
     # 3.1M parameters
     "small": dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
                   intermediate_size=704, max_positions=1024),
