@@ -523,8 +523,8 @@ def fill_ds_config(template: dict, values: RunValues, source: str) -> dict:
     _fill_zero(cfg, values, problems)
     leftovers: list[str] = []
     _leftover_autos({k: v for k, v in cfg.items() if k in KNOWN_TOP_LEVEL_KEYS}, "", leftovers)  # others: named
-    leftovers = [p for p in leftovers if p.split(".")[0] not in ("optimizer", "scheduler")  # beside "type": named
-                 or p.split(".")[1] in ("type", "params", "legacy_fusion")]  # by ds_unread
+    from dstrain.engine.ds_unread import beside_type
+    leftovers = [p for p in leftovers if not beside_type(p)]  # named by ds_unread
     problems += [f"{p}: \"auto\" is not a type dstrain chooses; name one, or remove the {p[:-5]} block (the run's "
                  "own is used then)" if p in ("optimizer.type", "scheduler.type") else
                  f"{p}: \"auto\" is not a value dstrain can fill (DeepSpeed itself keeps the text \"auto\"); set it explicitly"

@@ -35,6 +35,13 @@ _DTYPE_NAMES = ("fp16", "torch.float16", "float16", "half", "fp32", "torch.float
 _MONITOR_PATHS = (("tensorboard", "output_path"), ("csv_monitor", "output_path"), ("flops_profiler", "output_file"))
 
 
+def beside_type(path: str) -> bool:
+    """A dotted path of a key written in an optimizer or scheduler block beside ``"type"`` (``optimizer.lr``),
+    which :func:`unread_problems` names; not the block itself nor what is under ``type`` / ``params``."""
+    head, _, rest = path.partition(".")
+    return head in _BLOCK_KEYS and bool(rest) and rest.split(".")[0] not in _BLOCK_KEYS[head]
+
+
 def _them(keys) -> str:
     return "it" if len(keys) == 1 else "them"
 
@@ -145,7 +152,7 @@ def _predivide(cfg: dict) -> list[str]:
     value = cfg.get("gradient_predivide_factor")
     if value is None or isinstance(value, bool) or (isinstance(value, (int, float)) and value != 0):
         return []
-    if isinstance(value, str) and _is_number(value):
+    if isinstance(value, str) and _nonzero_number(value):
         return [f"gradient_predivide_factor: file says {value!r}, a number in quotes, which DeepSpeed keeps as text "
                 "(its all-reduce computes 1.0 / factor: TypeError at the first step, on every rank); write it without "
                 f"the quotes: {value.strip()}"]
@@ -154,7 +161,7 @@ def _predivide(cfg: dict) -> list[str]:
             "1.0 (no pre-division) or remove it"]
 
 
-def _is_number(text: str) -> bool:
+def _nonzero_number(text: str) -> bool:
     try:
         return float(text) != 0
     except ValueError:

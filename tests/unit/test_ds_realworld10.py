@@ -89,6 +89,18 @@ def test_scheduler_settings_beside_type_are_refused_once_each():
                         "'WarmupDecayLR' with its own defaults instead); move them into \"params\""]
 
 
+def test_a_whole_optimizer_or_scheduler_block_written_as_auto_is_refused_in_one_message(tmp_path):
+    """The leftover-"auto" filter that keeps keys beside "type" from being named twice must not trip on a block that
+    is "auto" itself (it raised IndexError before)."""
+    path = tmp_path / "blocks_auto.json"
+    path.write_text('{"train_micro_batch_size_per_gpu": "auto", "optimizer": "auto", "scheduler": "auto"}')
+    with pytest.raises(DSConfigError) as err:
+        check_ds_file(path, device_type="cpu", world_size=2)
+    for block in ("optimizer", "scheduler"):
+        assert f'{block}: "auto" is not a value dstrain can fill' in str(err.value)
+        assert f'{block}: must be an object, file says "auto"' in str(err.value)
+
+
 def test_a_misspelt_params_key_is_named_with_the_spelling():
     assert _parsed({"optimizer": {"type": "AdamW", "param": {"lr": 3e-4}}}).optimizer_params is None
     assert _refusals("optimizer_param_key_typo.json") == [
