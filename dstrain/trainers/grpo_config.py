@@ -93,7 +93,8 @@ class PolicyTaskConfig:
     dynamic_sampling_carry: bool = False
     """Keep this step's informative groups beyond its share (at most one share per rank) and use them
     in the next step where its first round falls short, before any refill round; the first round is
-    then sized to the share over the estimated informative fraction. A carried group was sampled by
+    then sized to the share less the kept groups over the estimated informative fraction (at least the
+    step's regular prompts). A carried group was sampled by
     the policy before the last update: its log-probabilities under that policy are kept (one forward
     over the kept rows, no gradient) and its clipped importance ratio corrects for the update. The
     groups kept go into checkpoints (per rank). Off: informative groups beyond the share are discarded."""

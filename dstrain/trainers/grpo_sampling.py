@@ -27,7 +27,8 @@ rank's (prompt, informative) outcomes are gathered after the step, so the rest i
 With ``task.dynamic_sampling_carry`` a rank keeps its informative groups beyond the share (up to
 one share, with each completion's log-probabilities under the policy that sampled it: one forward
 without gradient) and uses them in the next step where round 0 falls short, before any refill; round 0
-is then sized to the share over the estimated informative fraction, so that the kept groups, not
+is then sized to the share less the kept groups over the estimated informative fraction (at least the
+regular prompts), so that the kept groups, not
 refill rounds, absorb the step-to-step spread, and no informative group is generated only to be
 thrown away. A kept group is one update old: the trainer's clipped ratio is taken against its stored
 log-probabilities. The kept groups go into checkpoints, one file per rank (:func:`save_reserve`).
@@ -89,7 +90,7 @@ class CarriedGroup:
     that sampled it."""
 
 
-RESERVE_FILE = "dynamic_reserve_rank{:05d}.pt"
+RESERVE_FILE, RESERVE_GLOB = "dynamic_reserve_rank{:05d}.pt", "dynamic_reserve_rank*.pt"
 
 
 def save_reserve(tag_dir, rank: int, reserve: list[CarriedGroup]) -> None:
@@ -102,7 +103,7 @@ def load_reserve(tag_dir, rank: int, world_size: int) -> tuple[list[CarriedGroup
     """(This rank's kept groups of checkpoint ``tag_dir``, a note when they cannot be used): none when
     the checkpoint holds none or was written by another number of ranks (each rank's groups are its own)."""
     from pathlib import Path
-    files = sorted(Path(tag_dir).glob(RESERVE_FILE.replace("{:05d}", "*")))
+    files = sorted(Path(tag_dir).glob(RESERVE_GLOB))
     if not files:
         return [], ""
     if len(files) != world_size:
