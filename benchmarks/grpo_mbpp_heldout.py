@@ -91,21 +91,18 @@ def compare(first: dict, second: dict, resamples: int = 10000, seed: int = 0) ->
     out = {"problems": len(ids), "greedy_passed": pair(len(g1), len(g2)),
            "greedy_only_baseline": only1, "greedy_only_run": only2,
            "greedy_difference": diff, "greedy_ci95_newcombe": [low, high]}
-    if "sampled_passes" in first and "sampled_passes" in second:
-        n1, n2 = first["samples"], second["samples"]
-        r1 = [c / n1 for c in first["sampled_passes"]]
-        r2 = [c / n2 for c in second["sampled_passes"]]
+    # sampled pass rates, then a weaker signal: the rate of samples whose code runs to its tests
+    for key, name in (("sampled_passes", "sampled"), ("sampled_ran", "sampled_ran")):
+        if key not in first or key not in second:
+            continue
+        r1 = [c / first["samples"] for c in first[key]]
+        r2 = [c / second["samples"] for c in second[key]]
         mean, low, high = paired_bootstrap(r1, r2, resamples, seed)
-        out.update(sampled_rate=pair(sum(r1) / len(r1), sum(r2) / len(r2)), sampled_difference=mean,
-                   sampled_ci95_bootstrap=[low, high], bootstrap_resamples=resamples,
-                   problems_any_sample_passed=pair(sum(c > 0 for c in first["sampled_passes"]),
-                                                   sum(c > 0 for c in second["sampled_passes"])))
-    if "sampled_ran" in first and "sampled_ran" in second:  # a weaker signal: code that runs to its tests
-        r1 = [c / first["samples"] for c in first["sampled_ran"]]
-        r2 = [c / second["samples"] for c in second["sampled_ran"]]
-        mean, low, high = paired_bootstrap(r1, r2, resamples, seed)
-        out.update(sampled_ran_rate=pair(sum(r1) / len(r1), sum(r2) / len(r2)), sampled_ran_difference=mean,
-                   sampled_ran_ci95_bootstrap=[low, high])
+        out.update({f"{name}_rate": pair(sum(r1) / len(r1), sum(r2) / len(r2)), f"{name}_difference": mean,
+                    f"{name}_ci95_bootstrap": [low, high]})
+        if key == "sampled_passes":
+            out.update(bootstrap_resamples=resamples,
+                       problems_any_sample_passed=pair(sum(c > 0 for c in first[key]), sum(c > 0 for c in second[key])))
     return out
 
 
