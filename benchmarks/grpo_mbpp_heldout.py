@@ -61,7 +61,10 @@ def paired_bootstrap(first: list[float], second: list[float], resamples: int = 1
                      level: float = 0.95) -> tuple[float, float, float]:
     """``(mean difference, low, high)`` of ``second - first`` over paired per-problem values:
     percentile interval of the mean difference over ``resamples`` resamplings of the problems
-    (with replacement, ``random.Random(seed)``: deterministic)."""
+    (with replacement, ``random.Random(seed)``: deterministic). The bounds are the ``(1 - level) / 2``
+    and ``(1 + level) / 2`` quantiles of the resampled means, linearly interpolated between order
+    statistics (numpy's default percentile; before, the upper bound took the order statistic one
+    above it, so the interval was not symmetric in its tails)."""
     if len(first) != len(second) or not first:
         raise ValueError(f"paired_bootstrap needs two equally long, non-empty lists, got {len(first)} "
                          f"and {len(second)}")
@@ -71,9 +74,15 @@ def paired_bootstrap(first: list[float], second: list[float], resamples: int = 1
     n, rng = len(diffs), random.Random(seed)
     means = sorted(sum(diffs[rng.randrange(n)] for _ in range(n)) / n for _ in range(resamples))
     tail = (1 - level) / 2
-    low = means[min(resamples - 1, int(tail * resamples))]
-    high = means[min(resamples - 1, int((1 - tail) * resamples))]
-    return sum(diffs) / n, low, high
+    return sum(diffs) / n, _quantile(means, tail), _quantile(means, 1 - tail)
+
+
+def _quantile(ordered: list[float], q: float) -> float:
+    """The ``q`` quantile of sorted values, interpolated linearly (Hyndman and Fan's type 7, numpy's default)."""
+    pos = q * (len(ordered) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def compare(first: dict, second: dict, resamples: int = 10000, seed: int = 0) -> dict:

@@ -9,6 +9,10 @@ needed the chunk's gradients for ``x`` and ``weight`` are computed right there
 results. Peak extra memory: one chunk of logits plus ``x``'s and ``weight``'s
 gradients, instead of ``tokens x vocab`` fp32 logits and their gradient; this is what
 lets a long sequence (a dilated LM at a million tokens) or a large vocabulary train.
+
+One deliberate difference from torch: when every target is ignored, torch's mean is 0 / 0 = nan;
+here the loss is 0 with zero gradients (the count is clamped to 1), so a micro-batch that is all
+padding adds nothing instead of turning the data-parallel average into nan.
 """
 from __future__ import annotations
 
@@ -62,6 +66,8 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
         weight: ``[V, D]`` the head's weight (``nn.Linear(D, V, bias=False).weight``).
         targets: ``[...]`` class indices; ``ignore_index`` entries are skipped.
         chunk: tokens per chunk (at least 1).
+
+    Every target ignored: 0 (torch's ``F.cross_entropy`` gives nan; see the module docstring).
     """
     if chunk < 1:
         raise ValueError(f"chunk must be at least 1, got {chunk}")
