@@ -125,12 +125,15 @@ def _numeric_text(value) -> bool:
         return False
 
 
-def _pydantic_problems(section: str, model, err: Exception) -> list[str]:
+def _pydantic_problems(section: str, model, err: Exception, block: dict | None = None) -> list[str]:
     """One line per error of a pydantic ValidationError, named by dotted key (unknown keys with a hint)."""
     import difflib
+
+    from dstrain.engine.ds_classes import deprecated_pair_problem
     errors = getattr(err, "errors", None)
     if errors is None:
-        return [f"{section}: DeepSpeed rejects it: {' '.join(str(err).split())[:300]}"]
+        pair = deprecated_pair_problem(section, str(err), block or {})
+        return [pair or f"{section}: DeepSpeed rejects it: {' '.join(str(err).split())[:300]}"]
     fields = getattr(model, "model_fields", {})
     known = sorted(set(fields) | {f.alias for f in fields.values() if getattr(f, "alias", None)})
     out = []
@@ -228,7 +231,7 @@ def _parse_problems(cfg: dict, strict: dict, full_parse: bool) -> list[str]:
             try:
                 model(strict=True, **section)
             except Exception as err:  # pydantic's ValidationError: report, do not crash
-                problems += _pydantic_problems(key, model, err)
+                problems += _pydantic_problems(key, model, err, section)
     if not problems and full_parse:
         one_rank = dict(cfg)
         mb, ga = cfg.get("train_micro_batch_size_per_gpu"), cfg.get("gradient_accumulation_steps")
@@ -247,6 +250,7 @@ def check_ds_file(path: str | Path, device_type: str | None = None, world_size: 
     ``device_type`` ("cpu" / "cuda", default: this machine's) decides what the device can
     run (fp16 on a CPU); ``world_size`` the batch derivation (default: inferred).
     """
+    from dstrain.engine.ds_classes import run_notes
     from dstrain.engine.ds_sections import section_problems
     source = str(path)
     cfg = load_ds_json(path)
@@ -261,6 +265,7 @@ def check_ds_file(path: str | Path, device_type: str | None = None, world_size: 
     except DSConfigError as err:
         filled, problems = _placeholders(cfg), list(err.problems)
     found, notes = section_problems(filled, device_type)
+    notes += run_notes(filled, values.betas)  # the run's length is not known here (run_problems)
     problems = merge_problems(problems + found, deepspeed_problems(filled, full_parse=not problems + found))
     if problems:
         raise DSConfigError(source, problems)

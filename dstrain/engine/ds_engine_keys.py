@@ -237,13 +237,16 @@ def run_length_problems(cfg: dict, steps: int) -> list[str]:
     return []
 
 
-def _torch_scheduler_problem(name: str, params: dict) -> str | None:
+def _torch_scheduler_problem(name: str, params: dict, cfg: dict) -> str | None:
     """A torch.optim.lr_scheduler class built with the file's params on a stand-in optimizer, as DeepSpeed builds it
     in initialize: torch's own value checks (LinearLR's start_factor 0, CosineAnnealingWarmRestarts' T_0 0, ...)
-    raised there on every rank. Skipped where a value is "auto" (filled later) or not a JSON number / list."""
+    raised there on every rank; the stand-in is of the file's optimizer class (CyclicLR / OneCycleLR cycle momentum,
+    which torch's Adagrad does not have). Skipped where a value is "auto" (filled later) or not a JSON number / list."""
     import warnings
 
     import torch
+
+    from dstrain.engine.ds_classes import stand_in_optimizer
     cls = getattr(torch.optim.lr_scheduler, name, None)
     if not isinstance(cls, type) or not all(isinstance(v, (int, float, list)) for v in params.values()):
         return None
@@ -251,7 +254,7 @@ def _torch_scheduler_problem(name: str, params: dict) -> str | None:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            cls(torch.optim.AdamW(groups, lr=1e-3), **params)
+            cls(stand_in_optimizer(cfg, groups), **params)
     except (ValueError, TypeError, ZeroDivisionError) as err:
         return (f"scheduler.params: torch's {name} refuses the file's params ({err}); DeepSpeed builds it when the "
                 "engine starts and would stop there on every rank; fix the value torch names")
@@ -279,7 +282,7 @@ def _scheduler_problems(cfg: dict, problems: list[str]) -> list[str]:
                    "(or write -1): dstrain's --resume restores the scheduler's position from the checkpoint")
     if not deepspeed_own and name not in _OBJECT_SCHEDULERS and name != "ReduceLROnPlateau" and \
             not any(p.startswith("scheduler.") for p in problems):
-        out += [p for p in (_torch_scheduler_problem(name, params),) if p is not None]
+        out += [p for p in (_torch_scheduler_problem(name, params, cfg),) if p is not None]
     if name in _OBJECT_SCHEDULERS:
         out.append(f"scheduler.type: torch's {name} takes Python objects as {_OBJECT_SCHEDULERS[name]}, which a JSON "
                    "file cannot hold (DeepSpeed passes the text on and torch fails when the engine builds it); use "

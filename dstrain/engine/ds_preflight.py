@@ -179,6 +179,7 @@ def check_run(cfg: RunConfig, world_size: int, device_type: str, strict: bool = 
     a CPU is refused here too, naming the alternatives.
     """
     from dstrain.engine.ds_check import _placeholders, deepspeed_problems, merge_problems
+    from dstrain.engine.ds_classes import run_notes, run_problems
     from dstrain.engine.ds_engine_keys import run_length_problems
     from dstrain.engine.ds_sections import section_problems
     template, source = _template(cfg)
@@ -188,6 +189,8 @@ def check_run(cfg: RunConfig, world_size: int, device_type: str, strict: bool = 
     found, notes = section_problems(seen, device_type) if template is not None else ([], [])
     if template is not None:
         found += _leaf_problems(cfg, template) + run_length_problems(template, cfg.train.steps)
+        found += run_problems(template, cfg.train.steps)
+        notes += run_notes(template, cfg.train.betas)
     if device_type == "cpu" and cfg.deepspeed.precision == "fp16" and not found:  # else the file's fp16 is named
         raise ConfigError("run config", "deepspeed.precision",
                           "fp16 does not run on the CPU accelerator (DeepSpeed raises 'Type fp16 is not supported'); "

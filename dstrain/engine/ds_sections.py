@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
+from dstrain.engine.ds_classes import class_notes, class_problems
 from dstrain.engine.ds_config import describe_zero, precision_left_open, sets_lr_itself
 from dstrain.engine.ds_engine_keys import engine_key_problems
 from dstrain.engine.ds_unread import unread_problems
@@ -58,6 +59,9 @@ STAGE0_USED = frozenset({"stage", "load_from_fp32_weights", "elastic_checkpoint"
 FILLED_ZERO_KEYS = frozenset({"reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
                               "prefetch_bucket_size", "stage3_param_persistence_threshold",
                               "param_persistence_threshold"})
+
+#: Offload keys DeepSpeed reads only when the device is "nvme" (its swappers and fast init).
+NVME_ONLY_OFFLOAD_KEYS = frozenset({"nvme_path", "pipeline_read", "pipeline_write", "fast_init"})
 
 #: ZeRO keys only DeepSpeed's stage 1/2 optimizer reads (its stage 3 does not).
 STAGE12_ONLY = frozenset({"round_robin_gradients", "use_multi_rank_bucket_allreduce", "allgather_bucket_size",
@@ -161,6 +165,11 @@ def _zero_problems(cfg: dict, device_type: str, problems: list[str], notes: list
             elif not block.get("nvme_path") or not os.path.isdir(str(block.get("nvme_path"))):
                 problems.append(f"zero_optimization.{key}.nvme_path: NVMe offload needs an existing folder to "
                                 f"swap to, file says {block.get('nvme_path')!r}")
+        elif isinstance(block, dict) and str(block.get("device", "")).lower() == "cpu":
+            unused = sorted(k for k in block if k in NVME_ONLY_OFFLOAD_KEYS and block[k] not in (None, False))
+            if unused:  # ZeRO-Infinity templates switched to "cpu": DeepSpeed reads these only for "nvme"
+                notes.append(f"zero_optimization.{key}: device \"cpu\" does not use {', '.join(unused)} (NVMe-only "
+                             "keys; DeepSpeed ignores them)")
 
 
 def _gradient_scaling_problems(cfg: dict, problems: list[str]) -> None:
@@ -183,13 +192,30 @@ def _gradient_scaling_problems(cfg: dict, problems: list[str]) -> None:
 def _checkpoint_writer_problems(cfg: dict, device_type: str, problems: list[str]) -> None:
     """``checkpoint.writer`` of type "fast" (the type a writer block gets when it names none) on the CPU: DeepSpeed
     builds that writer when it builds the engine, pinning its I/O buffer (which needs a GPU) for its async_io kernel,
-    so every rank fails in ``deepspeed.initialize``; the "python" writer writes the same files with plain I/O."""
+    so every rank fails in ``deepspeed.initialize``; the "python" writer writes the same files with plain I/O. The
+    "mock" writer (FastPersist's benchmark setting) counts the bytes and writes none, on any device."""
     ck = cfg.get("checkpoint")
     writer = ck.get("writer") if isinstance(ck, dict) else None
-    if device_type != "cpu" or not isinstance(writer, dict):
+    if not isinstance(writer, dict):
         return
     kind = writer.get("type", "fast")
-    if isinstance(kind, str) and kind.strip().lower() == "fast":
+    if isinstance(kind, str) and kind.strip().lower() == "mock":
+        problems.append("checkpoint.writer.type: DeepSpeed's mock writer opens each checkpoint file and counts the "
+                        "bytes without writing them (a benchmark setting: every checkpoint would be empty and no "
+                        "resume could read it); set \"type\": \"python\" (or \"fast\" on GPUs) or remove "
+                        "checkpoint.writer")
+    stage = describe_zero(cfg)["stage"]
+    if writer.get("data_parallel") is None and stage < 3:  # DeepSpeed's rank-0 writer, which it cannot build there
+        problems.append(f"checkpoint.writer.data_parallel: absent, which DeepSpeed 0.19.8 reads as one writer (rank "
+                        f"0) and fails to set up at ZeRO stage {stage} without a model-parallel unit "
+                        "(deepspeed.initialize fails: 'UniversalParallelInfo' object has no attribute 'dp_rank'); add "
+                        "\"data_parallel\": \"replica\" to the writer, or remove checkpoint.writer")
+    if device_type == "cpu" and stage >= 1 and writer.get("decoupled") is True:
+        problems.append("checkpoint.writer.decoupled: true hands each checkpoint to a writer process through a queue, "
+                        "and torch refuses to send the ZeRO optimizer's state across it (by hand on 2 CPU ranks: "
+                        "the run stopped at its first checkpoint, 'Cowardly refusing to serialize non-leaf tensor "
+                        "which requires_grad'); set it to false")
+    if device_type == "cpu" and isinstance(kind, str) and kind.strip().lower() == "fast":
         problems.append("checkpoint.writer.type: DeepSpeed's fast checkpoint writer (a writer block's default type) "
                         "pins its I/O buffer for the async_io kernel when the engine starts, which the CPU "
                         "accelerator cannot (every rank would fail); set \"type\": \"python\" or remove "
@@ -496,6 +522,8 @@ def section_problems(cfg: dict, device_type: str) -> tuple[list[str], list[str]]
     _monitor_problems(cfg, problems, notes)
     _plain_section_keys(cfg, problems)
     _quoted_flags(cfg, problems)
+    problems += class_problems(cfg, device_type, problems)
+    notes += class_notes(cfg)
     problems += engine_key_problems(cfg, device_type, problems) + unread_problems(cfg)
     return problems, notes
 

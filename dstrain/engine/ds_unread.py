@@ -15,7 +15,9 @@ stops every rank inside ``deepspeed.initialize``:
 * ``data_types`` dtypes in upper case ("FP32") and a ``buffer_dtype`` that is not one of DeepSpeed's dtype names:
   read only when the engine starts, through the case-sensitive ``DtypeEnum``, which raises ValueError on every
   rank;
-* a ``gradient_predivide_factor`` of 0 or in quotes: DeepSpeed's all-reduce divides by it at the first step.
+* a ``gradient_predivide_factor`` of 0 or in quotes: DeepSpeed's all-reduce divides by it at the first step;
+* a ``comms_logger.prof_ops`` name no op logs under (``"allreduce"``, the wrapper ``"reduce_scatter_fn"``): with
+  ``prof_all`` false only the listed names are profiled, so it never is.
 
 :func:`unread_problems` is called by ``ds_sections.section_problems``.
 """
@@ -161,6 +163,44 @@ def _predivide(cfg: dict) -> list[str]:
             "1.0 (no pre-division) or remove it"]
 
 
+#: comms_logger op names written for DeepSpeed's wrappers, which log under the name of the op they call.
+_WRAPPED_COMM_OPS = {"reduce_scatter_fn": "reduce_scatter_tensor", "allgather_fn": "all_gather_into_tensor"}
+
+
+def _comm_op_names() -> set[str]:
+    """The names DeepSpeed's comms logger matches ``prof_ops`` against: each timed op's ``log_name`` default or, where
+    it has none, its function name (deepspeed/comm/comm.py)."""
+    import inspect
+    import re
+
+    from dstrain.engine.ds_check import accelerator_untouched
+    with accelerator_untouched():
+        from deepspeed.comm import comm
+    source = inspect.getsource(comm)
+    return set(re.findall(r"@timed_op\s*\ndef (\w+)", source)) | set(re.findall(r"log_name='(\w+)'", source))
+
+
+def _comms_ops(cfg: dict) -> list[str]:
+    """``comms_logger.prof_ops`` names no op logs under (a typo, or a wrapper such as ``reduce_scatter_fn``): with
+    ``prof_all`` false DeepSpeed profiles only the listed names, so these are never profiled, without a word."""
+    block = cfg.get("comms_logger")
+    ops = block.get("prof_ops") if isinstance(block, dict) else None
+    if not isinstance(ops, list) or block.get("enabled") is not True or block.get("prof_all", True) is not False:
+        return []
+    known = _comm_op_names()
+    unknown = [op for op in ops if isinstance(op, str) and op not in known]
+    if not unknown:
+        return []
+    close = {op: _WRAPPED_COMM_OPS.get(op) or next(iter(difflib.get_close_matches(op, sorted(known), n=1)), None)
+             for op in unknown}
+    hints = [f"{op!r} -> {close[op]!r}" if close[op] else f"{op!r}: no such op" for op in unknown]
+    one = len(unknown) == 1
+    return [f"comms_logger.prof_ops: {', '.join(map(repr, unknown))} "
+            f"{'is not the name of an op' if one else 'are not names of ops'} DeepSpeed's comms logger logs (with "
+            f"prof_all false it profiles only the names listed, so {'it' if one else 'they'} would never be profiled, "
+            f"without a word); write the logged names ({'; '.join(hints)})"]
+
+
 def _nonzero_number(text: str) -> bool:
     try:
         return float(text) != 0
@@ -171,4 +211,4 @@ def _nonzero_number(text: str) -> bool:
 def unread_problems(cfg: dict) -> list[str]:
     """Problems (key, reason, fix) with keys DeepSpeed reads elsewhere than the file puts them, or reads late."""
     return (_outside_params(cfg) + _quoted_false_params(cfg) + _data_efficiency_inner(cfg) + _home_paths(cfg)
-            + _dtype_names(cfg) + _predivide(cfg))
+            + _dtype_names(cfg) + _predivide(cfg) + _comms_ops(cfg))
