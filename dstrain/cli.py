@@ -194,8 +194,8 @@ def cmd_launch(args, overrides) -> int:
         print(f"dstrain: error: {err}", file=sys.stderr)
         return EXIT_CONFIG
     accelerator = env.get("DS_ACCELERATOR") or launcher.detect_accelerator()
-    problem = launch_check.gpu_shortfall(launcher.spec_from_args(args, []), hosts.remote, accelerator,
-                                         torchrun=args.launcher == "torchrun")
+    problem = launch_check.rank_shortfall(launcher.spec_from_args(args, []), hosts.remote, accelerator,
+                                          torchrun=args.launcher == "torchrun")
     problem = problem or _output_problem(cfg, args.resume)
     if problem is None and not args.resume:
         problem = _check_before_launch(cfg, args, accelerator)
@@ -398,7 +398,7 @@ def cmd_plan(args, overrides) -> int:
     if args.device_memory:
         cfg.deepspeed.device_memory = args.device_memory
     from dstrain.engine.factory import plan_engine
-    world = args.world_size or 1
+    world = 1 if args.world_size is None else args.world_size  # 0 is refused below, as -1 is
     for line in _adopted_lines(_adopt(cfg, world)):
         print(line, file=sys.stderr)
     device = args.device or ("cuda" if args.device_memory else None)
@@ -434,14 +434,14 @@ def cmd_check_config(args, overrides) -> int:
         if cfg.deepspeed.profile != "auto":  # the DeepSpeed JSON it names, against it, as a launch checks it
             from dstrain.engine.ds_check import this_device
             from dstrain.engine.ds_preflight import adopt_file_values, check_run
-            world = args.world_size or 1
+            world = 1 if args.world_size is None else args.world_size
             adopt_file_values(cfg, world)
             for note in check_run(cfg, world, args.device or this_device()):
                 print(f"dstrain: note: {note}", file=sys.stderr)
         if (missing := _task_file_problem(cfg)) is not None:  # valid, but better heard now than at launch
             print(f"dstrain: note: {missing}", file=sys.stderr)
         print(f"{args.file}: valid run config"
-              + (f" with {cfg.deepspeed.profile} on {args.world_size or 1} rank(s)"
+              + (f" with {cfg.deepspeed.profile} on {world} rank(s)"
                  if cfg.deepspeed.profile != "auto" else ""))
         return 0
     if overrides:  # they would be dropped without a word

@@ -513,6 +513,7 @@ def _validate_task(cfg: RunConfig, source: str) -> None:
         cls = trainers.task_config_class(cfg.trainer)
     except KeyError as err:
         raise ConfigError(source, "trainer", str(err.args[0])) from None
+    _check(not (problem := trainers.model_problem(cfg)), source, "trainer", problem)  # another family's model
     if cls is None:
         if cfg.task:
             raise ConfigError(source, "task", f"trainer {cfg.trainer!r} takes no task settings, "

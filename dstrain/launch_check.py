@@ -88,6 +88,41 @@ def gpu_shortfall(spec: launcher.LaunchSpec, remote: bool, accelerator: str, tor
             f"launch with --nproc {count} or fewer, or --accelerator cpu for CPU ranks")
 
 
+#: RAM a CPU rank holds before its model: Python, torch, DeepSpeed and gloo (a rank of models/gpt/recipes/tiny.json,
+#: whose model states and activations are 32 MB, held 0.55 GB; the imports alone are about 0.26 GB).
+CPU_RANK_BYTES = 500 * 2**20
+
+
+def rank_shortfall(spec: launcher.LaunchSpec, remote: bool, accelerator: str, torchrun: bool = False) -> str | None:
+    """More local ranks than this machine's GPUs (:func:`gpu_shortfall`) or its RAM (:func:`cpu_shortfall`) hold."""
+    return gpu_shortfall(spec, remote, accelerator, torchrun) or cpu_shortfall(spec, remote, accelerator, torchrun)
+
+
+def cpu_shortfall(spec: launcher.LaunchSpec, remote: bool, accelerator: str, torchrun: bool = False,
+                  host_memory: int | None = None) -> str | None:
+    """A local CPU launch whose ranks cannot all start in this machine's RAM: the problem, or None.
+
+    Each rank holds about ``CPU_RANK_BYTES`` before any model, which the plan's per-rank budget
+    (RAM / ranks) does not count: ``--nproc 64`` on a small machine passed the plan of a tiny
+    model and the kernel then killed ranks for memory at their first step. More ranks than
+    cores is allowed (they share the cores). ``host_memory`` defaults to the machine's RAM.
+    """
+    if accelerator != "cpu" or remote or spec.include or spec.exclude:
+        return None
+    sizes = launcher.launch_world_size(spec, torchrun=torchrun)
+    if sizes is None:
+        return None
+    if host_memory is None:
+        import psutil
+        host_memory = psutil.virtual_memory().total
+    most = max(1, host_memory // CPU_RANK_BYTES)
+    if sizes[1] <= most:
+        return None
+    return (f"{sizes[1]} CPU ranks on this machine need about {sizes[1] * CPU_RANK_BYTES / 2**30:.1f} GiB of RAM "
+            f"before any model (about {CPU_RANK_BYTES / 2**30:.1f} GiB a rank: Python, torch, DeepSpeed) and it has "
+            f"{host_memory / 2**30:.1f} GiB: launch with --nproc {most} or fewer")
+
+
 def gpus_short_of(ranks: int, gpu_count: Callable[[], int] | None = None) -> int | None:
     """The GPUs this machine shows (``gpu_count``, default ``torch.cuda.device_count``) when they are
     fewer than ``ranks``; None when there are enough, or none at all (nothing to judge by)."""

@@ -223,8 +223,10 @@ def gpu_peak(name: str, precision: str) -> float | None:
 
 
 def peak_flops(precision: str, measure_cpu: bool = True) -> tuple[float | None, str]:
-    """Peak FLOP/s for MFU: the GPU's datasheet figure, or a matmul measured on this CPU."""
-    if torch.cuda.is_available():
+    """Peak FLOP/s for MFU: the GPU's datasheet figure, or a matmul measured on this CPU.
+
+    CPU ranks on a machine with a GPU (``DS_ACCELERATOR=cpu``) measure the CPU, not the GPU's datasheet."""
+    if torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR") != "cpu":
         name = torch.cuda.get_device_name()
         value = gpu_peak(name, precision)
         if value is not None:

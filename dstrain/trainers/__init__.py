@@ -24,6 +24,31 @@ TRAINERS: dict[str, tuple[str, str | None]] = {
 VARIABLE_SHAPES = frozenset({"grpo", "score"})
 
 
+#: What each trainer needs of the model it trains (``_fits`` tests it), as an error names it.
+NEEDS = {"lm": "a language model (no ACT halting)", "hrm": "a model with ACT halting (such as 'hrm')",
+         "grpo": "a policy model with an RL toolkit (such as 'policy')",
+         "score": "a policy model with an RL toolkit (such as 'policy')"}
+
+
+def _fits(trainer: str, spec, model_cfg) -> bool:
+    """Whether ``trainer`` can train this model family: the RL trainers drive a policy's toolkit
+    (``ModelSpec.rl``), HRM's loop drives ACT halting (``halt_max_steps``), which the LM loop cannot."""
+    act, policy = hasattr(model_cfg, "halt_max_steps"), getattr(spec, "rl", None) is not None
+    return {"grpo": policy, "score": policy, "hrm": act}.get(trainer, not act)
+
+
+def model_problem(cfg) -> str | None:
+    """Why ``cfg.trainer`` cannot train ``cfg.model`` (a recipe of another family), or None."""
+    from models import registry
+    spec = registry.get_spec(cfg.model.name)
+    model_cfg = registry.make_model_config(cfg.model.name, cfg.model.size, cfg.model.args)
+    if cfg.trainer not in TRAINERS or _fits(cfg.trainer, spec, model_cfg):
+        return None
+    fit = " or ".join(repr(t) for t in available() if _fits(t, spec, model_cfg))
+    return (f"trainer {cfg.trainer!r} trains {NEEDS[cfg.trainer]}, not {cfg.model.name!r}, "
+            f"which trains with trainer {fit}")
+
+
 def available() -> list[str]:
     return sorted(TRAINERS)
 

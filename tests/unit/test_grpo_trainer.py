@@ -64,7 +64,9 @@ def test_completion_target_appends_the_stop_string():
 
 
 def test_non_policy_model_is_refused():
-    cfg = load_run_config(RECIPE, ["--model.name=gpt", "--model.size=tiny"])
+    with pytest.raises(ConfigError, match="trainer 'grpo' trains a policy model"):  # when the config loads
+        load_run_config(RECIPE, ["--model.name=gpt", "--model.size=tiny"])
+    cfg = load_run_config(ROOT / "models" / "gpt" / "recipes" / "tiny.json")
     with pytest.raises(ConfigError, match="not a policy"):
         prl.policy_toolkit(cfg)
 

@@ -97,7 +97,9 @@ def test_resume_of_another_models_checkpoint_is_refused_before_any_rank_starts(t
     (tag / "trainer_state.json").write_text(json.dumps({"step": 5}))
     (tag / "run_config.json").write_text(json.dumps(load_run_config(TINY).to_dict()))
     (tag / "COMPLETE").write_text("")
-    argv = ["launch", "--nproc", "2", str(TINY), f"--output.dir={tmp_path}", "--dry-run", "--resume"]
+    # CPU ranks: on a machine with fewer than 2 GPUs, --nproc 2 would be refused before the resume check
+    argv = ["launch", "--nproc", "2", "--accelerator", "cpu", str(TINY), f"--output.dir={tmp_path}", "--dry-run",
+            "--resume"]
     assert main([*argv, "--model.size=small"]) == 2
     err = capsys.readouterr().err
     assert "holds model" in err and '"size": "small"' in err and err.count("\n") == 1
