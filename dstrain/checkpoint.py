@@ -105,10 +105,12 @@ def mark_complete(root: str | Path, tag: str, run_config: dict, ds_config: dict,
 
 def rng_state() -> dict:
     """This rank's generators. CUDA: only this rank's device (each rank sees every GPU of the launch,
-    and a run resumed on fewer GPUs could not restore the states of devices it no longer sees)."""
+    and a run resumed on fewer GPUs could not restore the states of devices it no longer sees); none for
+    CPU ranks on a machine with a GPU (reading it would open a CUDA context on GPU 0 in every rank)."""
+    from dstrain.runtime import ranks_use_cuda
     state = {"python": random.getstate(), "numpy": np.random.get_state(),
              "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
+    if ranks_use_cuda():
         state["cuda_device"] = torch.cuda.get_rng_state()
     return state
 
@@ -117,7 +119,8 @@ def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if not torch.cuda.is_available():
+    from dstrain.runtime import ranks_use_cuda
+    if not ranks_use_cuda():
         return
     if "cuda_device" in state:
         torch.cuda.set_rng_state(state["cuda_device"])

@@ -401,10 +401,10 @@ def cmd_plan(args, overrides) -> int:
     world = 1 if args.world_size is None else args.world_size  # 0 is refused below, as -1 is
     for line in _adopted_lines(_adopt(cfg, world)):
         print(line, file=sys.stderr)
-    device = args.device or ("cuda" if args.device_memory else None)
     from dstrain.engine.ds_check import this_device
     from dstrain.engine.ds_preflight import check_run
-    for note in check_run(cfg, world, device or this_device()):  # the checks a launch runs
+    device = args.device or ("cuda" if args.device_memory else this_device())  # DS_ACCELERATOR=cpu: CPU ranks
+    for note in check_run(cfg, world, device):  # the checks a launch runs
         print(f"dstrain: note: {note}", file=sys.stderr)
     plan = plan_engine(cfg, world, ranks_per_node=min(world, args.gpus_per_node), device_type=device)
     print(plan.explanation)

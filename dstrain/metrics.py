@@ -5,7 +5,6 @@ With DeepSpeed's comms logger on (``output.comms``), every ``train`` record is f
 from __future__ import annotations
 
 import json
-import os
 import resource
 import sys
 import time
@@ -21,7 +20,8 @@ from dstrain.comms import CommsMeter
 def peak_memory_bytes() -> int:
     """Peak memory of this rank: CUDA allocator peak on a GPU, peak RSS on a CPU (CPU ranks on a machine
     with a GPU, ``DS_ACCELERATOR=cpu``, included: a CUDA context they opened holds none of their tensors)."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized() and os.environ.get("DS_ACCELERATOR") != "cpu":
+    from dstrain.runtime import ranks_use_cuda
+    if ranks_use_cuda() and torch.cuda.is_initialized():
         return int(torch.cuda.max_memory_allocated())
     rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss_kb * (1 if sys.platform == "darwin" else 1024))

@@ -45,6 +45,13 @@ _TIMEOUT = None
 """The collective timeout the process group was started with (None: torch's default)."""
 
 
+def ranks_use_cuda() -> bool:
+    """Whether this process's ranks run on CUDA: a GPU is visible and ``DS_ACCELERATOR`` is not "cpu"
+    (CPU ranks on a machine with a GPU, as the 2-rank tests run on a GPU test machine, leave the GPU alone:
+    no CUDA context, no GPU datasheet for MFU, no CUDA generator in checkpoints)."""
+    return torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
+
+
 def group_timeout():
     """Timeout for process groups made after the default one (``dist.new_group``): the run's
     ``train.collective_timeout_s`` rather than torch's default (10 minutes under NCCL)."""
@@ -62,7 +69,7 @@ def init_distributed(timeout_s: float | None = None) -> World:
     import torch.distributed as dist
 
     global _TIMEOUT
-    cuda = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
+    cuda = ranks_use_cuda()
     if not dist.is_initialized():
         kwargs = {}
         if timeout_s is not None:

@@ -226,7 +226,8 @@ def peak_flops(precision: str, measure_cpu: bool = True) -> tuple[float | None, 
     """Peak FLOP/s for MFU: the GPU's datasheet figure, or a matmul measured on this CPU.
 
     CPU ranks on a machine with a GPU (``DS_ACCELERATOR=cpu``) measure the CPU, not the GPU's datasheet."""
-    if torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR") != "cpu":
+    from dstrain.runtime import ranks_use_cuda
+    if ranks_use_cuda():
         name = torch.cuda.get_device_name()
         value = gpu_peak(name, precision)
         if value is not None:

@@ -143,6 +143,7 @@ class _FakeCuda:
 
     def install(self, monkeypatch):
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.delenv("DS_ACCELERATOR", raising=False)  # GPU ranks (CPU ranks keep no CUDA generator)
         monkeypatch.setattr(torch.cuda, "current_device", lambda: self.device)
         monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": self.states[self.device].clone())
         monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [self.states[i].clone() for i in range(self.count)])
