@@ -323,7 +323,9 @@ def default_profiles(cfg, nproc: int) -> list[str]:
     if cfg.deepspeed.profile != "auto":
         return [cfg.deepspeed.profile]
     from dstrain.engine.factory import plan_engine
-    return [plan_engine(cfg, nproc, ranks_per_node=nproc).profile]
+    from dstrain.runtime import ranks_use_cuda
+    device = "cuda" if ranks_use_cuda() else "cpu"  # the ranks' device (DS_ACCELERATOR=cpu beside a GPU: the CPU)
+    return [plan_engine(cfg, nproc, ranks_per_node=nproc, device_type=device).profile]
 
 
 def assemble(opts: BenchOptions, argv: list[str], cfg, jobs: list[dict], device: dict,

@@ -58,3 +58,16 @@ def test_plan_of_cpu_ranks_plans_for_the_cpu(gpu_visible, monkeypatch, capsys):
     recipe = Path(__file__).resolve().parents[2] / "models" / "gpt" / "recipes" / "tiny.json"
     assert cli.main(["plan", str(recipe)]) == 0
     assert seen == ["cpu"] and "cpu" in capsys.readouterr().out.lower()
+
+
+def test_benchmark_default_profile_is_planned_for_the_ranks_device(gpu_visible, monkeypatch):
+    from dstrain import bench
+    from dstrain.config import load_run_config
+    from dstrain.engine import factory
+    seen = []
+    real = factory.plan_engine
+    monkeypatch.setattr(factory, "plan_engine", lambda *a, **k: seen.append(k["device_type"]) or real(*a, **k))
+    cfg = load_run_config(Path(__file__).resolve().parents[2] / "models" / "gpt" / "recipes" / "tiny.json")
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    bench.default_profiles(cfg, 2)
+    assert seen == ["cpu"]
