@@ -247,12 +247,13 @@ def _set_limits(cfg: dict) -> None:
             pass
 
 
-def _make_hook(tmp: str, read_roots: tuple, violations: list, quiet: set = frozenset()):
+def _make_hook(tmp: str, read_roots: tuple, violations: list, quiet: set = frozenset(), kept=None):
     """The audit hook: refuses process creation, signals, sockets, ctypes, introspection,
     writes outside ``tmp`` and reads outside ``read_roots``; records refusals. ``quiet``: ids of
     threads inside the judge's own ``sys.setprofile`` calls (nothing else runs there), and ``"defaults"`` once a
-    function's defaults were read or set."""
+    function's defaults were read or set. ``kept``: whether the built-in classes are intact (``_namespaces.py``)."""
     import _thread
+    import builtins
     import gc
     import os
     import posixpath
@@ -262,7 +263,10 @@ def _make_hook(tmp: str, read_roots: tuple, violations: list, quiet: set = froze
 
     # Path functions with private globals: ``realpath`` reads ``os.lstat`` and ``os.readlink`` from the live
     # module, where a program's replacement would run in here and could lie about where a path leads.
-    g = dict(vars(posixpath), os=types.SimpleNamespace(**vars(os)), stat=types.SimpleNamespace(**vars(stat)))
+    starts, rstrip, rsplit, split, replace, text, decode, join_bytes, index, append, add, mode_of, safe_lstat = \
+        _hook_methods()  # noqa: F821  (_namespaces.py: bound now, and the mode read through a C descriptor)
+    g = dict(vars(posixpath), os=types.SimpleNamespace(**dict(vars(os), lstat=safe_lstat)), __builtins__=dict(
+        vars(builtins)), stat=types.SimpleNamespace(**vars(stat)))  # (builtins too: ``isinstance`` is read there)
     for k, f in vars(posixpath).items():
         if type(f) is types.FunctionType:
             g[k] = types.FunctionType(f.__code__, g, f.__name__, f.__defaults__, f.__closure__)
@@ -284,26 +288,26 @@ def _make_hook(tmp: str, read_roots: tuple, violations: list, quiet: set = froze
         return repr(x) if type(x) is str or type(x) is bytes else "an object"
 
     def under(path: str, roots) -> bool:
-        return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
+        return any(path == r or starts(path, rstrip(r, "/") + "/") for r in roots)
 
     def resolve(p, dir_fd=None):
         if kind(p, str):
-            p = str.__str__(p)  # an exact str: a subclass cannot lie to the checks below
+            p = text(p)  # an exact str: a subclass cannot lie to the checks below
         elif kind(p, (bytes, bytearray)):
-            p = bytes.decode(b"".join((p,)), encoding, errors)
+            p = decode(join_bytes(b"", (p,)), encoding, errors)
         else:
             return None  # path-like objects could answer differently on a second call
-        if "\0" in p:
+        if "\0" in p or kept is not None and not kept():
             return None
         if not isabs(p):
-            fd = int.__index__(dir_fd) if kind(dir_fd, int) else None
+            fd = index(dir_fd) if kind(dir_fd, int) else None
             base = getcwd() if fd in (None, -1, -100) else readlink(f"/proc/self/fd/{fd}")
             p = join(base, p)
         return realpath(p)
 
     def deny(event: str, why: str):
         if len(violations) < 20:
-            violations.append(f"{event}: {why}"[:200])
+            append(violations, f"{event}: {why}"[:200])
         raise PermissionError(f"sandbox: {event} is not allowed ({why})")
 
     def writable(path) -> bool:
@@ -314,7 +318,7 @@ def _make_hook(tmp: str, read_roots: tuple, violations: list, quiet: set = froze
         if not under(path, (tmp,)):
             return False
         try:
-            mode = lstat(path).st_mode
+            mode = mode_of(lstat(path))
         except OSError:
             return True
         return S_ISREG(mode) or S_ISDIR(mode)
@@ -325,8 +329,8 @@ def _make_hook(tmp: str, read_roots: tuple, violations: list, quiet: set = froze
             if kind(path, int) and not kind(path, bool):
                 return
             target = resolve(path)
-            write = (kind(flags, int) and int.__index__(flags) & write_flags) or (
-                kind(mode, str) and any(c in str.__str__(mode) for c in "wax+"))
+            write = (kind(flags, int) and index(flags) & write_flags) or (
+                kind(mode, str) and any(c in text(mode) for c in "wax+"))
             if write:
                 if not writable(target):
                     deny(event, f"write to {target or shown(path)}")
@@ -334,12 +338,12 @@ def _make_hook(tmp: str, read_roots: tuple, violations: list, quiet: set = froze
             if target is None or not under(target, read_roots):
                 deny(event, f"read of {target or shown(path)}")
             try:
-                is_dir = S_ISDIR(lstat(target).st_mode)
+                is_dir = S_ISDIR(mode_of(lstat(target)))
             except OSError:
                 is_dir = False
             if is_dir and not under(target, (tmp,)):
                 deny(event, f"directory {target}")
-        elif event in _DENY or event.startswith(_DENY_PREFIXES):
+        elif event in _DENY or starts(event, _DENY_PREFIXES):
             deny(event, "forbidden")
         elif event in _SIGNAL_OWNER and type(args) is tuple and len(args) > 1 and type(args[1]) is int \
                 and args[1] in _SIGNAL_OWNER[event]:  # the C call's own ints (``sys.audit`` may pass anything)
@@ -351,15 +355,14 @@ def _make_hook(tmp: str, read_roots: tuple, violations: list, quiet: set = froze
         elif event == "import":
             args = tuple(args) + (None, None)
             name, path = args[0], args[1]
-            name = bytes.decode(name, encoding, errors) if kind(name, bytes) else str.__str__(name) \
-                if kind(name, str) else ""
-            short = name.rsplit(".", 1)[-1].replace("-", "_")  # the C loader's PyInit_<name>: '-' is '_' there
-            if short.startswith(_DENY_MODULES) or (name if path is None else short) in builtin_names:
+            name = decode(name, encoding, errors) if kind(name, bytes) else text(name) if kind(name, str) else ""
+            short = replace(rsplit(name, ".", 1)[-1], "-", "_")  # the C loader's PyInit_<name>: '-' is '_' there
+            if starts(short, _DENY_MODULES) or (name if path is None else short) in builtin_names:
                 deny(event, f"module {name}")  # (a built-in one was loaded before: this would be a second copy)
             if path is not None:  # an extension module's file: one installed with the interpreter, not the program's
                 target = resolve(path)  # (/proc/self/fd/N names the file it is open on)
                 if target is None or not under(target, read_roots) or under(target, (tmp,)) \
-                        or target.rsplit("/", 1)[-1].split(".", 1)[0].replace("-", "_").startswith(_DENY_MODULES):
+                        or starts(replace(split(rsplit(target, "/", 1)[-1], ".", 1)[0], "-", "_"), _DENY_MODULES):
                     deny(event, f"extension module {target or shown(path)}")
         elif event in ("os.listdir", "os.scandir"):
             path = (tuple(args) + (None,))[0]
@@ -373,7 +376,7 @@ def _make_hook(tmp: str, read_roots: tuple, violations: list, quiet: set = froze
         elif event in ("object.__getattr__", "object.__setattr__"):
             name = args[1] if len(args) > 1 and type(args[1]) is str else ""
             if name in ("__defaults__", "__kwdefaults__"):  # from now on the guards check the library's functions'
-                quiet.add("defaults")  # defaults (``_guards._make_guards``' ``cells_kept``: costly for every test)
+                add(quiet, "defaults")  # defaults (``_guards._make_guards``' ``cells_kept``: costly for every test)
             if event == "object.__getattr__" and name in _FRAME_ATTRS:
                 raise AttributeError(f"sandbox: {name} is not accessible")
             if event == "object.__setattr__" and name == "__code__":  # a library function made to run the program's code
@@ -421,7 +424,8 @@ def _worker(job: dict, prepared: list, box: list, judge: tuple, done) -> None:
     bdict = builtins.__dict__
     function = type(_worker)
     checks, modules, tools = judge
-    saved = None
+    saved, clear, update, kept, release, gc_on, gc_off = (None, dict.clear, dict.update, tools[-1], done.release,
+                                                          gc.enable, gc.disable)  # (bound now: see _namespaces.py)
     try:
         try:
             code = compile(job["program"], "<solution>", "exec")
@@ -435,8 +439,10 @@ def _worker(job: dict, prepared: list, box: list, judge: tuple, done) -> None:
         except BaseException as e:
             box[1:] = ["program", _describe(e)]  # noqa: F821  (_guards.py)
             return
-        dict.clear(bdict)
-        dict.update(bdict, saved)
+        if not kept():
+            return
+        clear(bdict)
+        update(bdict, saved)
         if job["setup"].strip():
             try:
                 _run_setup(ns, tools)  # noqa: F821  (_guards.py: with the real builtins, its bindings kept)
@@ -445,17 +451,20 @@ def _worker(job: dict, prepared: list, box: list, judge: tuple, done) -> None:
                 return
         passed, detail = 0, ""
         for i, prep in enumerate(prepared):
-            dict.clear(bdict)
-            dict.update(bdict, saved)
-            gc.enable()
+            gc_off()  # (no finalizer of the program's in the judge's code until the test runs)
+            if not kept() or tools[0]() != 1:  # (before the judge's code looks up methods by name again; no thread
+                break  # of the program's left to change a namespace meanwhile)
+            clear(bdict)
+            update(bdict, saved)
             ok, why, bad = False, "failed", []
             try:
                 if type(prep) is str:  # a test that does not compile
                     why = prep
                 else:
                     guards = _make_guards(checks, ns, bad, saved, modules, prep[1], tools)  # noqa: F821
+                    gc_on()  # (only now: a finalizer of the program's would run in the judge's code above)
                     function(prep[0], ns)(*guards)
-                    ok = not bad
+                    ok = not bad and kept()  # (and no built-in class changed: see _namespaces.py)
             except BaseException as e:
                 why = _describe(e)  # noqa: F821  (_guards.py)
             if bad:  # even when the program caught the guard's exception
@@ -466,16 +475,16 @@ def _worker(job: dict, prepared: list, box: list, judge: tuple, done) -> None:
                 detail = f"test {i + 1}: {why}"
         box[:] = [passed, "ok", detail]
     finally:
-        gc.enable()
-        if saved is not None:
-            dict.clear(bdict)
-            dict.update(bdict, saved)
+        gc_on()
+        if saved is not None and kept():
+            clear(bdict)
+            update(bdict, saved)
         for stream in (out, err):
             try:
                 stream.flush()
             except BaseException:
                 pass
-        done.release()
+        release()
 
 
 def _run(result_fd: int, isolation: str, max_processes: int) -> None:
@@ -516,6 +525,7 @@ def _execute(job: dict, result_fd: int, isolation: str, max_processes: int) -> N
         if not name.startswith("__"):
             scope.setdefault(name, value)
     write, fstat, exit_now, sleep, count = os.write, os.fstat, os._exit, time.sleep, _thread._count
+    text, replace, encode = str.__str__, str.replace, str.encode  # (bound now: see _namespaces.py)
     st = fstat(result_fd)
     pipe_id = (st.st_dev, st.st_ino)
     nonce = job.pop("nonce").encode()
@@ -540,32 +550,35 @@ def _execute(job: dict, result_fd: int, isolation: str, max_processes: int) -> N
     violations = []
     box = [0, "crash", "worker did not finish"]
     done = _thread.allocate_lock()
-    done.acquire()
+    acquire = done.acquire  # (bound now: see _namespaces.py)
+    acquire()
     # Modules are compiled from source from now on: no .pyc is read (marshal is refused, see
     # _DENY) and none can be planted, as the cache folder would be inside the program's own.
     sys.pycache_prefix = os.path.join(tmp, ".no-pycache")
     import signal  # noqa: F401  (loaded now, so that _drop_unaudited reaches its copy too)
     _drop_unaudited()  # noqa: F821  (_frames.py, like _frame_builtins)
     tools = _guard_tools(_QUIET, job["setup"])  # noqa: F821  (_guards.py; _QUIET: _frames.py)
-    sys.addaudithook(_make_hook(tmp, tuple(sorted(roots)), violations, tools[5]))
+    sys.addaudithook(_make_hook(tmp, tuple(sorted(roots)), violations, tools[5], tools[-1]))
     _thread.start_new_thread(_worker, (job, prepared, box, (checks, _SNAPSHOT[1], tools), done))
     try:  # only now: counted per user, the limit could otherwise stop the worker thread itself
         resource.setrlimit(resource.RLIMIT_NPROC, (max_processes, max_processes))
     except (ValueError, OSError):
         pass
-    done.acquire()
+    acquire()
     for _ in range(1000):  # let the worker thread end (0.5 s at most); any other thread is a violation
         if count() == 0:
             break
         sleep(0.0005)
     else:
-        violations.append("threads left running")
+        violations[len(violations):] = ["threads left running"]
+    if not tools[-1]():  # a built-in class's namespace changed, ever: the program's method would write this line
+        violations[:0] = ["the program changed the namespace of a built-in class"]
     passed, phase, detail = box
     if violations:
         phase, detail = "violation", violations[0]
-    detail = str.__str__(detail).replace("\n", "\\n").replace("\t", " ")[:1000]
-    line = b"\n" + nonce + f" {int(passed)} {total} {phase} {len(violations)} {isolation}\t{detail}\n".encode(
-        "utf-8", "replace")
+    detail = replace(replace(text(detail), "\n", "\\n"), "\t", " ")[:1000]
+    line = b"\n" + nonce + encode(f" {int(passed)} {total} {phase} {len(violations)} {isolation}\t{detail}\n",
+                                   "utf-8", "replace")
     st = fstat(result_fd)
     if (st.st_dev, st.st_ino) == pipe_id:  # the program may have swapped the descriptor
         write(result_fd, line)

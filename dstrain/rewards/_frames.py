@@ -38,11 +38,11 @@ def _drop_unaudited() -> None:
                     delattr(module, name)
 
 
-_FRAME_WRAPPERS = "def _make(_next, _factory):\n" + "".join(f"""
+_FRAME_WRAPPERS = "def _make(_next, _factory, _send):\n" + "".join(f"""
     def {name}({params}):
         worker = _next(_factory)
         _next(worker)
-        ok, result = worker.send(("{name}", ({args}), {closure}))
+        ok, result = _send(worker, ("{name}", ({args}), {closure}))
         if not ok:
             raise result
         return result
@@ -82,6 +82,12 @@ def _frame_builtins() -> None:
     real = {n: vars(builtins)[n] for n in ("eval", "exec", "globals", "locals", "vars")}
     judge.update(real)  # (the judge's own ``exec(code, ns)``)
     getframe, get_ident, refused, dict_type = sys._getframe, _thread.get_ident, id(judge), dict
+    # bound now (see ``_namespaces.py``): ``set.add`` would hand the program ``quiet``, ``f_code`` a frame
+    add, discard, contains, setitem = set.add, set.discard, dict.__contains__, dict.__setitem__
+    dict_of = type.__dict__["__dict__"].__get__
+    frame_ns, co_filename = dict_of(type(getframe())), dict_of(type(getframe().f_code))["co_filename"].__get__
+    f_code, f_globals, f_locals, f_builtins = (frame_ns[n].__get__ for n in ("f_code", "f_globals", "f_locals",
+                                                                             "f_builtins"))
     namespace = {"__builtins__": {}}
     real["exec"](compile(_FRAME_WRAPPERS, "<sandbox-builtins>", "exec"), namespace)
 
@@ -89,16 +95,16 @@ def _frame_builtins() -> None:
         """The frame that called the wrapper (or the worker, called directly), or None when it is the judge's or a
         test's."""
         ident = get_ident()
-        quiet.add(ident)
+        add(quiet, ident)
         try:  # 0 is this function, 1 the worker, 2 what sent to it: a wrapper, or the program calling a worker itself
             frame = getframe(2)
-            if id(frame.f_code) in wrapper_codes:
+            if id(f_code(frame)) in wrapper_codes:
                 frame = getframe(3)
         except ValueError:
             return None
         finally:
-            quiet.discard(ident)
-        if id(frame.f_globals) == refused or frame.f_code.co_filename == "<test>":
+            discard(quiet, ident)
+        if id(f_globals(frame)) == refused or co_filename(f_code(frame)) == "<test>":
             return None
         return frame
 
@@ -116,13 +122,13 @@ def _frame_builtins() -> None:
                 if args:  # (vars(obj): no frame read)
                     result = real["vars"](*args)
                 else:
-                    result = frame.f_globals if kind == "globals" else frame.f_locals
+                    result = f_globals(frame) if kind == "globals" else f_locals(frame)
             else:
                 source, g, loc = args
                 if g is None:
-                    g, loc = frame.f_globals, frame.f_locals if loc is None else loc
-                if issubclass(type(g), dict_type) and not dict_type.__contains__(g, "__builtins__"):
-                    dict_type.__setitem__(g, "__builtins__", frame.f_builtins)  # (the caller's, as the builtin does)
+                    g, loc = f_globals(frame), f_locals(frame) if loc is None else loc
+                if issubclass(type(g), dict_type) and not contains(g, "__builtins__"):
+                    setitem(g, "__builtins__", f_builtins(frame))  # (the caller's, as the builtin does)
                 del frame
                 extra = {} if closure is None else {"closure": closure}
                 result = real[kind](source, g, loc, **extra)
@@ -142,7 +148,7 @@ def _frame_builtins() -> None:
 
     made = factory()
     next(made)
-    wrappers = namespace.pop("_make")(next, made)
+    wrappers = namespace.pop("_make")(next, made, type(made).send)  # (``send`` bound: see ``_namespaces.py``)
     wrapper_codes = frozenset(id(w.__code__) for w in wrappers)
     for n, w in zip(("eval", "exec", "globals", "locals", "vars"), wrappers):
         setattr(builtins, n, w)

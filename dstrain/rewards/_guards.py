@@ -49,7 +49,8 @@ def _guard_tools(quiet: set, setup: str = "") -> tuple:
         return tuple((tuple(local(t)), strftime("%Z", local(t))) for t in (0, 1_700_000_000, 1_715_000_000))
     # the interpreter's own table of modules (the C code's imports read it, whatever ``sys.modules`` is bound to later)
     return (_thread._count, gc.disable, gc.callbacks, sys.setprofile, _thread.get_ident, quiet, context, vars(builtins),
-            builtins, re_cache, _prepare_setup(setup), {}, sys.modules, (zone, zone()), _library_cells())  # noqa: F821
+            builtins, re_cache, _prepare_setup(setup), {}, sys.modules, (zone, zone()), _library_cells(),  # noqa: F821
+            _frame_readers(), _namespaces_check([]))  # noqa: F821  (_namespaces.py: see there)
 
 
 _LRU_CLEARS = (None, ())  # (the _SNAPSHOT they were found for, the functions): see _lru_clears
@@ -135,7 +136,7 @@ def _library_cells() -> tuple:
 def _run_setup(ns: dict, tools: tuple) -> None:
     """Runs the task's setup in the program's namespace with the real builtins (the program may have bound
     its own ``__builtins__``, whose ``__import__`` would hand ``from math import isclose`` a fake), one
-    top-level statement at a time, and keeps (``tools[-1]``) what each bound: a test reads those names as
+    top-level statement at a time, and keeps (``tools[11]``) what each bound: a test reads those names as
     the setup left them, not as the program's code rebinds them later (``isclose = max`` in the tested
     function, or in a class the setup instantiates)."""
     module, steps, fixed = tools[8], tools[10], tools[11]
@@ -146,6 +147,9 @@ def _run_setup(ns: dict, tools: tuple) -> None:
         _str_keys_only(ns)
         dict.__setitem__(ns, "__builtins__", module)
         exec(code, ns)
+        tools[1]()  # (gc off: a finalizer of the program's would run in the judge's code below, and then)
+        if not tools[-1]():  # no built-in class's namespace changed by the program's code the setup ran
+            raise AssertionError("the program changed the namespace of a built-in class in the setup")
         _str_keys_only(ns)
         fixed.update((k, v) for k, v in dict.items(ns) if k in names)
         # an import binds the module as it was before the program ran, and its attribute as it was then: not what
@@ -189,7 +193,7 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
     function, module_type, missing = type(_make_guards), type(_judge_sys), object()  # noqa: F821  (_judge.py)
     count, gc_disable, gc_callbacks, set_profile, get_ident, quiet, (get_context, set_context, context), live, \
         builtins_module, (re_dict, re_caches, re_clears), _, fixed, interp_modules, (zone, zone_was), \
-        (cells, defaulted) = tools
+        (cells, defaulted), (f_globals, f_code, co_name), types_kept = tools
     _str_keys_only(ns)
     # the test function takes its builtins from the globals it is made with (``__import__``, ``__build_class__``)
     dict.__setitem__(ns, "__builtins__", builtins_module)
@@ -197,7 +201,7 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
     # names no other global of the program's nor another builtin the program defines (``abs``, a judging function)
     mine = [n for n in test_names if n in builtins and n in ns]
     shadow = mine[0] if len(mine) == 1 and not any(n not in builtins and n in ns for n in test_names) else None
-    by_name = {rec[2]: rec[0] for rec in modules.values()}
+    by_name, get = {rec[2]: rec[0] for rec in modules.values()}, dict.get
     # the code of the task's setup (its functions and methods): task code, not the program's (see ``setup_call``)
     setup_codes, todo = {}, [s[0] for s in tools[10]] if type(tools[10]) is list else []
     while todo:
@@ -206,7 +210,7 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
             setup_codes[id(c)] = c
             todo.extend(x for x in c.co_consts if type(x) is type(c))
 
-    def name(n, as_module=False):
+    def name(n, as_module=False):  # (no method looked up by name: ``get``, bound when these guards were made)
         if as_module and n in by_name:  # ``math.isclose``: the module, whatever the program bound to the name
             return by_name[n]
         if n in builtins:
@@ -215,28 +219,28 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
             if n == shadow:
                 return ns[n]
             return builtins[n]
-        v = fixed[n] if n in fixed else ns.get(n, missing)  # (``fixed``: what the setup bound, see ``_run_setup``)
-        real = by_name.get(n)
+        v = fixed[n] if n in fixed else get(ns, n, missing)  # (``fixed``: what the setup bound, see ``_run_setup``)
+        real = get(by_name, n)
         if real is not None and (v is missing or type(v) is module_type):
             return real  # (identity tests only: a metaclass's __eq__ must not decide this)
         if v is missing:
             raise NameError(f"name {n!r} is not defined")
         if shadow is not None:  # the program's builtin was given to this test because it named no global of the
-            bad.append(f"the program's global {n} appeared while the test ran")  # program's: this one was
+            bad[len(bad):] = [f"the program's global {n} appeared while the test ran"]  # program's: this one was
             raise AssertionError(bad[-1])  # hidden then (deleted by the tested function, a key that puts it back)
         return v
 
     def attr(obj, n):
-        rec = modules.get(id(obj))
+        rec = get(modules, id(obj))
         known = rec is not None and rec[0] is obj  # a module loaded before the program ran
-        if type(obj) is module_type:
-            if known and n in rec[1]:
-                return rec[1][n]
-        else:
+        if type(obj) is module_type and known and n in rec[1]:
+            return rec[1][n]  # (nothing looked up by name: no check of the built-in classes needed)
+        types_intact("before the test read " + n)
+        if type(obj) is not module_type:
             if known:  # (``math.__class__ = M``: M's __getattribute__ would answer)
                 modules_kept("before the test read " + n)
             if overridden(obj, n):
-                bad.append(f"{type(obj).__name__}.{n} is the program's, in place of the library's")
+                bad[len(bad):] = [f"{type(obj).__name__}.{n} is the program's, in place of the library's"]
                 raise AssertionError(bad[-1])
         return getattr(obj, n)
 
@@ -250,15 +254,25 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
     real_globals = {id(vars(rec[0])): rec[2] for rec in modules.values()}
 
     kept = []  # the program's gc callbacks, held until the test ends: dropped here, their finalizers would run
+    fresh_guard = []  # set where the built-in classes were just checked (see ``builtins_kept``)
 
-    def value(v):
+    def types_intact(when: str) -> None:
+        """Fails the test (and the run: see ``_namespaces.py``) if a built-in class's namespace was ever changed.
+        (``bad`` is filled by slot operations only: a program's ``list.append`` could empty it.)"""
+        if not types_kept():
+            bad[len(bad):] = [f"the program changed the namespace of a built-in class {when}"]
+            raise AssertionError(bad[-1])
+
+    def value(v, fresh=False):
         gc_disable()  # no finalizer or gc callback of the program between this check and the operation
+        if not fresh:  # (``fresh``: checked just before, and only the judge's code ran since)
+            types_intact("before a value was judged")
         kept.extend(gc_callbacks)
         del gc_callbacks[:]
         if count() != 1:
-            bad.append("a thread of the program was running while a result was judged")
+            bad[len(bad):] = ["a thread of the program was running while a result was judged"]
         elif not trusted(v):
-            bad.append(f"untrusted value of type {type(v).__name__}")
+            bad[len(bad):] = [f"untrusted value of type {type(v).__name__}"]
         else:
             return v
         raise AssertionError(bad[-1])
@@ -284,7 +298,7 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
         module's ``__class__`` can be assigned, and its class's ``__getattribute__`` would answer for any attribute
         that a test or library code reads (``math.isclose``)."""
         if set(map(type, loaded)) - {module_type}:
-            bad.append(f"the program changed the class of a module {when}")
+            bad[len(bad):] = [f"the program changed the class of a module {when}"]
             raise AssertionError(bad[-1])
 
     c_called = tuple((n, by_name[n]) for n in _C_CALLED if n in by_name)  # noqa: F821  (_judge.py)
@@ -303,14 +317,14 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
             if type(k) is str and k in c_names:
                 found[k] = v
             elif type(k) is str and k in by_name and by_name[k] is not v:  # a library function's own ``import``
-                bad.append(f"module {k} was replaced by the program {when}")  # (``Counter.most_common``'s ``import
-                raise AssertionError(bad[-1])  # heapq``) would read this entry, a fake of the program's
+                bad[len(bad):] = [f"module {k} was replaced by the program {when}"]  # (``Counter.most_common``'s
+                raise AssertionError(bad[-1])  # ``import heapq``) would read this entry, a fake of the program's
         for n, real in c_called:
             if found.get(n) is not real or not module_intact(n, 1, n in ("copyreg", "_strptime")):
-                bad.append(f"module {n} was changed by the program {when}")
+                bad[len(bad):] = [f"module {n} was changed by the program {when}"]
                 raise AssertionError(bad[-1])
         if zone() != zone_was:  # (tuples of ints and exact strs: no program code runs)
-            bad.append(f"the program changed the time zone {when}")
+            bad[len(bad):] = [f"the program changed the time zone {when}"]
             raise AssertionError(bad[-1])
 
     cell_contents = type((lambda: cells).__closure__[0]).__dict__["cell_contents"].__get__
@@ -338,11 +352,11 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
             except ValueError:
                 x = missing
             if x is not was and not (id(type(x)) in scalar_ids and id(type(was)) in scalar_ids):
-                bad.append(f"a closure of the library was changed by the program {when}")
+                bad[len(bad):] = [f"a closure of the library was changed by the program {when}"]
                 raise AssertionError(bad[-1])
         if "defaults" in quiet and not (all(map(same_object, map(get_defaults, fns), defaults_was)) and all(
                 map(same_object, map(get_kw, fns), kw_was)) and all(same(_shallow(x), h) for x, h in contents_was)):
-            bad.append(f"the defaults of a library function were changed by the program {when}")
+            bad[len(bad):] = [f"the defaults of a library function were changed by the program {when}"]
             raise AssertionError(bad[-1])
 
     def same(a, b) -> bool:  # two ``_shallow`` tuples: the same objects, in the same order
@@ -355,6 +369,10 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
         (``builtins.isinstance = slice; builtins.all = bool`` in the tested function, C callables no profile
         sees, and ``Counter() == 3`` says yes). Only exact ``str`` keys are looked up (no program ``__eq__``).
         No module may have a class of the program's either (:func:`modules_kept`)."""
+        if fresh_guard:  # (its caller checked the built-in classes, and only the judge's code ran since)
+            del fresh_guard[:]
+        else:
+            types_intact(when)
         modules_kept(when)
         cells_kept(when)
         if calls:  # (a call's: an operator of the test on trusted values runs no C code that calls into them)
@@ -365,7 +383,7 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
                     break
             else:
                 return
-        bad.append(f"the program changed the builtins {when}")
+        bad[len(bad):] = [f"the program changed the builtins {when}"]
         raise AssertionError(bad[-1])
 
     def holds_guards(a) -> bool:
@@ -374,18 +392,22 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
             and any(n.startswith("_sbx_") for n in a.__code__.co_freevars)
 
     def call(fn, *args, **kw):
+        types_intact("before the test's call")
         if (any(map(holds_guards, args)) or any(map(holds_guards, kw.values()))) \
                 and not any(fn is f for f in lambda_takers):  # a guarded lambda goes to the real builtins only
-            bad.append("a lambda of the test was handed to something other than the builtin it was written for")
+            bad[len(bad):] = ["a lambda of the test was handed to something other than the builtin it was written "
+                              "for"]
             raise AssertionError(bad[-1])
         inner = fn.__func__ if type(fn) is method else fn
         if type(inner) is function and id(inner.__code__) in setup_codes:
             return setup_call(fn, inner.__code__, args, kw)
         if own(fn):
-            return fn(*args, **kw)
+            result = fn(*args, **kw)
+            types_intact("in its function")
+            return result
         for k, cache in re_caches.items():
             if re_dict.get(k) is not cache:
-                bad.append("module re was changed by the program")
+                bad[len(bad):] = ["module re was changed by the program"]
                 raise AssertionError(bad[-1])
             dict.clear(cache)
         for clear in re_clears:
@@ -399,12 +421,12 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
             name_of = dict_of(fn).get("__module__")  # a library class of Python code: its module's (``Fraction``)
         # ``re._compile`` replaced under ``re.match``, or its cache a dict subclass that answers for any pattern
         if name_of is not None and not module_intact(name_of, caches=True):
-            bad.append(f"module {name_of} was changed by the program")
+            bad[len(bad):] = [f"module {name_of} was changed by the program"]
             raise AssertionError(bad[-1])
-        for a in args:
-            value(a)
+        for a in args:  # (checked at this call's start, and only the judge's code ran since)
+            value(a, True)
         for a in kw.values():
-            value(a)
+            value(a, True)
         # ``map`` and ``filter`` as generators of this function: the items they hand to a library callable are
         # checked like any call's arguments (``all(map(operator.eq, gen, ys))``), and a ``StopIteration`` the
         # program's function raises cannot end the iteration early for ``all`` (PEP 479: a RuntimeError).
@@ -426,7 +448,9 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
                 kw = {k: materialized(a) for k, a in kw.items()}
                 for a in (*args, *kw.values()):
                     value(a)
+                fresh_guard[:] = [True]
                 return guarded("the test's call of " + str(getattr(fn, "__name__", "a library function")), fn, *args, **kw)
+            fresh_guard[:] = [True]
             builtins_kept("before the test's call")
             programs_context = get_context()
             set_context(context.copy())  # (``abs(d)`` rounds in it)
@@ -443,6 +467,7 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
         args = [materialized(a) for a in args]
         for a in (receiver, *args, *kw.values()):
             value(a)
+        fresh_guard[:] = [True]
         result = guarded("the test's call of " + getattr(fn, "__name__", "a method"), fn, *args, **kw)
         value(receiver)
         return result
@@ -460,18 +485,18 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
             todo.extend(x for x in c.co_consts if type(x) is type(c))
         for n in reads:
             if n in builtins and n not in fixed and dict.__contains__(ns, n):
-                bad.append(f"the program's {n} hides the builtin a function of the setup reads")
+                bad[len(bad):] = [f"the program's {n} hides the builtin a function of the setup reads"]
                 raise AssertionError(bad[-1])
         for a in (*args, *kw.values()):
             value(a)
         return guarded("the setup's " + code.co_name, fn, *args, **kw)
 
-    flagged = []
+    flagged, quiet_add, quiet_discard = [], set.add, set.discard  # (bound now: see ``_namespaces.py``)
 
-    def watch(frame, event, arg):
-        if event == "call" and not flagged and frame.f_globals is not judge_globals \
-                and id(frame.f_code) not in library_code and id(frame.f_code) not in setup_codes:
-            flagged.append(frame.f_code.co_name)
+    def watch(frame, event, arg):  # (what it reads, bound before the program ran: see ``_namespaces.py``)
+        if event == "call" and not flagged and f_globals(frame) is not judge_globals \
+                and id(f_code(frame)) not in library_code and id(f_code(frame)) not in setup_codes:
+            flagged[:] = [co_name(f_code(frame))]
 
     def guarded(what: str, fn, *args, **kw):
         """``fn(*args, **kw)`` with no Python code but the library's (and the judge's) allowed to run."""
@@ -482,19 +507,19 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
         programs_context = get_context()
         set_context(context.copy())
         gc_disable()  # a finalizer run while ``quiet`` would be the program's code with the hook silent
-        quiet.add(ident)
+        quiet_add(quiet, ident)
         set_profile(watch)
-        quiet.discard(ident)
+        quiet_discard(quiet, ident)
         try:
             result = fn(*args, **kw)
         finally:
             gc_disable()  # (the program's code, flagged, may have enabled it again inside ``fn``)
-            quiet.add(ident)
+            quiet_add(quiet, ident)
             set_profile(None)
-            quiet.discard(ident)
+            quiet_discard(quiet, ident)
             set_context(programs_context)
         if flagged:
-            bad.append(f"the program's code ({flagged[0]}) ran inside {what}")
+            bad[len(bad):] = [f"the program's code ({flagged[0]}) ran inside {what}"]
             raise AssertionError(bad[-1])
         builtins_kept("during " + what, calls)
         return result
@@ -505,6 +530,7 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
         While it runs, any Python code that is not the library's (a metaclass's ``__subclasscheck__``
         reached through an ABC check, a function put into a library module, a generator's body, a
         ``defaultdict`` factory under ``Counter.__eq__``) fails the test."""
+        types_intact("before the test's operation")
         if op == "chain":  # ``a < b < c``: a (the operator names), b (every operand, already evaluated)
             result = True
             for i, name_ in enumerate(a):
@@ -515,17 +541,20 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
         if op == "getitem":  # ``d[k]``: a key of the program's must not decide a lookup in a library container
             if not library_class(type(a)):  # (hash and ``__eq__`` of an always-equal key); the program's own
                 return a[b]  # container answers as the program's code, and what it gives is judged where used
-            value(b)
+            value(b, True)
+            fresh_guard[:] = [True]
             result = guarded("the test's subscript", operators[op], a, b)
-            value(b)
+            value(b, True)
             return result
-        if op in ("in_", "not_in"):  # ``3 in gen``: the program's generator runs first, as its own code
+        fresh = op not in ("in_", "not_in")
+        if not fresh:  # ``3 in gen``: the program's generator runs first, as its own code
             b = materialized(b)
-        value(a)
-        value(b)
-        result = value(guarded(f"the test's {op}", operators[op], a, b))
-        value(a)  # again: a C-level callable of the program's that the library reached (a metaclass's
-        value(b)  # ``__subclasscheck__`` in an ABC check) runs no Python frame for the profile guard to flag
+        value(a, fresh)
+        value(b, True)
+        fresh_guard[:] = [True]
+        result = value(guarded(f"the test's {op}", operators[op], a, b), True)  # (``guarded`` checks, at its end)
+        value(a, True)  # again: a C-level callable of the program's that the library reached (a metaclass's
+        value(b, True)  # ``__subclasscheck__`` in an ABC check) runs no Python frame for the profile guard to flag
         return result
 
     return value, call, name, attr, operate

@@ -270,6 +270,7 @@ def _serve(isolation: str) -> None:
     _SNAPSHOT = _type_snapshot()  # noqa: F821  (from _judge.py): the classes every child starts with
     _lru_clears()  # noqa: F821  (from _guards.py: found once here, for every child of this snapshot)
     _library_cells()  # noqa: F821  (likewise)
+    _fixed_namespaces()  # noqa: F821  (from _namespaces.py: likewise)
     gc.collect()
     gc.freeze()
     # As its PID namespace's init, the server gets from its children only the signals it

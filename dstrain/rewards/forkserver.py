@@ -28,12 +28,12 @@ import time
 from pathlib import Path
 
 from dstrain.rewards import _child
-from dstrain.rewards.sandbox import _CHILD_SOURCE
+from dstrain.rewards.sandbox import _CHILD_SOURCE, compact_source
 
 GRACE_S = 5.0
 """How long past a job's wall-clock limit a server may take to reply before it is replaced."""
 START_TIMEOUT_S = 60.0
-_SERVER_SOURCE = (Path(_child.__file__).parent / "_server.py").read_text()
+_SERVER_SOURCE = compact_source((Path(_child.__file__).parent / "_server.py").read_text())
 
 
 class ServerLost(RuntimeError):

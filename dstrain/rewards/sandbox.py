@@ -114,8 +114,34 @@ MODES = ("fork_server", "spawn")
 def default_mode() -> str:
     """``"fork_server"`` on Linux (it relies on ``fork`` and ``/proc``), ``"spawn"`` elsewhere."""
     return "fork_server" if sys.platform.startswith("linux") else "spawn"
-_CHILD_SOURCE = "".join((Path(_child.__file__).parent / name).read_text()
-                        for name in ("_rewrite.py", "_judge.py", "_guards.py", "_frames.py", "_child.py"))
+
+
+#: Linux's limit on one command-line argument (MAX_ARG_STRLEN, 32 pages): the child's source travels as one.
+ARG_BYTES = 32 * 4096
+
+
+def compact_source(text: str) -> str:
+    """``text`` without its comments and docstrings (parsed and written back by ``ast``; the code is the
+    same): the child's source is passed to each interpreter as one argument, which Linux caps at
+    :data:`ARG_BYTES`, and the sandbox modules' prose alone would take a third of that."""
+    import ast
+    tree = ast.parse(text)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and all(isinstance(n, ast.stmt) for n in body):
+            kept = [n for n in body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)
+                                            and isinstance(n.value.value, str))]
+            node.body = kept or [ast.Pass()]
+    out = ast.unparse(tree) + "\n"
+    if len(out.encode()) >= ARG_BYTES:
+        raise RuntimeError(f"the sandbox child's source is {len(out.encode())} bytes even without comments, over "
+                           f"Linux's {ARG_BYTES} for one argument: split it, or pass it another way")
+    return out
+
+
+_CHILD_SOURCE = compact_source("".join((Path(_child.__file__).parent / name).read_text()
+                                       for name in ("_rewrite.py", "_judge.py", "_guards.py", "_frames.py",
+                                                    "_namespaces.py", "_child.py")))
 _RESULT_CAP = 1 << 16
 
 
