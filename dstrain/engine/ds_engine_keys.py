@@ -214,13 +214,15 @@ _OBJECT_SCHEDULERS = {"LambdaLR": "lr_lambda", "MultiplicativeLR": "lr_lambda", 
                       "ChainedScheduler": "schedulers"}
 
 
-def run_length_problems(cfg: dict, steps: int) -> list[str]:
+def run_length_problems(cfg: dict, steps: int, per_step: int = 1) -> list[str]:
     """torch's OneCycleLR raises ('Tried to step N times') at the first step past its total_steps (or epochs x
-    steps_per_epoch): a file shorter than the run stopped every rank partway, after its checkpoints."""
+    steps_per_epoch): a file shorter than the run stopped every rank partway, after its checkpoints. The
+    scheduler counts optimizer updates: ``per_step`` of them per run step (GRPO's task.num_iterations)."""
     sched = cfg.get("scheduler")
     params = sched.get("params") if isinstance(sched, dict) and isinstance(sched.get("params"), dict) else {}
     if not isinstance(sched, dict) or sched.get("type") != "OneCycleLR":
         return []
+    updates = steps * per_step
     total = params.get("total_steps")
     if total is None and all(isinstance(params.get(k), int) for k in ("epochs", "steps_per_epoch")):
         total, key = params["epochs"] * params["steps_per_epoch"], "epochs x steps_per_epoch"
@@ -228,12 +230,16 @@ def run_length_problems(cfg: dict, steps: int) -> list[str]:
         key = "total_steps"
     if total is None:
         return ["scheduler.params.total_steps: torch's OneCycleLR needs total_steps (or epochs and steps_per_epoch; "
-                f"it raises when the engine builds it, on every rank); write \"total_steps\": {steps}"]
-    if isinstance(total, int) and not isinstance(total, bool) and total < steps:
+                f"it raises when the engine builds it, on every rank); write \"total_steps\": {updates}"]
+    if isinstance(total, int) and not isinstance(total, bool) and total < updates:
         named = "total_steps" if key == "total_steps" else "epochs"
-        return [f"scheduler.params.{named}: torch's OneCycleLR runs {total} steps ({key}) and the run {steps} (it "
-                f"raises 'Tried to step {total + 1} times' at step {total + 1}, on every rank); write "
-                f"\"total_steps\": {steps}, or run --train.steps={total}"]
+        run = (f"the run {steps}" if per_step == 1 else
+               f"the run's {steps} steps x {per_step} optimizer updates (task.num_iterations) = {updates}")
+        where = "step" if per_step == 1 else "optimizer update"
+        shorter = f", or run --train.steps={total // per_step}" if total >= per_step else ""
+        return [f"scheduler.params.{named}: torch's OneCycleLR runs {total} steps ({key}) and {run} (it "
+                f"raises 'Tried to step {total + 1} times' at {where} {total + 1}, on every rank); write "
+                f"\"total_steps\": {updates}{shorter}"]
     return []
 
 

@@ -88,14 +88,17 @@ def adopt_file_values(cfg: RunConfig, world_size: int) -> list[tuple[str, object
     template, source = _template(cfg)
     if template is None or not cfg.deepspeed.values_from_file:
         return []
+    from dstrain.engine import ds_trainers
     dp = data_parallel_size(cfg, world_size)
-    t = cfg.train
+    t = ds_trainers.trainer_train(cfg, world_size)
     micro, accum, problems = dsc.implied_batch(template, dp, t.micro_batch, t.grad_accum)
     if problems:
         raise dsc.DSConfigError(source, problems)
+    ds_trainers.hrm_file_problems(cfg, template, dp, source)
     wanted: list[tuple[str, object, str]] = []
     if micro is not None:
-        wanted.append(("train.micro_batch", micro, "train_micro_batch_size_per_gpu"))
+        key, value = ds_trainers.adopt_batch_key(cfg, "train.micro_batch", micro, world_size)
+        wanted.append((key, value, "train_micro_batch_size_per_gpu"))
     if accum is not None:
         wanted.append(("train.grad_accum", accum, "gradient_accumulation_steps"))
     numbers = [("train.lr", "optimizer.params.lr"), ("train.betas", "optimizer.params.betas"),
@@ -127,11 +130,14 @@ def adopt_file_values(cfg: RunConfig, world_size: int) -> list[tuple[str, object
     for key, value, path in wanted:
         section, name = key.split(".")
         holder = getattr(cfg, section)
-        old = getattr(holder, name)
+        old = holder.get(name) if isinstance(holder, dict) else getattr(holder, name)
         if isinstance(old, float) and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if old != value:
-            setattr(holder, name, value)
+            if isinstance(holder, dict):  # the free-form task section (HRM's task.global_batch)
+                holder[name] = value
+            else:
+                setattr(holder, name, value)
             where = path.replace(": ", f" in {source}: ", 1) if ": " in path else f"{path} in {source}"
             adopted.append((key, value, f"{where} (was {dsc.format_override(old)})"))
     from dstrain.config import validate
@@ -188,7 +194,9 @@ def check_run(cfg: RunConfig, world_size: int, device_type: str, strict: bool = 
         {**template, "gradient_clipping": cfg.train.grad_clip}
     found, notes = section_problems(seen, device_type) if template is not None else ([], [])
     if template is not None:
-        found += _leaf_problems(cfg, template) + run_length_problems(template, cfg.train.steps)
+        from dstrain.engine.ds_trainers import updates_per_step
+        found += _leaf_problems(cfg, template) + run_length_problems(template, cfg.train.steps,
+                                                                     updates_per_step(cfg))
         found += run_problems(template, cfg.train.steps)
         notes += run_notes(template, cfg.train.betas)
     if device_type == "cpu" and cfg.deepspeed.precision == "fp16" and not found:  # else the file's fp16 is named
@@ -197,12 +205,15 @@ def check_run(cfg: RunConfig, world_size: int, device_type: str, strict: bool = 
                           "use --deepspeed.precision=bf16 or --deepspeed.precision=fp32")
     if template is None:
         return []
+    from dstrain.engine import ds_trainers
     dp = data_parallel_size(cfg, world_size)
+    ds_trainers.hrm_file_problems(cfg, template, dp, source)
+    ds_trainers.rl_batch_problems(cfg, template, world_size, source)
     precision = cfg.deepspeed.precision
     if precision == "auto":
         precision = next((k for k in ("bf16", "fp16") if _explicit(template, f"{k}.enabled") is True), None) \
             or dsc.open_weights_dtype(template) or "fp32"
-    t = cfg.train
+    t = ds_trainers.trainer_train(cfg, world_size)  # the batch the trainer will feed DeepSpeed
     try:
         values = dsc.RunValues(
             micro_batch=t.micro_batch, grad_accum=t.grad_accum, dp_world_size=dp, lr=t.lr, betas=tuple(t.betas),
@@ -215,7 +226,7 @@ def check_run(cfg: RunConfig, world_size: int, device_type: str, strict: bool = 
     try:
         filled = dsc.fill_ds_config(template, values, source)
     except dsc.DSConfigError as err:
-        filling, filled = err, _placeholders(template)
+        filling, filled = ds_trainers.translate_fixes(cfg, world_size, err), _placeholders(template)
     # every problem in one refusal: the file's sections, its disagreements with the run, DeepSpeed's parser
     strict = deepspeed_problems(filled, full_parse=filling is None and not found) if strict else []
     if filling is not None and cfg.deepspeed.values_from_file:  # the switch is on: do not offer it again

@@ -95,6 +95,8 @@ class GRPOTrainer(RLLoop):
         if self.task.beta > 0:
             self.reference = self.rl.reference(self.model_cfg, self.task.reference,
                                                train_ds_config=self.plan.ds_config, seed=cfg.train.seed)
+            prl.append_plan_note(self.out, self.world, prl.frozen_model_note(
+                "reference", self.reference, f"task.reference={self.task.reference}"))
         self.pool = sandbox_pool(self.task)
         self.rollouts = None  # set once the engine exists (a Ray actor copies the policy's dtype)
         self.loss_cfg = gm.GRPOLossConfig(eps_low=self.task.epsilon, eps_high=self.task.clip_high,

@@ -205,3 +205,29 @@ def evaluate_pass_at_k(model, tokenizer, rl, tasks: list, task: PolicyTaskConfig
         stats[f"pass@{task.eval_k}"] = sums[2].item() / count
         stats["sampled_reward"] = sums[3].item() / count
     return stats
+
+
+def frozen_model_note(role: str, ref, how: str) -> str:
+    """One plan.txt line: what a frozen model (GRPO's reference, SCoRe's frozen roles) got of the run's
+    DeepSpeed JSON. ``ref`` has ``.engine`` (an inference-only DeepSpeed engine, or None) and ``.module``."""
+    engine = getattr(ref, "engine", None)
+    if engine is None:
+        module = getattr(ref, "module", ref)
+        p = next(module.parameters(), None)
+        where = f"{p.device} in {str(p.dtype).replace('torch.', '')}" if p is not None else "no parameters"
+        return (f"{role}: a plain frozen module ({how}) on {where}; the DeepSpeed JSON, its ZeRO stage, "
+                "precision, optimizer and scheduler apply to the trained engines only")
+    stage = engine.zero_optimization_stage()
+    offload = " with its parameters offloaded to the CPU" if stage == 3 and engine.zero_offload_param() else ""
+    precision = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
+    return (f"{role}: an inference-only DeepSpeed engine ({how}) at ZeRO stage {stage}{offload}, {precision}, "
+            f"micro-batch {engine.train_micro_batch_size_per_gpu()}; of the DeepSpeed JSON it takes the ZeRO-3 "
+            "choice and the precision (no optimizer, scheduler or other ZeRO keys)")
+
+
+def append_plan_note(out: Path, world, line: str) -> None:
+    """Rank 0: ``line`` printed and added to ``out/plan.txt``."""
+    if world.is_main:
+        print(line, flush=True)
+        with open(out / "plan.txt", "a") as fh:
+            fh.write(line + "\n")

@@ -88,6 +88,7 @@ class ScoreTrainer(RLLoop):
 
         runtime.seed_everything(cfg.train.seed)
         self.models, self.devices, self.profiles = self._build_models()
+        self._note_frozen()
         self.guards = RunGuards(cfg, w, {"policy": self.models.policy, **self._extra_engines()})
         self.saver = CheckpointSaver(self.models.policy, self.ckpt_root, w, cfg, self.plan)
         self.tokenizer = self.rl.load_tokenizer(self.model_cfg)
@@ -170,6 +171,7 @@ class ScoreTrainer(RLLoop):
         if "guidance" in profiles:
             gplan = sc.role_plan(self.plan, cfg, w, profiles["guidance"], task.guidance_lr)
             gtrain = dataclasses.replace(cfg.train, steps=max(1, math.ceil(cfg.train.steps / task.guidance_every)))
+            sc.role_horizon(gplan.ds_config, cfg.train.steps, gtrain.steps)  # a file's schedule, in its updates
             m.guidance_engine = self._engine(build(self.guidance_cfg), self.spec.parallelize, gplan, gtrain)
             m.guidance = m.guidance_engine.module
         elif "guidance" in present:
@@ -188,6 +190,18 @@ class ScoreTrainer(RLLoop):
                 dev = obj.device if hasattr(obj, "ds") else next(obj.parameters()).device
                 devices[role] = str(dev)
         return m, devices, profiles
+
+    def _note_frozen(self) -> None:
+        """plan.txt: what each frozen model got of the run's DeepSpeed JSON (the table gives the trained ones')."""
+        m = self.models
+        frozen = [("reference", m.reference), ("critic_target", m.critic_target)]
+        if m.guidance_engine is None and m.guidance is not None:
+            frozen.append(("guidance", m.guidance))
+        for role, obj in frozen:
+            if obj is not None:
+                r = self.placement.role(role)
+                how = f"placement.{role}: engine {str(r.engine).lower()}, device {r.device}"
+                prl.append_plan_note(self.out, self.world, prl.frozen_model_note(role, obj, how))
 
     def _extra_engines(self) -> dict:
         m = self.models

@@ -196,6 +196,31 @@ def role_profiles(p: pl.PlacementConfig, task, policy_profile: str) -> dict[str,
     return out
 
 
+def builtin_equivalent(ds_config: dict) -> str:
+    """The ds_configs/ profile whose memory terms match a resolved DeepSpeed JSON (a user's file):
+    its ZeRO stage and what it offloads. The placement table counts a user's file this way."""
+    zero = ds_config.get("zero_optimization") or {}
+    stage = int(zero.get("stage", 0)) if isinstance(zero, dict) else 0
+
+    def offloads(key: str) -> bool:
+        block = zero.get(key) if isinstance(zero, dict) else None
+        return isinstance(block, dict) and str(block.get("device", "none")).lower() in ("cpu", "nvme")
+    if stage >= 3:
+        return "zero3_offload" if offloads("offload_param") else \
+            "zero3_offload_optimizer" if offloads("offload_optimizer") else "zero3"
+    if offloads("offload_optimizer"):
+        return "zero2_offload"  # ZeRO-1 with optimizer offload keeps the same device / host split
+    return ("zero0", "zero1", "zero2")[max(0, stage)]
+
+
+def table_profiles(profiles: dict[str, str], plan) -> dict[str, str]:
+    """``profiles`` with the policy's user file (a path, not a ds_configs/ name) as its built-in equivalent."""
+    from dstrain.engine.profiles import PROFILE_ORDER
+    same = builtin_equivalent(plan.ds_config)
+    return {role: same if prof == plan.profile and prof not in PROFILE_ORDER else prof
+            for role, prof in profiles.items()}
+
+
 def plan_report(cfg: RunConfig, plan, world_size: int, ranks_per_node: int, device_type: str | None,
                 gpus_per_node: int) -> tuple[str, str | None]:
     """``dstrain plan``'s hook: the placement table and, if it does not fit, why (one line)."""
@@ -211,10 +236,25 @@ def plan_report(cfg: RunConfig, plan, world_size: int, ranks_per_node: int, devi
     mcfg = registry.make_model_config(cfg.model.name, cfg.model.size, cfg.model.args)
     counts, largest = param_counts(spec, mcfg, task)
     hw, _ = detect_hardware(cfg.deepspeed.device_memory, cfg.deepspeed.host_memory, ranks_per_node, device_type)
-    profiles = role_profiles(p, task, plan.profile)
+    profiles = table_profiles(role_profiles(p, task, plan.profile), plan)
     placed = with_profiles(p, profiles, plan.zero["stage"] == 3)
-    return memory_report(placed, counts, largest, plan.precision, world_size, ranks_per_node,
+    table, problem = memory_report(placed, counts, largest, plan.precision, world_size, ranks_per_node,
                          capacities_for(hw), cfg.deepspeed.margin, policy_activations(plan))
+    trained = [r for r in TRAINED_ENGINE_ROLES if r in profiles]
+    sched = plan.ds_config.get("scheduler")
+    if trained and isinstance(sched, dict):
+        scaled = rescale_schedule(copy.deepcopy(plan.ds_config), 1.0) is not None
+        table += (f"\nlearning rates: policy {cfg.train.lr:g}, "
+                  + ", ".join(f"{r} {getattr(task, LR_FIELD[r]):g}" for r in trained)
+                  + f"; each engine runs the DeepSpeed JSON's {sched.get('type')} scheduler"
+                  + (" with its learning rates scaled to the engine's" if scaled else " on its own lr")
+                  + (f" (guidance: over its own {-(-cfg.train.steps // task.guidance_every)} update(s))"
+                     if "guidance" in trained and getattr(task, "guidance_every", 1) > 1
+                     and {"total_num_steps", "total_steps"} & set(sched.get("params") or {}) else ""))
+    if plan.profile not in profiles.values():
+        table += (f"\nengines on {plan.profile} (the run's DeepSpeed JSON) are counted as its built-in "
+                  f"equivalent {builtin_equivalent(plan.ds_config)}")
+    return table, problem
 
 
 # ---------------------------------------------------------------- engines
@@ -228,17 +268,73 @@ def role_plan(policy_plan, cfg: RunConfig, world, profile: str, lr: float):
     if profile != policy_plan.profile:
         other = None
         if world.is_main:
-            c = dataclasses.replace(cfg, deepspeed=dataclasses.replace(cfg.deepspeed, profile=profile))
+            # the policy's precision (a user's file may have set it): one backbone, one dtype in every engine
+            c = dataclasses.replace(cfg, deepspeed=dataclasses.replace(cfg.deepspeed, profile=profile,
+                                                                       precision=policy_plan.precision))
             other = plan_engine(c, world.world_size, ranks_per_node=world.local_world_size,
                                 device_type=world.device.type)
         plan = runtime.broadcast_object(other)
     ds = copy.deepcopy(plan.ds_config)
     if "optimizer" in ds:  # DeepSpeed builds the optimizer from the file
         ds["optimizer"].setdefault("params", {})["lr"] = lr
+    rescale_schedule(ds, lr)
     optimizer = plan.optimizer  # dstrain builds torch's AdamW from these numbers (the block is gone)
     if optimizer is not None:
         optimizer = dataclasses.replace(optimizer, params={**optimizer.params, "lr": lr})
     return dataclasses.replace(plan, ds_config=ds, optimizer=optimizer, shard_at_build=False)
+
+
+#: scheduler params that are learning rates, not ratios (DeepSpeed's schedulers and torch's): with one
+#: of them the schedule, not the optimizer's lr, decides the rate an engine trains at.
+_SCHEDULE_LRS = ("warmup_min_lr", "warmup_max_lr", "cycle_min_lr", "cycle_max_lr", "lr_range_test_min_lr",
+                 "base_lr", "max_lr", "eta_min", "min_lr")
+_SCHEDULE_PEAKS = ("warmup_max_lr", "cycle_max_lr", "max_lr", "lr_range_test_min_lr", "base_lr")
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def rescale_schedule(ds: dict, lr: float) -> float | None:
+    """Scale a scheduler block's learning rates (in place) so that its peak is ``lr``; the factor, or
+    None when the block has no absolute learning rate (dstrain's schedule, WarmupCosineLR's ratios).
+
+    A role trained beside the policy (SCoRe's guidance, critic and value function) gets the run's
+    DeepSpeed JSON with its own lr; WarmupLR, WarmupDecayLR, OneCycle and LRRangeTest would
+    otherwise set every role's rate to the policy's ``warmup_max_lr`` / ``cycle_max_lr``."""
+    sched = ds.get("scheduler")
+    params = sched.get("params") if isinstance(sched, dict) else None
+    if not isinstance(params, dict):
+        return None
+    peak = None
+    for key in _SCHEDULE_PEAKS:
+        value = params.get(key)
+        value = max(value) if isinstance(value, list) and value and all(map(_number, value)) else value
+        if _number(value) and value > 0:
+            peak = float(value)
+            break
+    if peak is None:
+        return None
+    factor = lr / peak
+    for key in _SCHEDULE_LRS:
+        value = params.get(key)
+        if _number(value):
+            params[key] = value * factor
+        elif isinstance(value, list) and all(map(_number, value)):
+            params[key] = [v * factor for v in value]
+    return factor
+
+
+def role_horizon(ds: dict, run_steps: int, role_steps: int) -> None:
+    """A role that updates less often than the policy (the guidance model, every task.guidance_every steps)
+    gets a scheduler horizon in its own updates: ``total_num_steps`` (filled from, or checked against,
+    train.steps) and torch's OneCycleLR ``total_steps`` become ``role_steps``, as dstrain's own schedule does."""
+    params = (ds.get("scheduler") or {}).get("params")
+    if not isinstance(params, dict) or role_steps == run_steps:
+        return
+    for key in ("total_num_steps", "total_steps"):
+        if params.get(key) == run_steps:
+            params[key] = role_steps
 
 
 def value_parallelize(model, activation_checkpointing: bool = False, **parallel):
