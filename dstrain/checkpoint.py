@@ -66,6 +66,47 @@ def find_latest(root: str | Path) -> str | None:
     return tags[-1] if tags else None
 
 
+_SHARD = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_(optim_states|model_states)\.pt$")
+
+
+def files_problem(tag_dir: str | Path, world_size: int | None = None, zero_shards: int | None = None) -> str | None:
+    """What is missing or cut short among a checkpoint's files, without loading them; None when nothing is.
+
+    Every ``.pt`` file in torch's zip format must have its central directory, which a file cut short lacks (one in
+    torch's legacy format, a plain pickle, is not checked);
+    DeepSpeed's ZeRO shards must number 0..n-1 with one n for every kind; ``rng/`` must hold every rank's
+    state when ``world_size`` (the checkpoint's) is given (a resume would otherwise reseed that rank), and each
+    kind of shard ``zero_shards`` files when given (ZeRO partitions over every rank without tp or pp)."""
+    import zipfile
+    tag_dir = Path(tag_dir)
+    shards: dict[tuple[str, str], set[int]] = {}
+    for path in sorted(tag_dir.rglob("*.pt")):
+        if "universal" in path.relative_to(tag_dir).parts:
+            continue  # a conversion cache, rebuilt when needed
+        try:
+            with open(path, "rb") as fh:
+                legacy = fh.read(1) == b"\x80"  # torch's non-zip format (checkpoint_serialization false): a pickle
+            if not legacy:
+                zipfile.ZipFile(path).close()
+        except (OSError, zipfile.BadZipFile) as err:
+            return f"{path.relative_to(tag_dir)} is unreadable or cut short ({err})"
+        match = _SHARD.match(path.name)
+        if match:
+            shards.setdefault((match.group(2), match.group(3)), set()).add(int(match.group(1)))
+    counts = {len(ranks) for ranks in shards.values()} | {max(ranks) + 1 for ranks in shards.values()}
+    counts |= {zero_shards} if shards and zero_shards else set()
+    if len(counts) > 1:
+        full = max(counts)
+        missing = sorted(f"zero_pp_rank_{r}_mp_rank_{mp}_{kind}.pt" for (mp, kind), ranks in shards.items()
+                         for r in range(full) if r not in ranks)
+        return f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} missing"
+    if world_size:
+        missing = [f"rng/rank_{r}.pt" for r in range(world_size) if not (tag_dir / "rng" / f"rank_{r}.pt").is_file()]
+        if missing:
+            return f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} missing"
+    return None
+
+
 def _atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     with open(tmp, "w") as f:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -232,7 +231,8 @@ def cmd_launch(args, overrides) -> int:
 
     def run_once(argv, env) -> int:
         env["DSTRAIN_FAILURE_DIR"] = failures = tempfile.mkdtemp(prefix="dstrain-job-")  # see _reports_failure
-        proc = subprocess.Popen(argv, env=env, start_new_session=True)  # own group: Ctrl-C reaches us only
+        from dstrain.job_guard import start_job, wait_for_group  # own group (Ctrl-C reaches us only), ended
+        proc = start_job(argv, env, args.master_port)  # with a stop if this process is killed outright
 
         got = []  # the signals forwarded: the job ends as stopped by the first (128 + N), never restarted
 
@@ -250,7 +250,7 @@ def cmd_launch(args, overrides) -> int:
         try:
             code = proc.wait()
             if got:  # DeepSpeed's runner leaves at once on a signal, its ranks may still be saving
-                _wait_for_group(proc.pid)
+                wait_for_group(proc.pid)
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -258,11 +258,14 @@ def cmd_launch(args, overrides) -> int:
                 from dstrain.runtime import release_job_comm_buffers
                 release_job_comm_buffers(args.master_port)
             stopped = rank_exit.stopped_code(failures)  # a rank stopped by a signal sent to it, not to us
+            failed = rank_exit.failed_code(failures)
             shutil.rmtree(failures, ignore_errors=True)
         if got:
             return 128 + got[0]
         if stopped and code:  # (torchrun reports a rank's 128 + N as 1)
             return stopped
+        if failed and code:  # the first rank's reason (3, 4, 124), not a peer's exit 1 the launcher saw first
+            return failed
         if 128 + 64 < code < 256:  # DeepSpeed's launcher exits with -N when a rank died of signal N
             print(f"dstrain: a rank was killed by signal {256 - code} ({signal.Signals(256 - code).name}"
                   f"{': out of memory, or killed by hand' if code == 256 - 9 else ''})", file=sys.stderr, flush=True)
@@ -282,25 +285,6 @@ def cmd_launch(args, overrides) -> int:
     from dstrain.supervise import run_with_restarts
     return run_with_restarts(attempt, args.max_restarts, lambda line: print(line, file=sys.stderr, flush=True),
                              lambda: ckpt.find_latest(Path(cfg.output.dir) / "checkpoints"))
-
-
-def _wait_for_group(pgid: int, limit_s: float = 120.0) -> None:
-    """Return once no process of group ``pgid`` is left (signals keep being forwarded meanwhile), or
-    SIGKILL what is left after ``limit_s``."""
-    import contextlib
-    import signal
-    import time
-    end = time.monotonic() + limit_s
-    while True:
-        try:
-            os.killpg(pgid, 0)
-        except (ProcessLookupError, PermissionError):
-            return
-        if time.monotonic() > end:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pgid, signal.SIGKILL)
-            return
-        time.sleep(0.2)
 
 
 def _output_problem(cfg, resume: bool = False) -> str | None:
@@ -538,6 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     from dstrain.config import ConfigError, RunFolderError
     from dstrain.engine.ds_config import DSConfigError
     from dstrain.engine.profiles import PlanError
+    from dstrain import rank_exit
     from dstrain.rank_exit import CheckpointWriteError
     from dstrain.resilience import NonFiniteError
 
@@ -556,10 +541,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DSConfigError, PlanError, RunFolderError) as err:
         if args.command != "train" or _reports_failure():
             print(f"dstrain: error: {err}", file=sys.stderr)
+            rank_exit.note_failed(EXIT_CONFIG)  # (a refusal by one rank: not restarted either)
         return EXIT_CONFIG
     except (NonFiniteError, CheckpointWriteError) as err:  # a training stop in one line, by the first to report
         if _reports_failure():
             print(f"dstrain: error: {err}", file=sys.stderr)
+            rank_exit.note_failed(err.exit_code)
         return err.exit_code
     except (FileNotFoundError, ValueError) as err:
         if args.command in ("export", "check-config", "plan"):

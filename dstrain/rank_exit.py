@@ -25,6 +25,10 @@ from pathlib import Path
 
 STOPPED_FILE = "stopped"
 """In ``$DSTRAIN_FAILURE_DIR``: the exit status of a run stopped by a signal."""
+FAILED_FILE = "failed"
+"""In ``$DSTRAIN_FAILURE_DIR``: the exit status of the first rank that ended the job with a reason of its own (2, 3,
+4, 124), which ``dstrain launch`` returns (and ``--max-restarts`` reads) rather than the exit 1 of a peer that lost
+it, which the launcher in between may see first."""
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 PENDING_STOP = [0]
 """A stop signal that reached this rank while it was starting, kept for the trainer's ``StopFlag``."""
@@ -83,6 +87,28 @@ def note_stopped(code: int) -> None:
         (Path(folder) / STOPPED_FILE).write_text(f"{code}\n")
     except OSError:
         pass
+
+
+def note_failed(code: int) -> None:
+    """Leave ``code`` for ``dstrain launch`` unless a rank left one first (no-op for ranks it did not start)."""
+    folder = os.environ.get("DSTRAIN_FAILURE_DIR")
+    if not folder:
+        return
+    try:
+        fd = os.open(os.path.join(folder, FAILED_FILE), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except OSError:
+        return
+    os.write(fd, f"{code}\n".encode())
+    os.close(fd)
+
+
+def failed_code(folder: str | Path) -> int | None:
+    """The status the first failing rank left in ``folder`` (:func:`note_failed`), else None."""
+    try:
+        code = int((Path(folder) / FAILED_FILE).read_text().strip())
+    except (OSError, ValueError):
+        return None
+    return code if 0 < code < 256 else None
 
 
 def stopped_code(folder: str | Path) -> int | None:

@@ -214,6 +214,8 @@ class Watchdog:
         self._since = time.monotonic()
         self._stopped = threading.Event()
         self.fired: str | None = None
+        folder = os.environ.get("DSTRAIN_FAILURE_DIR")  # shared by the job's ranks on this host
+        self._beats = os.path.join(folder, "heartbeat") if folder else None
         self._thread = threading.Thread(target=self._watch, name="dstrain-watchdog", daemon=True)
         self._thread.start()
 
@@ -241,9 +243,53 @@ class Watchdog:
         while not self._stopped.wait(poll):
             with self._lock:
                 phase, step, waited = self._phase, self._step, time.monotonic() - self._since
+            self._beat(phase, step, waited)
             if phase is not None and waited > self.timeout_s:
+                peers = stuck_peers(self._beats, self.rank, time.time() - waited, 3 * poll + 2) if self._beats else ""
                 self.fired = (f"dstrain: hang: rank {self.rank} waited {waited:.0f}s in {phase} of step {step} "
-                              f"(train.collective_timeout_s={self.timeout_s:g}); ending this rank")
+                              f"(train.collective_timeout_s={self.timeout_s:g}){peers}; ending this rank")
                 print(self.fired, file=self._out, flush=True)
+                from dstrain.rank_exit import note_failed
+                note_failed(EXIT_HANG)  # dstrain launch returns 124, not the exit 1 of a peer it may see first
                 self._exit(EXIT_HANG)
                 return
+
+    def _beat(self, phase: str | None, step: int, waited: float) -> None:
+        """Leave this rank's phase, step and when it entered it for its peers on this host (:func:`stuck_peers`)."""
+        if not self._beats:
+            return
+        try:
+            os.makedirs(self._beats, exist_ok=True)
+            path = os.path.join(self._beats, f"rank_{self.rank}")
+            with open(path + ".tmp", "w") as f:
+                f.write(f"{phase or '-'} {step} {time.time() - waited:.3f}\n")
+            os.replace(path + ".tmp", path)
+        except OSError:
+            self._beats = None  # (a rank on another host: no such folder there)
+
+
+def stuck_peers(folder: str, rank: int, my_since: float, stale_s: float, now: float | None = None) -> str:
+    """What the ranks that wrote heartbeats into ``folder`` (:meth:`Watchdog._beat`) were doing, for the hang line
+    of ``rank``, which entered its phase at ``my_since`` (wall clock): the peers that went silent for ``stale_s``
+    (stopped, or dead) or that entered their phase well before ``my_since`` (busy, keeping the others waiting)."""
+    now = time.time() if now is None else now
+    found = []
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return ""
+    for name in names:
+        if not name.startswith("rank_") or name.endswith(".tmp") or name == f"rank_{rank}":
+            continue
+        try:
+            path = os.path.join(folder, name)
+            phase, step, since = open(path).read().split()
+            silent = now - os.path.getmtime(path)
+        except (OSError, ValueError):
+            continue
+        where = f"{phase} of step {step}" if phase != "-" else f"between phases after step {step}"
+        if silent > stale_s:
+            found.append(f"rank {name[5:]} silent for {silent:.0f}s (last in {where}: stopped or dead)")
+        elif phase != "-" and float(since) < my_since - stale_s:
+            found.append(f"rank {name[5:]} in {where} for {now - float(since):.0f}s")
+    return "".join(f"; {one}" for one in found)

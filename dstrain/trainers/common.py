@@ -84,9 +84,17 @@ def _resume_problem(cfg: RunConfig, ckpt_root: Path, tag: str) -> str | None:
         state = json.loads((where / "trainer_state.json").read_text())
         saved = json.loads((where / "run_config.json").read_text())
         int(state["step"])
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        return (f"checkpoint {where} is damaged ({type(err).__name__}: {err}); remove it (or its COMPLETE file) "
-                "to resume from the one before, or choose another output.dir")
+        world = int(state.get("world_size") or 0) or None
+        layout = saved.get("parallel") or {} if isinstance(saved, dict) else {}
+        whole = all(layout.get(k, 1) == 1 for k in ("tp", "sp", "pp"))  # then every rank holds one ZeRO shard
+        damage = ckpt.files_problem(where, world, world if whole else None)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        damage = f"{type(err).__name__}: {err}"
+    if damage:
+        before = [t for t in ckpt.complete_tags(ckpt_root) if t != tag and ckpt.step_of(t) < ckpt.step_of(tag)] \
+            if ckpt._TAG.match(tag) else []
+        return (f"checkpoint {where} is damaged ({damage}); remove it (or its COMPLETE file) to resume from the one "
+                f"before{f' ({before[-1]})' if before else ''}, or choose another output.dir")
     mine = cfg.to_dict()["model"]
 
     def shape(model) -> dict:  # what decides the weights' layout: not where a warm start was loaded from
