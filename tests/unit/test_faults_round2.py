@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -248,8 +249,9 @@ def test_the_hang_line_names_the_peer_that_went_silent(monkeypatch, tmp_path):
     dog.close()
     line = out.getvalue().strip()
     assert codes == [resilience.EXIT_HANG] and "\n" not in line
-    assert "hang: rank 0 waited 0s in backward of step 131" in line
-    assert "; rank 1 silent for 40s (last in forward of step 131: stopped or dead); ending this rank" in line
+    assert re.search(r"hang: rank 0 waited \d+s in backward of step 131", line), line  # (\d+: a loaded machine)
+    assert re.search(r"; rank 1 silent for 4\ds \(last in forward of step 131: stopped or dead\); ending this rank",
+                     line), line
     assert "rank 2" not in line
     assert (beats / "rank_0").read_text().startswith("backward 131 ")  # its own heartbeat, for the others
 
