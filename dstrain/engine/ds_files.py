@@ -210,6 +210,10 @@ def load_ds_json(path) -> dict:
         if data is None:
             raise DSConfigError(str(path), f"invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}"
                                 + _python_dict_hint(text)) from exc
+        from dstrain.engine.ds_copied import template_placeholders
+        unfilled = template_placeholders(text, data) if isinstance(data, dict) else None
+        if unfilled:
+            raise DSConfigError(str(path), unfilled) from None
     except ValueError as exc:  # duplicate key
         raise DSConfigError(str(path), str(exc)) from exc
     if not isinstance(data, dict):

@@ -18,6 +18,7 @@ import os
 from dstrain.engine.ds_classes import class_notes, class_problems
 from dstrain.engine.ds_config import describe_zero, precision_left_open, sets_lr_itself
 from dstrain.engine.ds_engine_keys import engine_key_problems
+from dstrain.engine.ds_copied import copied_checks
 from dstrain.engine.ds_unread import unread_problems
 from dstrain.engine.ds_reading import DEEPSPEED_OPTIMIZER_TYPES
 
@@ -282,7 +283,7 @@ def _unused_sections(cfg: dict, problems: list[str]) -> None:
         if _enabled(cfg.get(key)):
             problems.append(f"{key}.enabled: {why}; set it to false or remove the section")
     comp = cfg.get("compile")
-    if isinstance(comp, dict) and (comp.get("deepcompile") is True or comp.get("enabled") is True):
+    if isinstance(comp, dict) and comp.get("deepcompile") is True:  # older keys: ds_copied
         problems.append("compile: dstrain compiles the model itself; remove the section and use --train.compile=true")
 
 
@@ -525,7 +526,8 @@ def section_problems(cfg: dict, device_type: str) -> tuple[list[str], list[str]]
     problems += class_problems(cfg, device_type, problems)
     notes += class_notes(cfg)
     problems += engine_key_problems(cfg, device_type, problems) + unread_problems(cfg)
-    return problems, notes
+    copied, copied_notes = copied_checks(cfg)
+    return problems + copied, notes + copied_notes
 
 
 def _dotted_hint(name: str, known) -> str:

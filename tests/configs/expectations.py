@@ -493,3 +493,45 @@ if importlib.util.find_spec("wandb") is not None:  # then it is honoured (offlin
     EXPECT["wandb_offline.json"] = None
     EXPECT["tensorboard_csv_wandb_together.json"] = None
     CHECKED_ONLY.add("tensorboard_csv_wandb_together.json")
+# Round 12: the files people copy today, in their exact shapes: Accelerate's docs and resolved dumps, LLaMA-Factory's,
+# axolotl's, OpenRLHF's / TRL's reference-model configs, DeepSpeed-Chat's eval config, Megatron-DeepSpeed's templates
+# and run-script heredocs, DeepSpeed tutorials' leftovers (keys DeepSpeed 0.19 renamed, ignores or removed).
+EXPECT.update({
+    "accelerate_docs_zero2_torch_adam_warmupdecay.json": None,
+    "accelerate_docs_zero3_offload_gather_auto.json": None,  # gather "auto": DeepSpeed's default (false), a note
+    "accelerate_plugin_dump_nvme_path_null.json": None,  # "nvme_path": null under "cpu" / "none"; a stage-3 key noted
+    # Accelerate writes steps_per_print inf: json.dump's Infinity, which DeepSpeed's hjson loader reads as text
+    "accelerate_resolved_dump_steps_per_print_inf.json": "steps_per_print: Infinity is not a JSON number",
+    # DeepSpeed before DeepCompile's torch.compile switches: named, with the fix (was "unknown key" alone)
+    "axolotl_zero1_torch_compile.json": "compile.disable, backend: torch.compile settings of DeepSpeed before "
+                                        "DeepCompile; DeepSpeed 0.19's compile section configures DeepCompile only "
+                                        "and rejects them as unknown keys; remove them and pass --train.compile=true",
+    "axolotl_zero2_bf16_immediate_grad_update_false.json": None,
+    "axolotl_zero3_bf16.json": None,  # sub_group_size / live parameters / reuse distance 0, fp16 "auto" beside bf16
+    "ds_old_fp16_auto_cast_bf16_on.json": None,  # fp16 off with auto_cast: unread; round_robin_gradients at stage 2
+    "ds_tutorial_zero_offload_amp_disabled_memory_breakdown.json": "top-level key 'amp' is no longer supported",
+    "dschat_eval_config_stage0_offload_none.json": None,  # stage-3 keys and memory_efficient_linear at stage 0: a note
+    "hf_trainer_zero3_legacy_gather_fp16_only_auto.json": None,  # the old gather spelling alone: DeepSpeed's alias
+    "llamafactory_ds_z0_config.json": None,
+    "llamafactory_ds_z3_config.json": None,
+    # unfilled placeholders, every one named in one line (was two of seven, with "write the number without quotes")
+    "megatron_ds_heredoc_shell_vars.json": "train_batch_size ($GLOBAL_BATCH), train_micro_batch_size_per_gpu "
+                                           "($MICRO_BATCH), zero_optimization.stage (${ZERO_STAGE}): unfilled "
+                                           "template placeholders",
+    "megatron_ds_moe_elastic_checkpoint_bf16.json": None,
+    "megatron_ds_prescale_predivide_comm_dtype_fp32.json": None,  # the predivide factor unused: a note says so
+    "megatron_ds_template_placeholders.json": "zero_optimization.stage (ZERO_STAGE), prescale_gradients "
+                                              "(PRESCALE_GRAD), fp16.enabled (CONFIG_FP16_ENABLED), bf16.enabled "
+                                              "(CONFIG_BF16_ENABLED): unfilled template placeholders",
+    "openrlhf_eval_ref_zero3_offload_param.json": None,
+    "trl_ppo_ref_model_zero3_no_batch.json": None,  # the micro batch alone
+    "ulysses_seq_parallel_comm_dtype_fp32_sp1.json": None,  # sequence_parallel_size 1: the Ulysses dtype unused, noted
+})
+CHECKED_ONLY |= {  # round 12: each trained 3 steps on 2 CPU ranks with a checkpoint at step 2 by hand (as written)
+    "accelerate_docs_zero2_torch_adam_warmupdecay.json", "accelerate_docs_zero3_offload_gather_auto.json",
+    "accelerate_plugin_dump_nvme_path_null.json", "axolotl_zero2_bf16_immediate_grad_update_false.json",
+    "axolotl_zero3_bf16.json", "ds_old_fp16_auto_cast_bf16_on.json", "dschat_eval_config_stage0_offload_none.json",
+    "hf_trainer_zero3_legacy_gather_fp16_only_auto.json", "llamafactory_ds_z0_config.json",
+    "llamafactory_ds_z3_config.json", "megatron_ds_moe_elastic_checkpoint_bf16.json",
+    "megatron_ds_prescale_predivide_comm_dtype_fp32.json", "openrlhf_eval_ref_zero3_offload_param.json",
+    "trl_ppo_ref_model_zero3_no_batch.json", "ulysses_seq_parallel_comm_dtype_fp32_sp1.json"}
