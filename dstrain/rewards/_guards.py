@@ -157,11 +157,14 @@ def _run_setup(ns: dict, tools: tuple) -> None:
         for bound, name, attr in imports:
             rec = loaded.get(name)
             if rec is not None and (attr is None or attr in rec[1]):
-                fixed[bound] = rec[0] if attr is None else rec[1][attr]
+                held = None if attr is None else dict.get(rec[3], attr)
+                fixed[bound] = rec[0] if attr is None else rec[1][attr] if held is None else \
+                    _library_data(rec[1][attr], held)  # noqa: F821  (_setupdata.py: as it was before the program ran)
                 dict.__setitem__(ns, bound, fixed[bound])
             elif attr is not None and f"{name}.{attr}" in loaded:  # ``from xml import dom``: a submodule
                 fixed[bound] = loaded[f"{name}.{attr}"][0]
                 dict.__setitem__(ns, bound, fixed[bound])
+    _keep_setup_data(fixed)  # noqa: F821  (_setupdata.py: a test reads its own copy of the setup's plain data)
 
 
 def _str_keys_only(ns: dict) -> None:
@@ -204,6 +207,7 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
     by_name, get = {rec[2]: rec[0] for rec in modules.values()}, dict.get
     # the code of the task's setup (its functions and methods): task code, not the program's (see ``setup_call``)
     setup_codes, todo = {}, [s[0] for s in tools[10]] if type(tools[10]) is list else []
+    setup_copies = {}
     while todo:
         c = todo.pop()
         if id(c) not in setup_codes:
@@ -213,6 +217,10 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
     def name(n, as_module=False):  # (no method looked up by name: ``get``, bound when these guards were made)
         if as_module and n in by_name:  # ``math.isclose``: the module, whatever the program bound to the name
             return by_name[n]
+        if n in fixed:  # a copy of the setup's plain data, this test's own (see ``_setupdata.py``)
+            v = _setup_value(n, setup_copies)  # noqa: F821
+            if v is not _setup_value:  # noqa: F821
+                return v
         if n in builtins:
             if n in fixed:
                 return fixed[n]
@@ -233,9 +241,14 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
     def attr(obj, n):
         rec = get(modules, id(obj))
         known = rec is not None and rec[0] is obj  # a module loaded before the program ran
-        if type(obj) is module_type and known and n in rec[1]:
-            return rec[1][n]  # (nothing looked up by name: no check of the built-in classes needed)
+        if type(obj) is module_type and known and n in rec[1]:  # (nothing looked up by name: no check of the built-in
+            held = get(rec[3], n)  # classes needed; a list or a dict the module keeps: a new one, see ``_setupdata``)
+            return rec[1][n] if held is None else _library_data(rec[1][n], held)  # noqa: F821
         types_intact("before the test read " + n)
+        if type(obj) is type:  # a class of the setup's: its plain data as the setup left it (see ``_setupdata``)
+            v = _setup_state(setup_copies, obj, n)  # noqa: F821
+            if v is not _setup_state:  # noqa: F821
+                return v
         if type(obj) is not module_type:
             if known:  # (``math.__class__ = M``: M's __getattribute__ would answer)
                 modules_kept("before the test read " + n)
@@ -244,7 +257,7 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
                 raise AssertionError(bad[-1])
         return getattr(obj, n)
 
-    real_map, real_filter = builtins["map"], builtins["filter"]
+    real_map, real_filter, real_getattr = builtins["map"], builtins["filter"], builtins["getattr"]
     lambda_takers = tuple(builtins[n] for n in _LAMBDA_CALLS)  # noqa: F821  (_rewrite.py)
     method, builtin_method = type(_make_guards.__get__(0)), type([].append)  # bound methods
     slot_method = type([].__len__)  # a slot bound to its value (``v.__contains__``, ``v.__eq__``): a method too
@@ -398,6 +411,14 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
             bad[len(bad):] = ["a lambda of the test was handed to something other than the builtin it was written "
                               "for"]
             raise AssertionError(bad[-1])
+        if fn is real_getattr and not kw and 2 <= len(args) <= 3 and type(args[1]) is str and (
+                type(args[0]) is module_type or type(args[0]) is type):  # read as ``obj.name`` is: ``attr``
+            try:
+                return attr(args[0], args[1])
+            except AttributeError:
+                if len(args) == 2:
+                    raise
+                return args[2]
         inner = fn.__func__ if type(fn) is method else fn
         if type(inner) is function and id(inner.__code__) in setup_codes:
             return setup_call(fn, inner.__code__, args, kw)
@@ -478,6 +499,9 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
         may have rebound them: ``K = 0`` for ``def check(a, b): return K == 0 or a == b``), no builtin it reads may
         be the program's, and no program code may run inside it."""
         dict.update(ns, fixed)
+        for n in fixed:  # (this test's copies while it runs, the originals again after: see ``_setupdata.py``)
+            if _COPY_TOOLS[4](_SETUP_DATA, n):  # noqa: F821  (the name holds a copied value)
+                dict.__setitem__(ns, n, name(n))
         reads, todo = set(), [code]
         while todo:
             c = todo.pop()
@@ -489,7 +513,11 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
                 raise AssertionError(bad[-1])
         for a in (*args, *kw.values()):
             value(a)
-        return guarded("the setup's " + code.co_name, fn, *args, **kw)
+        _setup_state()  # noqa: F821  (its functions' defaults and cells, its classes' data, as the setup left them)
+        try:
+            return guarded("the setup's " + code.co_name, fn, *args, **kw)
+        finally:
+            dict.update(ns, fixed)
 
     flagged, quiet_add, quiet_discard = [], set.add, set.discard  # (bound now: see ``_namespaces.py``)
 

@@ -1,0 +1,157 @@
+"""The values the task's setup bound and the lists and dicts a library module keeps, as each test reads them; runs
+only inside a sandbox child (its text follows ``_namespaces.py``'s, in the same private globals: see ``sandbox.py``).
+
+The setup runs in the program's namespace, so the tested function reaches what it bound through its own globals: a
+test ``assert f(1) == expected`` with ``expected = [1, 2, 3]`` in the setup was passed by ``expected.clear()`` and
+``return []``. A test reads a setup's name as the setup bound it (``_guards._run_setup``); for a value made only of
+the built-in containers and scalars (by exact type: no method of the program's runs while it is copied) that now means
+a copy of what the value held when the setup ended, one per test (two reads in one test, or two names that shared a
+list, share the copy: ``sort_in_place(lst) is None and lst == [1, 2, 3]`` still sees the call's work). The program's
+globals keep the originals, so its code never holds a test's copy unless the test hands it one. The same goes for
+the plain data the setup's own functions and classes hold, which the program reaches through them: a function's
+defaults (``def check(v, ref=[3])``: ``check.__defaults__[0][:] = [0]``, or ``__defaults__`` replaced), keyword
+defaults and closure cells are put back, as fresh copies, before each call of the test's, and a class attribute
+(``R.vals``) a test reads is a copy of its own, put back on the class before a call too (:func:`_setup_state`).
+
+A list or dict a library module keeps is the module's own object, and the program's code can change it as well:
+``keyword.kwlist.clear()`` in the tested function passed ``assert f('if') == ('if' in keyword.kwlist)``. A test that
+reads one (``attr``) now gets a new one holding what it held before the program ran (:func:`_library_data`).
+"""
+
+_SETUP_DATA = {}  # name -> a copy of the setup's value, taken when the setup ended (never handed out)
+_DICT_OF = type.__dict__["__dict__"].__get__  # (bound now: a class's namespace, whatever its metaclass says)
+_SETUP_STATE = []  # (kind, holder, key, copy, plain): what the setup's functions and classes held (_setup_state)
+# (bound now, before any program ran: a method looked up by name could be one the program wrote into the class)
+_COPY_TOOLS = (list.copy, list.extend, dict.items, dict.__setitem__, dict.__contains__, dict.__getitem__, dict.pop,
+               dict.clear, set.copy, set.add, dict.values)
+
+
+def _plain_copy(value, memo: dict):
+    """A copy of ``value`` when it is built only of exact ``list``, ``dict``, ``set``, ``frozenset``, ``tuple``,
+    ``bytearray`` and immutable scalars (shared and cyclic parts stay so, through ``memo``: id -> copy), else
+    ``memo[0]`` is set and what comes back is meaningless. Reads through the built-in classes' own functions."""
+    lcopy, extend, items, setitem, contains, getitem, _, _, scopy, add, _ = _COPY_TOOLS
+    kind = type(value)  # (compared by identity: ``in`` would call a metaclass's ``__eq__``)
+    if any(kind is t for t in (int, float, complex, str, bytes, bool, type(None))):
+        return value
+    if contains(memo, id(value)):
+        return getitem(memo, id(value))
+    if kind is list:
+        out = []
+        setitem(memo, id(value), out)
+        extend(out, [_plain_copy(x, memo) for x in lcopy(value)])
+    elif kind is dict:
+        out = {}
+        setitem(memo, id(value), out)
+        for k, v in list(items(value)):
+            setitem(out, _plain_copy(k, memo), _plain_copy(v, memo))
+    elif kind is set:
+        out = set()
+        setitem(memo, id(value), out)
+        for x in scopy(value):
+            add(out, _plain_copy(x, memo))
+    elif kind is bytearray:
+        out = bytearray(value)
+        setitem(memo, id(value), out)
+    elif kind is tuple or kind is frozenset:
+        out = kind([_plain_copy(x, memo) for x in value])  # (a cycle through one goes through a mutable container)
+        setitem(memo, id(value), out)
+    else:
+        setitem(memo, 0, True)
+        return value
+    return out
+
+
+def _keep_setup_data(fixed: dict) -> None:
+    """Called once the setup has run: keeps a copy of each value it bound that :func:`_plain_copy` can copy. A value
+    deeper than the recursion limit allows (the program may lower it) is kept as unreadable: tests that read it fail."""
+    _, _, items, setitem, _, _, pop, clear, _, _, _ = _COPY_TOOLS
+    memo = {}
+    clear(_SETUP_DATA)
+    for name, value in list(items(fixed)):
+        if any(type(value) is t for t in (list, dict, set, bytearray, tuple, frozenset)):
+            try:
+                kept = _plain_copy(value, memo)
+            except RecursionError:
+                setitem(memo, 0, False)
+                kept = None
+            if pop(memo, 0, False):
+                continue  # (a container that holds other objects stays as it was: what it holds is judged)
+            setitem(_SETUP_DATA, name, kept)
+    del _SETUP_STATE[:]
+    function = type(_keep_setup_data)
+    for value in list(dict.values(fixed)):
+        if type(value) is function and value.__code__.co_filename == "<setup>":
+            held = [("defaults", value, None, value.__defaults__), ("kwdefaults", value, None, value.__kwdefaults__)]
+            for c in value.__closure__ or ():
+                try:
+                    held.append(("cell", c, None, c.cell_contents))
+                except ValueError:  # (an empty cell)
+                    pass
+        elif type(value) is type and _SNAPSHOT[0].get(id(value), (None,))[0] is not value:  # noqa: F821  (a class
+            names = _DICT_OF(value)  # of the setup's: not one of the library's, whose namespace stays its own)
+            held = [("attr", value, k, v) for k, v in list(names.items())
+                    if type(k) is str and k != "__dict__" and k != "__weakref__"]
+            held.append(("keys", value, None, frozenset(k for k in names if type(k) is str)))
+        else:
+            continue
+        for kind, holder, key, v in held:  # (plain data copied; anything else put back as the same object)
+            copy_memo = {}
+            try:
+                kept = _plain_copy(v, copy_memo)
+            except RecursionError:
+                setitem(copy_memo, 0, True)
+            plain = not pop(copy_memo, 0, False)
+            _SETUP_STATE.append((kind, holder, key, kept if plain else v, plain))
+
+
+def _setup_value(name: str, memo: dict):
+    """What a test reads for the setup's ``name``: its own copy (``memo``: the test's id -> copy map), or
+    ``_setup_value`` itself when the name holds no copied value."""
+    if not _COPY_TOOLS[4](_SETUP_DATA, name):
+        return _setup_value
+    kept = _COPY_TOOLS[5](_SETUP_DATA, name)
+    if kept is None:
+        raise RecursionError(f"the setup's {name} is too deep to copy")
+    return _plain_copy(kept, memo)
+
+
+def _setup_state(memo=None, cls=None, name=None):
+    """Puts back fresh copies of the plain data of every function and class of the setup, and what else their
+    namespaces held (before a call of one of them), and returns ``_setup_state``. With ``cls`` (a class a test reads
+    ``name`` of) and plain data there: a copy of it of the test's own (``memo``), put on no class."""
+    if cls is not None:
+        mine = False
+        for kind, holder, key, kept, plain in _SETUP_STATE:
+            if holder is cls:
+                if plain and kind == "attr" and key == name:
+                    return _plain_copy(kept, memo)
+                mine = True
+        if not mine:
+            return _setup_state
+    for kind, holder, key, kept, plain in _SETUP_STATE:
+        fresh = _plain_copy(kept, {}) if plain else kept
+        if kind == "defaults":
+            holder.__defaults__ = fresh
+        elif kind == "kwdefaults":
+            holder.__kwdefaults__ = fresh
+        elif kind == "cell":
+            holder.cell_contents = fresh
+        elif kind == "attr":
+            type.__setattr__(holder, key, fresh)
+        else:  # (a name the program added, which would hide a base class's)
+            for k in [k for k in _DICT_OF(holder) if type(k) is str and k not in kept]:
+                type.__delattr__(holder, k)
+    return _setup_state
+
+
+def _library_data(v, held):
+    """What a test reads for a module's attribute ``v``: for an exact list or dict of what ``_judge._held_state`` kept
+    (``held``: its getter, ``{id(key): (key, value)}`` or the items), a new one with the entries it had before the
+    program ran; anything else as it is."""
+    getter, by_id, _ = held
+    if getter is list and type(v) is list:
+        return list(by_id)
+    if getter is None and type(v) is dict:
+        return dict(_COPY_TOOLS[10](by_id))
+    return v
