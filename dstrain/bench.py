@@ -323,9 +323,8 @@ def default_profiles(cfg, nproc: int) -> list[str]:
     if cfg.deepspeed.profile != "auto":
         return [cfg.deepspeed.profile]
     from dstrain.engine.factory import plan_engine
-    from dstrain.runtime import ranks_use_cuda
-    device = "cuda" if ranks_use_cuda() else "cpu"  # the ranks' device (DS_ACCELERATOR=cpu beside a GPU: the CPU)
-    return [plan_engine(cfg, nproc, ranks_per_node=nproc, device_type=device).profile]
+    from dstrain.engine.ds_check import this_device  # the ranks' device (DS_ACCELERATOR=cpu beside a GPU: the CPU)
+    return [plan_engine(cfg, nproc, ranks_per_node=nproc, device_type=this_device()).profile]
 
 
 def assemble(opts: BenchOptions, argv: list[str], cfg, jobs: list[dict], device: dict,

@@ -281,8 +281,9 @@ def check_ds_file(path: str | Path, device_type: str | None = None, world_size: 
 
 
 def this_device() -> str:
+    """The ranks' device here: "cuda" where :func:`dstrain.runtime.ranks_use_cuda` says so, else "cpu"."""
     try:
-        import torch
-        return "cuda" if torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu" else "cpu"
-    except ImportError:
+        from dstrain.runtime import ranks_use_cuda
+        return "cuda" if ranks_use_cuda() else "cpu"
+    except ImportError:  # (no torch)
         return "cpu"
