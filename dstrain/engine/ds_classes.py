@@ -208,11 +208,18 @@ def _cycles_momentum(params: dict) -> bool:
     return value is True or (isinstance(value, int) and not isinstance(value, bool) and value != 0)
 
 
-def _onecycle_without_betas(cfg: dict) -> list[str]:
+def _scheduler_params(cfg: dict, kind: str) -> dict | None:
+    """The ``params`` of the file's scheduler block when its type is ``kind`` ({} when it has none), else None."""
     sched = cfg.get("scheduler")
-    if not isinstance(sched, dict) or sched.get("type") != "OneCycle":
+    if not isinstance(sched, dict) or sched.get("type") != kind:
+        return None
+    return sched.get("params") if isinstance(sched.get("params"), dict) else {}
+
+
+def _onecycle_without_betas(cfg: dict) -> list[str]:
+    params = _scheduler_params(cfg, "OneCycle")
+    if params is None:
         return []
-    params = sched.get("params") if isinstance(sched.get("params"), dict) else {}
     asked = params.get("cycle_momentum") is True or ("cycle_momentum" not in params
                                                      and any(k in params for k in _MOMENTUM_KEYS))
     if not asked or _has_betas(cfg) is not False:
@@ -227,10 +234,9 @@ def _onecycle_without_betas(cfg: dict) -> list[str]:
 def _range_test_from_zero(cfg: dict) -> list[str]:
     """LRRangeTest's lr is ``lr_range_test_min_lr x (1 + step_rate x interval)``: a product, so a minimum of 0 (a
     range test "from 0") keeps the lr at 0 for the whole run, and DeepSpeed says nothing."""
-    sched = cfg.get("scheduler")
-    if not isinstance(sched, dict) or sched.get("type") != "LRRangeTest":
+    params = _scheduler_params(cfg, "LRRangeTest")
+    if params is None:
         return []
-    params = sched.get("params") if isinstance(sched.get("params"), dict) else {}
     low, rate = params.get("lr_range_test_min_lr"), params.get("lr_range_test_step_rate")
     values = low if isinstance(low, list) else [low]
     out = []
@@ -275,10 +281,9 @@ def _betas(cfg: dict, run_betas) -> tuple[tuple | None, str]:
 
 
 def _onecycle_beta2(cfg: dict, run_betas) -> list[str]:
-    sched = cfg.get("scheduler")
-    if not isinstance(sched, dict) or sched.get("type") != "OneCycle" or _has_betas(cfg) is not True:
+    params = _scheduler_params(cfg, "OneCycle")
+    if params is None or _has_betas(cfg) is not True:
         return []
-    params = sched.get("params") if isinstance(sched.get("params"), dict) else {}
     if not _cycles_momentum(params):
         return []
     betas, source = _betas(cfg, run_betas)
