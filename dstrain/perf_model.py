@@ -73,13 +73,17 @@ def ring_half_s(nbytes: float, n: int, bw: float, latency: float) -> float:
 
 
 def allreduce_s(nbytes: float, ranks: int, links: Links, ranks_per_node: int | None = None) -> float:
-    """All-reduce over ``ranks`` GPUs laid out ``ranks_per_node`` to a node (hierarchical across nodes)."""
+    """All-reduce over ``ranks`` GPUs laid out ``ranks_per_node`` to a node (hierarchical across nodes).
+
+    Ranks that do not fill the last node leave it ``ranks - (nodes - 1) x per_node`` GPUs, each of which
+    carries a ``1 / that`` share of the data between nodes, the slowest part of the inter-node ring."""
     local = min(ranks, ranks_per_node or links.gpus_per_node)
-    nodes = max(1, ranks // local)
+    nodes = max(1, -(-ranks // local))  # a partly filled node still takes part
     if nodes == 1:
         return ring_allreduce_s(nbytes, local, links.intra_bw, links.intra_latency)
+    last = ranks - (nodes - 1) * local
     return (2 * ring_half_s(nbytes, local, links.intra_bw, links.intra_latency)
-            + ring_allreduce_s(nbytes / local, nodes, links.inter_bw, links.inter_latency))
+            + ring_allreduce_s(nbytes / last, nodes, links.inter_bw, links.inter_latency))
 
 
 def step_time(w: Workload, gpus: int, layout: Layout, links: Links, tokens_per_gpu: int | None = None) -> dict:

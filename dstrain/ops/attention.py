@@ -248,7 +248,9 @@ def merge_attention(pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[to
     total = weights.sum(dim=0)
     covered = total > 0
     safe_total = torch.where(covered, total, torch.ones_like(total))
-    out = sum((w / safe_total).unsqueeze(-1) * o.to(wide) for w, (o, _) in zip(weights, pieces))
+    # where(): an uncovered query's out is ignored even when it holds NaN or Inf (0 x NaN is NaN)
+    out = sum((w / safe_total).unsqueeze(-1) * torch.where((w > 0).unsqueeze(-1), o.to(wide), 0.0)
+              for w, (o, _) in zip(weights, pieces))
     lse = torch.where(covered, top + torch.log(safe_total), torch.full_like(total, float("-inf")))
     return out.to(dtype), lse
 
