@@ -187,6 +187,16 @@ def _keys(problem: str) -> set[str]:
     return {first, *(section + name for name in rest)}
 
 
+UNFILLABLE_AUTO = '"auto" is not a value dstrain can fill'
+
+
+def beside_unfillable(found: list[str], filling: list[str]) -> list[str]:
+    """``found`` without the lines about a key the filling already refused as an unfillable "auto": checked as
+    the text "auto" or as its placeholder, it would be named twice, once with a value the file does not hold."""
+    auto = set().union(*(_keys(p) for p in filling if UNFILLABLE_AUTO in p)) if filling else set()
+    return [p for p in found if not _keys(p) & auto]
+
+
 def merge_problems(found: list[str], parsed: list[str]) -> list[str]:
     """dstrain's problems, then DeepSpeed's parser's about keys dstrain has not already named."""
     named = set().union(*map(_keys, found)) if found else set()
@@ -265,6 +275,7 @@ def check_ds_file(path: str | Path, device_type: str | None = None, world_size: 
     except DSConfigError as err:
         filled, problems = _placeholders(cfg), list(err.problems)
     found, notes = section_problems(filled, device_type)
+    found = beside_unfillable(found, problems)
     notes += run_notes(filled, values.betas)  # the run's length is not known here (run_problems)
     problems = merge_problems(problems + found, deepspeed_problems(filled, full_parse=not problems + found))
     if problems:

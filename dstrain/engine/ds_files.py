@@ -268,7 +268,8 @@ PLAIN_FLAGS = ("wall_clock_breakdown", "memory_breakdown", "prescale_gradients",
                "activation_checkpointing.partition_activations", "activation_checkpointing.cpu_checkpointing",
                "activation_checkpointing.contiguous_memory_optimization",
                "activation_checkpointing.synchronize_checkpoint_boundary", "activation_checkpointing.profile",
-               "managed_gradient_accumulation", "disable_python_gc")
+               "managed_gradient_accumulation", "disable_python_gc", "checkpoint.use_node_local_storage",
+               "checkpoint.checkpoint_serialization")
 
 
 #: Strings DeepSpeed's (pydantic) precision sections accept for a boolean.

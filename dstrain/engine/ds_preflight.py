@@ -184,7 +184,7 @@ def check_run(cfg: RunConfig, world_size: int, device_type: str, strict: bool = 
     and, with ``strict``, parsed by DeepSpeed's own classes. The run's own fp16 request on
     a CPU is refused here too, naming the alternatives.
     """
-    from dstrain.engine.ds_check import _placeholders, deepspeed_problems, merge_problems
+    from dstrain.engine.ds_check import _placeholders, beside_unfillable, deepspeed_problems, merge_problems
     from dstrain.engine.ds_classes import run_notes, run_problems
     from dstrain.engine.ds_engine_keys import run_length_problems
     from dstrain.engine.ds_sections import section_problems
@@ -233,6 +233,8 @@ def check_run(cfg: RunConfig, world_size: int, device_type: str, strict: bool = 
         filling = dsc.DSConfigError(source, filling.problems, filling.fixes, filling.mismatches, switch_on=True)
     if filling is not None and not found and not strict:
         raise filling  # disagreements only: one line that ends with the overrides that remove them
+    if filling is not None:
+        found = beside_unfillable(found, filling.problems)
     problems = merge_problems(found + (filling.problems if filling is not None else []), strict)
     if problems:
         fixes = filling.fixes if filling is not None else {}

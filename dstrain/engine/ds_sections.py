@@ -18,13 +18,14 @@ import os
 from dstrain.engine.ds_classes import class_notes, class_problems
 from dstrain.engine.ds_config import describe_zero, precision_left_open, sets_lr_itself
 from dstrain.engine.ds_engine_keys import engine_key_problems
+from dstrain.engine.ds_scalars import scalar_checks
 from dstrain.engine.ds_copied import copied_checks
 from dstrain.engine.ds_unread import unread_problems
 from dstrain.engine.ds_reading import DEEPSPEED_OPTIMIZER_TYPES
 
 #: ZeRO keys read only at stage 3 (with DeepSpeed's aliases).
 STAGE3_ONLY = frozenset({
-    "offload_param", "cpu_offload_param", "cpu_offload_use_pin_memory", "sub_group_size",
+    "offload_param", "cpu_offload_param", "sub_group_size",
     "stage3_prefetch_bucket_size", "prefetch_bucket_size", "stage3_param_persistence_threshold",
     "param_persistence_threshold", "stage3_model_persistence_threshold", "model_persistence_threshold",
     "stage3_max_live_parameters", "max_live_parameters", "stage3_max_reuse_distance", "max_reuse_distance",
@@ -46,7 +47,6 @@ REMOVED_ZERO_KEYS = {
 #: DeepSpeed's deprecated ZeRO keys and what it reads them as.
 DEPRECATED_ZERO_KEYS = {"cpu_offload": "offload_optimizer.device \"cpu\"",
                         "cpu_offload_param": "offload_param.device \"cpu\"",
-                        "cpu_offload_use_pin_memory": "offload_*.pin_memory",
                         "stage3_gather_fp16_weights_on_model_save": "gather_16bit_weights_on_model_save"}
 
 #: ZeRO++ switches that run DeepSpeed's CUDA quantizer kernel (no CPU implementation).
@@ -527,7 +527,8 @@ def section_problems(cfg: dict, device_type: str) -> tuple[list[str], list[str]]
     notes += class_notes(cfg)
     problems += engine_key_problems(cfg, device_type, problems) + unread_problems(cfg)
     copied, copied_notes = copied_checks(cfg)
-    return problems + copied, notes + copied_notes
+    scalars, scalar_notes = scalar_checks(cfg, device_type)
+    return problems + copied + scalars, notes + copied_notes + scalar_notes
 
 
 def _dotted_hint(name: str, known) -> str:

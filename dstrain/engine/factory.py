@@ -250,8 +250,6 @@ def _plan_or_suggest_pp(spec, mcfg, cfg, stats, hw, acts, dims, world_size):
 
 _MONITOR_PATHS = (("tensorboard", "output_path"), ("csv_monitor", "output_path"),
                   ("flops_profiler", "output_file"))
-_DS_CHECKPOINTING_KEYS = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
-                          "synchronize_checkpoint_boundary", "profile")
 
 
 def user_sections(resolved: dict, out_dir: str, source: str) -> tuple[dict, list[str]]:
@@ -281,12 +279,10 @@ def user_sections(resolved: dict, out_dir: str, source: str) -> tuple[dict, list
             notes.append(f"{section}.{key} -> {out[section][key]}")
     ac = out.get("activation_checkpointing")
     if isinstance(ac, dict):
-        on = [k for k in _DS_CHECKPOINTING_KEYS if ac.get(k) is True]
-        if on:
-            raise dsc.DSConfigError(source, f"activation_checkpointing.{on[0]}: DeepSpeed's activation-"
-                                            "checkpointing block only acts on models that call deepspeed."
-                                            "checkpointing, which dstrain's models do not; remove the block "
-                                            "and use --deepspeed.activation_checkpointing=true")
+        from dstrain.engine.ds_scalars import activation_checkpointing_problem
+        refusal = activation_checkpointing_problem(ac)  # also named by the checks before launch (ds_sections)
+        if refusal:
+            raise dsc.DSConfigError(source, refusal)
         out.pop("activation_checkpointing")
         notes.append("activation_checkpointing block (all features off) dropped: dstrain's models checkpoint "
                      "through deepspeed.activation_checkpointing")

@@ -535,3 +535,24 @@ CHECKED_ONLY |= {  # round 12: each trained 3 steps on 2 CPU ranks with a checkp
     "llamafactory_ds_z3_config.json", "megatron_ds_moe_elastic_checkpoint_bf16.json",
     "megatron_ds_prescale_predivide_comm_dtype_fp32.json", "openrlhf_eval_ref_zero3_offload_param.json",
     "trl_ppo_ref_model_zero3_no_batch.json", "ulysses_seq_parallel_comm_dtype_fp32_sp1.json"}
+EXPECT.update({  # round 13 (tests/unit/test_ds_realworld13.py)
+    "lightning_strategy_zero3_offload_dump.json": None,  # aio.thread_count with no NVMe: the section is noted unused
+    "lightning_strategy_nvme_aio_thread_count.json": "aio.thread_count: 8, which DeepSpeed 0.19 no longer reads",
+    "zero3_nvme_aio_quoted_values.json": "aio.block_size: a positive whole number, file says '1048576'",
+    "lightning_fp16_hysteresis_zero.json": "fp16.hysteresis: 0, and DeepSpeed's dynamic loss scaler lowers the scale "
+                                           "only when its hysteresis count is 1",
+    "openrlhf_zero2_compile_deepcompile_false.json": None,  # DeepCompile off, autotp_size 1, stage-3 "auto"s noted
+    "hf_2021_zero3_cpu_offload_flags.json": None,  # cpu_offload_use_pin_memory: unread by DeepSpeed 0.19, noted
+    "zero2_cpu_offload_use_pin_memory_false.json": "zero_optimization.cpu_offload_use_pin_memory: false, which "
+                                                   "DeepSpeed 0.19 no longer reads",
+    "checkpoint_flags_quoted_false.json": "checkpoint.use_node_local_storage: file says 'false' in quotes",
+    "checkpoint_tag_validation_boolean.json": "checkpoint.tag_validation: false, not a mode",
+    "vocabulary_size_quoted.json": "vocabulary_size: file says '50257', not a number",
+    "communication_data_type_auto.json": "communication_data_type: \"auto\" is not a value dstrain can fill",
+    "torch_autocast_safe_modules_short_names.json": "torch_autocast.lower_precision_safe_modules: 'Linear' not "
+                                                    "importable as package.Class",
+    "zeropp_quantized_weights_torch_autocast.json": "zero_optimization.zero_quantized_weights: ZeRO++ quantized",
+})
+CHECKED_ONLY |= {  # round 13: each trained 3 steps on 2 CPU ranks with a checkpoint at step 2 by hand (as written)
+    "lightning_strategy_zero3_offload_dump.json", "openrlhf_zero2_compile_deepcompile_false.json",
+    "hf_2021_zero3_cpu_offload_flags.json"}
