@@ -272,7 +272,7 @@ def _make_hook(tmp: str, read_roots: tuple, violations: list, quiet: set = froze
             g[k] = types.FunctionType(f.__code__, g, f.__name__, f.__defaults__, f.__closure__)
             g[k].__kwdefaults__ = f.__kwdefaults__
     get_ident, getcwd, readlink, realpath, getpid = _thread.get_ident, os.getcwd, os.readlink, g["realpath"], os.getpid
-    builtin_names = frozenset(sys.builtin_module_names)
+    builtin_names, extension_roots = frozenset(sys.builtin_module_names), _extension_roots()  # noqa: F821
     join, isabs, lstat, S_ISDIR, S_ISREG = g["join"], g["isabs"], os.stat, stat.S_ISDIR, stat.S_ISREG
     encoding, errors = sys.getfilesystemencoding(), sys.getfilesystemencodeerrors()
     gc_enabled, gc_disable, gc_enable = gc.isenabled, gc.disable, gc.enable
@@ -359,9 +359,9 @@ def _make_hook(tmp: str, read_roots: tuple, violations: list, quiet: set = froze
             short = replace(rsplit(name, ".", 1)[-1], "-", "_")  # the C loader's PyInit_<name>: '-' is '_' there
             if starts(short, _DENY_MODULES) or (name if path is None else short) in builtin_names:
                 deny(event, f"module {name}")  # (a built-in one was loaded before: this would be a second copy)
-            if path is not None:  # an extension module's file: one installed with the interpreter, not the program's
+            if path is not None:  # an extension module's file: the standard library's (see _unaudited.py), not others'
                 target = resolve(path)  # (/proc/self/fd/N names the file it is open on)
-                if target is None or not under(target, read_roots) or under(target, (tmp,)) \
+                if target is None or not under(target, extension_roots) or under(target, (tmp,)) \
                         or starts(replace(split(rsplit(target, "/", 1)[-1], ".", 1)[0], "-", "_"), _DENY_MODULES):
                     deny(event, f"extension module {target or shown(path)}")
         elif event in ("os.listdir", "os.scandir"):
