@@ -34,6 +34,7 @@ class Engine:
         """Optimizer updates taken (skipped ones not counted; under the deferred check every step counts: its
         state moved on, and a bad step's update was left out on the device)."""
         self._last_step_taken = True
+        self._update_lr: float | None = None  # the lr of the last optimizer update (read before DeepSpeed's step)
         self._deferred = None  # deferred_check.DeferredCheck where the non-finite check is deferred (watch)
         self.nonfinite_check = "off"
         """How the non-finite guard runs: off | sync | deferred (see dstrain.engine.deferred_check)."""
@@ -131,6 +132,8 @@ class Engine:
             boundary = True  # to update_interval); every step updates the selected rows (refused unless grad_accum 1)
         else:
             boundary = ds.is_gradient_accumulation_boundary()
+        if boundary:  # DeepSpeed steps its scheduler right after the update: the lr it used is the one now
+            self._update_lr = self._scheduled_lr()
         if boundary and self._deferred is not None:
             self.step_ok = self._deferred.step(self)
             self.updates += 1
@@ -165,8 +168,22 @@ class Engine:
     def eval(self) -> None:
         self.ds.eval()
 
+    def _scheduled_lr(self) -> float | None:
+        """The lr the next update will take (None for a stand-in without ``get_lr``)."""
+        get_lr = getattr(self.ds, "get_lr", None)
+        return None if get_lr is None else float(get_lr()[0])
+
     @property
     def lr(self) -> float:
+        """The learning rate of the last optimizer update (before the first one: the lr it will take).
+
+        Not ``get_lr()`` after the step: DeepSpeed steps the scheduler right after each update, so that is
+        the next update's lr, one schedule step ahead of the update a log line reports."""
+        return self.next_lr if self._update_lr is None else self._update_lr
+
+    @property
+    def next_lr(self) -> float:
+        """The learning rate the next optimizer update will take (for updates of a trainer's own that follow it)."""
         return float(self.ds.get_lr()[0])
 
     @property

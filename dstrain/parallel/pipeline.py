@@ -392,6 +392,7 @@ class PipelineEngine(Engine):
         return self.ds.stage_id
 
     def train_batch(self, data_iter) -> float:
+        self._update_lr = self._scheduled_lr()  # the update at the end of the batch runs at it (Engine.lr)
         with self._attention():  # train.attention_backend, as Engine's forward (the backward follows the forward)
             return float(self.ds.train_batch(data_iter))
 

@@ -221,7 +221,7 @@ class HRMTrainer:
         loss, out = self.engine(rows["inputs"], rows["labels"], emb,
                                 carry.get("z_H"), carry.get("z_L"), carry.get("steps"), rows["reset"])
         self.engine.backward(loss)
-        lr_factor = self.engine.lr / self.cfg.train.lr if self.cfg.train.lr > 0 else 1.0
+        lr_factor = self.engine.next_lr / self.cfg.train.lr if self.cfg.train.lr > 0 else 1.0  # this update's
         taken = self.engine.step()  # False: skipped under train.nonfinite=skip (the table is left too)
         ok = self.engine.step_ok  # the deferred check's verdict on the device (None: taken says it)
         if self.sparse_opt is not None and taken:
