@@ -28,24 +28,22 @@ def _split_overrides(extra: list[str]) -> tuple[list[str], list[str]]:
 
 
 def _load(recipe: str, overrides: list[str], resume: bool = False):
-    from dstrain.config import load_run_config
-    cfg = load_run_config(recipe, overrides)
+    from dstrain.cli_checks import deepspeed_json_as_recipe
+    from dstrain.config import ConfigError, load_run_config
+    try:
+        cfg = load_run_config(recipe, overrides)
+    except ConfigError as err:
+        raise deepspeed_json_as_recipe(recipe, err) or err from None
+    cfg.output.dir = os.path.expanduser(cfg.output.dir)  # "--output.dir=~/runs/x": the shell leaves "~" after "="
     if resume:
         cfg.checkpoint.resume = True
     return cfg
 
 
 def _task_file_problem(cfg):
-    """A task file the ranks would not find (``task.path`` / ``eval_path`` naming a file, not a hub dataset;
-    HRM's ``train_file`` / ``eval_file`` under ``source=file``): the ConfigError naming it, else None."""
-    from dstrain.config import ConfigError
-    from dstrain.data.tasks import _looks_like_path, missing_task_file
-    task = cfg.task if isinstance(cfg.task, dict) else {}
-    for key in ("path", "eval_path") + (("train_file", "eval_file") if task.get("source") == "file" else ()):
-        value = task.get(key)
-        named = key.endswith("_file") or _looks_like_path(value or "")  # *_file: always a file, never a hub name
-        if isinstance(value, str) and value and named and not Path(value).expanduser().exists():
-            return ConfigError("run config", f"task.{key}", missing_task_file(value, key))
+    """A task or corpus file the ranks would not find or read (see :mod:`dstrain.cli_checks`), else None."""
+    from dstrain.cli_checks import corpus_problem, task_file_problem
+    return task_file_problem(cfg) or corpus_problem(cfg)
 
 
 def _adopt(cfg, world_size: int) -> list[tuple[str, object, str]]:
@@ -196,12 +194,18 @@ def cmd_launch(args, overrides) -> int:
     problem = launch_check.rank_shortfall(launcher.spec_from_args(args, []), hosts.remote, accelerator,
                                           torchrun=args.launcher == "torchrun")
     problem = problem or _output_problem(cfg, args.resume)
+    if problem is None and args.resume:  # HRM: a checkpoint's ACT carry on another layout, refused by rank 0 too
+        from dstrain.cli_checks import resume_layout_problem
+        problem = resume_layout_problem(cfg, sizes[0] if sizes else None)
     if problem is None and not args.resume:
-        problem = _check_before_launch(cfg, args, accelerator)
+        from dstrain.cli_checks import check_before_launch
+        problem = check_before_launch(cfg, args, accelerator)
     if problem:
         print(f"dstrain: error: {problem}", file=sys.stderr)
         return EXIT_CONFIG
-    for line in _adopted_lines(adopted):
+    from dstrain.cli_checks import resume_note
+    notes = [f"dstrain: note: {note}"] if args.resume and (note := resume_note(cfg)) else []
+    for line in [*_adopted_lines(adopted), *notes]:
         print(line, file=sys.stderr)
     print(launcher.format_command(argv, launcher.env_delta(env)), flush=True)
 
@@ -238,6 +242,7 @@ def cmd_launch(args, overrides) -> int:
 
         def forward(signum, _frame):
             got.append(signum)
+            rank_exit.note_forwarded(failures, signum)  # rank 0's stop line names it, not the SIGTERM passed on
             # as SIGTERM (the ranks save and leave; DeepSpeed's runner and launcher end without a KeyboardInterrupt
             # traceback); a second Ctrl-C / SIGTERM: the ranks did not stop in time for the user, so they go now
             with contextlib.suppress(ProcessLookupError):
@@ -282,6 +287,9 @@ def cmd_launch(args, overrides) -> int:
         return run_once(again, again_env)
 
     from dstrain import checkpoint as ckpt
+    from dstrain.cli_checks import INTERRUPTED
+    if INTERRUPTED:  # a Ctrl-C that a library swallowed while this process imported it
+        raise KeyboardInterrupt
     from dstrain.supervise import run_with_restarts
     return run_with_restarts(attempt, args.max_restarts, lambda line: print(line, file=sys.stderr, flush=True),
                              lambda: ckpt.find_latest(Path(cfg.output.dir) / "checkpoints"))
@@ -309,52 +317,8 @@ def _output_problem(cfg, resume: bool = False) -> str | None:
     from dstrain.trainers.common import _resume_problem  # damaged, or another model's: refused before any rank starts
     if latest is not None and (problem := _resume_problem(cfg, out / "checkpoints", latest)):
         return problem
-    there = next((p for p in (out, *out.parents) if p.exists()), None)  # what the ranks would create it in
-    if there is not None and not os.access(there, os.W_OK | os.X_OK):
-        return f"output.dir {out}: {there} is not writable (read-only, or not yours)"
-    return None
-
-
-def _check_before_launch(cfg, args, accelerator: str) -> str | None:
-    """Resolve the run as rank 0 will, with the launch's world size; the problem, or None.
-
-    The factory's plan (precision the device can run, the DeepSpeed JSON filled and
-    checked against the recipe) and DeepSpeed's own strict parsing of every section:
-    a config that would stop inside the ranks stops here, before anything starts or
-    is written. Where include/exclude filters decide the world size, or the ranks run
-    on other hosts, memory is not judged here (the ranks see their own devices).
-    """
-    from dstrain import launcher
-    from dstrain.config import ConfigError
-    from dstrain.engine.ds_check import deepspeed_problems
-    from dstrain.engine.ds_config import DSConfigError
-    from dstrain.engine.factory import plan_engine
-    from dstrain.engine.profiles import PlanError
-    spec = launcher.spec_from_args(args, [])
-    sizes = launcher.launch_world_size(spec, torchrun=args.launcher == "torchrun")
-    world, per_node = sizes if sizes is not None else (1, 1)
-    device = "cuda" if accelerator == "cuda" else "cpu"
-    saved = os.environ.get("DS_ACCELERATOR")
-    os.environ["DS_ACCELERATOR"] = device  # the child's environment is already built
-    try:
-        from dstrain.engine.ds_preflight import check_run
-        for note in check_run(cfg, world, device):  # the user's file against the run and this device
-            print(f"dstrain: note: {note}", file=sys.stderr)
-        plan = plan_engine(cfg, world, ranks_per_node=per_node, device_type=device)
-        problems = deepspeed_problems(plan.ds_config)
-        if problems:
-            raise DSConfigError(cfg.deepspeed.profile, problems)
-    except PlanError as err:
-        local = sizes is not None and (spec.hostfile is None or world == per_node)
-        return str(err) if local else None
-    except (ConfigError, DSConfigError, ValueError) as err:
-        return str(err)
-    finally:
-        if saved is None:
-            os.environ.pop("DS_ACCELERATOR", None)
-        else:
-            os.environ["DS_ACCELERATOR"] = saved
-    return None
+    from dstrain.cli_checks import writable_problem  # where the ranks would create it: a file, no permission
+    return writable_problem(out, "output.dir")
 
 
 def cmd_hostfile(args, overrides) -> int:
@@ -370,7 +334,11 @@ def cmd_hostfile(args, overrides) -> int:
         return EXIT_CONFIG
     text = hf.format_hostfile(hosts)
     if args.output:
-        Path(args.output).write_text(text)
+        try:
+            Path(args.output).write_text(text)
+        except OSError as err:
+            print(f"dstrain: error: -o {args.output}: cannot write it: {err.strerror or err}", file=sys.stderr)
+            return EXIT_CONFIG
         print(f"wrote {args.output}: {len(hosts)} host(s), {sum(s for _, s in hosts)} slot(s)", file=sys.stderr)
     else:
         sys.stdout.write(text)
@@ -379,6 +347,9 @@ def cmd_hostfile(args, overrides) -> int:
 
 def cmd_plan(args, overrides) -> int:
     cfg = _load(args.recipe, overrides)
+    if args.gpus_per_node < 1:  # (0 was taken as "1 rank a node", -2 was refused by the planner)
+        from dstrain.config import ConfigError
+        raise ConfigError("command line", "--gpus-per-node", f"must be at least 1, got {args.gpus_per_node}")
     if args.device_memory:
         cfg.deepspeed.device_memory = args.device_memory
     from dstrain.engine.factory import plan_engine
@@ -411,6 +382,9 @@ def cmd_check_config(args, overrides) -> int:
         data = read_json(args.file)
     except (ConfigError, UnicodeDecodeError):
         data = None  # not plain JSON: a DeepSpeed file may still be (comments: DeepSpeed reads hjson), or named there
+        from dstrain.cli_checks import loose_run_config
+        if loose_run_config(args.file):  # a run config with comments: said so, not checked as a DeepSpeed JSON
+            raise
     sections = {f for f in RunConfig.__dataclass_fields__}
     from dstrain.engine.ds_files import nests_ds_config
     if data and set(data) <= sections and not nests_ds_config(data):  # an empty {} is a DeepSpeed JSON that leaves everything to the run
@@ -438,6 +412,10 @@ def cmd_check_config(args, overrides) -> int:
 
 def cmd_export(args, overrides) -> int:
     from dstrain.checkpoint import export_safetensors
+    from dstrain.cli_checks import export_target_problem
+    if problem := export_target_problem(args.out):  # before the weights are gathered
+        print(f"dstrain: error: {problem}", file=sys.stderr)
+        return EXIT_CONFIG
     out = export_safetensors(args.checkpoint, args.out)
     print(f"wrote {out}")
     return 0
@@ -536,8 +514,15 @@ def main(argv: list[str] | None = None) -> int:
                       f"--section.key=value ({item}={extra[i + 1]})", file=sys.stderr)
                 return EXIT_CONFIG
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if args.command != "train":  # (a rank holds Ctrl-C for its trainer: dstrain.rank_exit.hold_stop_signals)
+        from dstrain.cli_checks import catch_ctrl_c
+        catch_ctrl_c()
     try:
         return args.func(args, overrides)
+    except KeyboardInterrupt:  # Ctrl-C before anything started: no traceback
+        before = " before any rank started" if args.command == "launch" else ""
+        print(f"dstrain: {args.command} interrupted (Ctrl-C){before}", file=sys.stderr)
+        return 128 + 2
     except (ConfigError, DSConfigError, PlanError, RunFolderError) as err:
         if args.command != "train" or _reports_failure():
             print(f"dstrain: error: {err}", file=sys.stderr)

@@ -1,14 +1,13 @@
 """Run configuration: JSON file -> typed dataclasses, dotted command-line overrides.
 
-A run config has seven sections (``model``, ``data``, ``train``, ``deepspeed``,
-``parallel``, ``checkpoint``, ``output``) plus two free-form ones typed by the trainer
+A run config has eight sections (``model``, ``data``, ``train``, ``deepspeed``,
+``parallel``, ``checkpoint``, ``output``, ``rollout``) plus two free-form ones typed by the trainer
 (``task``, and ``placement`` for trainers with several models); every field has a default,
 so a recipe names only what it changes. ``load_run_config(path, ["--train.lr=3e-4"])`` reads the file,
 applies the overrides (they win over the file), checks types and values, and
 raises :class:`ConfigError` with one line naming the file and the dotted key.
 
-Nothing here touches the disk except reading the recipe, so a bad config fails
-before any output is written.
+Nothing here touches the disk except reading the recipe, so a bad config fails before any output is written.
 """
 from __future__ import annotations
 
@@ -22,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from dstrain.config_text import invalid_json_problem, section_error_key  # one-line messages
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 """torch.compile modes ``train.compile_mode`` accepts."""
@@ -342,7 +342,7 @@ def build_section(cls, data: Mapping[str, Any], source: str, prefix: str):
     except (TypeError, ValueError) as err:
         if isinstance(err, ConfigError):
             raise
-        raise ConfigError(source, prefix.rstrip("."), str(err)) from None
+        raise ConfigError(source, section_error_key(prefix, str(err)), str(err)) from None
     return section
 
 
@@ -514,6 +514,7 @@ def _validate_task(cfg: RunConfig, source: str) -> None:
     except KeyError as err:
         raise ConfigError(source, "trainer", str(err.args[0])) from None
     _check(not (problem := trainers.model_problem(cfg)), source, "trainer", problem)  # another family's model
+    _check(not (why := trainers.parallel_problem(cfg)), source, f"parallel.{'tp' if cfg.parallel.tp > 1 else 'sp'}", why)
     if cls is None:
         if cfg.task:
             raise ConfigError(source, "task", f"trainer {cfg.trainer!r} takes no task settings, "
@@ -562,12 +563,12 @@ def read_json(path: str | Path) -> dict:
     path = Path(path)
     try:
         text = path.read_text()
-    except OSError as err:
-        raise ConfigError(str(path), "", f"cannot read: {err.strerror}") from None
+    except (OSError, UnicodeDecodeError) as err:  # UnicodeDecodeError: a binary file (a checkpoint's .pt)
+        raise ConfigError(str(path), "", f"cannot read: {getattr(err, 'strerror', None) or 'not UTF-8 text'}") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as err:
-        raise ConfigError(str(path), "", f"invalid JSON at line {err.lineno} column {err.colno}: {err.msg}") from None
+        raise ConfigError(str(path), "", invalid_json_problem(text, err)) from None
     if not isinstance(data, dict):
         raise ConfigError(str(path), "", "the top level must be a JSON object")
     return data

@@ -29,6 +29,9 @@ FAILED_FILE = "failed"
 """In ``$DSTRAIN_FAILURE_DIR``: the exit status of the first rank that ended the job with a reason of its own (2, 3,
 4, 124), which ``dstrain launch`` returns (and ``--max-restarts`` reads) rather than the exit 1 of a peer that lost
 it, which the launcher in between may see first."""
+FORWARDED_FILE = "forwarded"
+"""In ``$DSTRAIN_FAILURE_DIR``: the signal ``dstrain launch`` got (Ctrl-C: SIGINT) and passed on to the ranks as
+SIGTERM; its own exit status is 128 + that signal's number, which rank 0's stop line gives."""
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 PENDING_STOP = [0]
 """A stop signal that reached this rank while it was starting, kept for the trainer's ``StopFlag``."""
@@ -74,8 +77,31 @@ def stop_line(summary: dict, steps: int, ckpt_root: Path, code: int) -> str:
     latest = ckpt.find_latest(ckpt_root)
     where = (f"checkpoint {ckpt_root / latest} is saved; --resume continues from it" if latest
              else "no checkpoint was written; --resume starts from step 0")
-    return (f"dstrain: stopped at step {summary.get('step')} of {steps} by {signal_name(code)} "
+    by = signal_name(code)
+    forwarded = _forwarded_signal()
+    if forwarded:  # the ranks got SIGTERM from dstrain launch; the user sees launch's status, 128 + its signal
+        by, code = f"{signal_name(128 + forwarded)} to dstrain launch", 128 + forwarded
+    return (f"dstrain: stopped at step {summary.get('step')} of {steps} by {by} "
             f"(exit {code}, not a finished run): {where}")
+
+
+def note_forwarded(folder: str | Path, signum: int) -> None:
+    """``dstrain launch`` passes ``signum`` on to its job: left for rank 0's stop line (the first signal only)."""
+    try:
+        fd = os.open(os.path.join(folder, FORWARDED_FILE), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except OSError:
+        return
+    os.write(fd, f"{int(signum)}\n".encode())
+    os.close(fd)
+
+
+def _forwarded_signal() -> int | None:
+    folder = os.environ.get("DSTRAIN_FAILURE_DIR")
+    try:
+        signum = int((Path(folder) / FORWARDED_FILE).read_text().strip()) if folder else 0
+    except (OSError, ValueError):
+        return None
+    return signum if 0 < signum < 65 else None
 
 
 def note_stopped(code: int) -> None:

@@ -289,7 +289,9 @@ def read_puzzle_file(path: str | Path, limit: int | None = None, skip: int = 0,
     over, then at most ``limit`` read. A puzzle without a solution, or with more than
     one, raises ``ValueError`` naming the line.
     """
-    path = Path(path)
+    path = Path(path).expanduser()  # "--task.train_file=~/data/x.txt": the shell leaves "~" after "="
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder, not a puzzle file; name the file itself")
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such puzzle file")
     puzzles, solutions, seen = [], [], 0

@@ -100,6 +100,8 @@ def _looks_like_path(source: str) -> bool:
 
 def _records(source: str, split: str, hub_args: Callable[[str], tuple]) -> list[dict]:
     path = Path(source).expanduser()
+    if path.is_dir():
+        raise ValueError(f"{source} is a folder; name the file itself (.jsonl or .json)")
     if path.exists():
         return _read_records(path)
     if _looks_like_path(source):

@@ -56,8 +56,11 @@ class Hardware:
     def __post_init__(self):
         if self.device_type not in ("cuda", "cpu"):
             raise ValueError(f"Hardware.device_type must be 'cuda' or 'cpu', got {self.device_type!r}")
-        if self.device_memory <= 0 or self.host_memory <= 0 or self.ranks_per_node < 1:
-            raise ValueError("Hardware needs positive device_memory, host_memory and ranks_per_node")
+        for name, value, where in (("device_memory", self.device_memory, "--device-memory, deepspeed.device_memory"),
+                                    ("host_memory", self.host_memory, "deepspeed.host_memory"),
+                                    ("ranks_per_node", self.ranks_per_node, "--gpus-per-node")):
+            if value <= 0:  # a 0 given on the command line or in the run config: named where it is set
+                raise ValueError(f"{name} must be positive, got {value} ({where})")
 
 
 @dataclass(frozen=True)

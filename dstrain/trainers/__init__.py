@@ -49,6 +49,26 @@ def model_problem(cfg) -> str | None:
             f"which trains with trainer {fit}")
 
 
+def parallel_problem(cfg) -> str | None:
+    """Why ``cfg.model`` cannot take ``parallel.tp`` / ``parallel.sp`` above 1 (its ``parallelize`` takes no layout to
+    split its layers by: GPT and HRM raised a TypeError in every rank, policies NotImplementedError), or None."""
+    import inspect
+
+    from models import registry
+    par = cfg.parallel
+    if par.tp * par.sp == 1:
+        return None
+    def splits(name: str) -> bool:  # its parallelize takes the layout (dstrain.parallel.dims.ParallelState)
+        return "state" in inspect.signature(registry.get_spec(name).parallelize).parameters
+
+    if splits(cfg.model.name):
+        return None
+    other = " and pipeline stages (parallel.pp)" if registry.get_spec(cfg.model.name).pipeline is not None else ""
+    those = ", ".join(n for n in registry.available() if splits(n))
+    return (f"model {cfg.model.name!r} has no tensor or sequence parallelism (got tp = {par.tp}, sp = {par.sp}; "
+            f"models that have: {those}); it trains with data parallelism (ZeRO){other}: set both to 1")
+
+
 def available() -> list[str]:
     return sorted(TRAINERS)
 

@@ -75,6 +75,18 @@ def summarise(sums: dict[str, float]) -> dict[str, float]:
     return out
 
 
+def carry_layout_problem(ckpt_root: Path, tag: str, global_batch: int, world_size: int) -> str | None:
+    """Why a run of ``global_batch`` puzzles over ``world_size`` ranks cannot take over checkpoint ``tag``'s ACT carry
+    (each rank's rows, mid-puzzle), else None; ``dstrain launch --resume`` asks it before any rank starts."""
+    state = json.loads((Path(ckpt_root) / tag / "trainer_state.json").read_text())
+    old = int(state.get("global_batch", global_batch)), int(state.get("world_size", world_size))
+    if old == (global_batch, world_size):
+        return None
+    return (f"checkpoint {Path(ckpt_root) / tag} holds the ACT carry of {old[0]} puzzles over {old[1]} rank(s) (each "
+            f"row mid-puzzle); this run has {global_batch} over {world_size}: resume with task.global_batch={old[0]} "
+            f"on {old[1]} rank(s), or start a new run from exported weights")
+
+
 class HRMTrainer:
     """Owns the engine, the puzzle table, the data and the carries of one HRM run."""
 
@@ -173,13 +185,9 @@ class HRMTrainer:
     def _check_carry_layout(self, tag: str) -> None:
         """Refuse, before loading, a checkpoint whose ACT carry (each rank's rows, mid-puzzle) this run cannot take
         over: another global batch or number of ranks (the puzzles in flight would be lost or misplaced)."""
-        state = json.loads((self.ckpt_root / tag / "trainer_state.json").read_text())
-        old = int(state.get("global_batch", self.global_batch)), int(state.get("world_size", self.world.world_size))
-        if old != (self.global_batch, self.world.world_size):
-            raise RunFolderError(
-                f"checkpoint {self.ckpt_root / tag} holds the ACT carry of {old[0]} puzzles over {old[1]} rank(s) "
-                f"(each row mid-puzzle); this run has {self.global_batch} over {self.world.world_size}: resume with "
-                f"task.global_batch={old[0]} on {old[1]} rank(s), or start a new run from exported weights")
+        problem = carry_layout_problem(self.ckpt_root, tag, self.global_batch, self.world.world_size)
+        if problem:
+            raise RunFolderError(problem)
 
     # ---------------------------------------------------------------- steps
     def _ids(self, groups: torch.Tensor) -> torch.Tensor:

@@ -138,5 +138,7 @@ def test_ctrl_c_stops_at_the_next_step_saves_and_waits_for_its_ranks(tmp_path, c
     assert tag is not None and 1 <= ckpt.step_of(tag) < 1000, text[-3000:]  # not held back to the log step
     assert json.loads((out / "summary.json").read_text())["nonfinite_check"] == check
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+    assert (f"by SIGINT to dstrain launch (exit 130, not a finished run): checkpoint {out / 'checkpoints' / tag} is "
+            "saved") in text, text[-3000:]  # launch's own status, not the ranks' 143 for the SIGTERM it passed on
     ranks = subprocess.run(["pgrep", "-f", f"--output.dir={out}"], capture_output=True, text=True).stdout
     assert ranks.strip() == "", ranks  # the launcher returned after its ranks were gone

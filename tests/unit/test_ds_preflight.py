@@ -171,7 +171,8 @@ def test_run_checks_use_the_launch_world_size(tmp_path):
     """A shipped profile on 2 ranks passes DeepSpeed's own parser (which sees one rank outside a job)."""
     cfg = load_run_config(RECIPE, ["--deepspeed.profile=zero2"])
     assert check_run(cfg, 2, "cpu") == []
-    cfg = load_run_config(RECIPE, ["--deepspeed.profile=zero3", "--parallel.tp=2"])
+    dilated = REPO / "models" / "dilated_lm" / "recipes" / "debug.json"  # (GPT has no tensor parallelism)
+    cfg = load_run_config(dilated, ["--deepspeed.profile=zero3", "--parallel.tp=2", "--parallel.sp=1"])
     with pytest.raises(ConfigError, match="tp 2 x sp 1 = 2 does not divide the 3 ranks"):
         check_run(cfg, 3, "cpu")
 

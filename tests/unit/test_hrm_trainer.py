@@ -30,14 +30,14 @@ def test_shipped_recipes_validate(recipe):
 
 
 @pytest.mark.parametrize("override, key, message", [
-    ("--task.source=web", "task", "source must be generate or file"),
-    ("--task.blanks=70", "task", "blanks must be within"),
-    ("--task.puzzle_ids=each", "task", "puzzle_ids must be shared or group"),
+    ("--task.source=web", "task.source", "source must be generate or file"),
+    ("--task.blanks=70", "task.blanks", "blanks must be within"),
+    ("--task.puzzle_ids=each", "task.puzzle_ids", "puzzle_ids must be shared or group"),
     ("--task.train_puzzle=3", "task.train_puzzle", "did you mean 'train_puzzles'"),
     ("--task.mask_givens=1", "task.mask_givens", "expected true or false"),
-    ("--task.global_batch=-4", "task", "global_batch must not be negative"),
-    ("--task.grid=5", "task", "grid must be 4, 6 or 9"),
-    ("--task.data_workers=4", "task", "data_workers must be -1"),
+    ("--task.global_batch=-4", "task.global_batch", "global_batch must not be negative"),
+    ("--task.grid=5", "task.grid", "grid must be 4, 6 or 9"),
+    ("--task.data_workers=4", "task.data_workers", "data_workers must be -1"),
 ])
 def test_bad_task_settings_name_the_key(override, key, message):
     with pytest.raises(ConfigError, match=message) as err:

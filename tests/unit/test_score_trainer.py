@@ -280,12 +280,12 @@ def test_registered_and_recipe_validates():
 
 
 @pytest.mark.parametrize("override, key, message", [
-    ("--task.advantage=td", "task", "task.advantage must be one of critic, group"),
-    ("--task.gamma=1.5", "task", "task.gamma must be within"),
-    ("--task.tau=0", "task", "task.tau must be within"),
-    ("--task.beta=0.1", "task", "task.beta is GRPO's"),
-    ("--task.guidance_every=0", "task", "task.guidance_every must be at least 1"),
-    ("--task.critic_lr=0", "task", "task.critic_lr must be positive"),
+    ("--task.advantage=td", "task.advantage", "task.advantage must be one of critic, group"),
+    ("--task.gamma=1.5", "task.gamma", "task.gamma must be within"),
+    ("--task.tau=0", "task.tau", "task.tau must be within"),
+    ("--task.beta=0.1", "task.beta", "task.beta is GRPO's"),
+    ("--task.guidance_every=0", "task.guidance_every", "task.guidance_every must be at least 1"),
+    ("--task.critic_lr=0", "task.critic_lr", "task.critic_lr must be positive"),
     ("--placement.critic.device=gpu", "placement.critic.device", "cuda:N"),
 ])
 def test_bad_settings_name_the_key(override, key, message):

@@ -1,0 +1,33 @@
+"""The one line for a run config file that is not plain JSON (``dstrain.config.read_json``).
+
+Run configs are read as strict JSON; the DeepSpeed JSONs they name are read as DeepSpeed reads them (hjson:
+comments and trailing commas allowed). A run config written in that looser form, or an empty file, is named
+as such rather than with the JSON parser's bare position.
+"""
+from __future__ import annotations
+
+import json
+
+
+def invalid_json_problem(text: str, err: json.JSONDecodeError) -> str:
+    """What is wrong with ``text``, which ``json.loads`` refused with ``err``."""
+    if not text.strip().lstrip("\ufeff"):
+        return "the file is empty; a run config is a JSON object such as models/gpt/recipes/tiny.json"
+    where = f"invalid JSON at line {err.lineno} column {err.colno}: {err.msg}"
+    try:
+        import hjson
+        loose = hjson.loads(text)
+    except Exception:  # noqa: BLE001 - not hjson either: the JSON error is the one to show
+        return where
+    if isinstance(loose, dict):
+        return (f"{where}: run configs are plain JSON, without the comments or trailing commas that DeepSpeed's "
+                "own JSON files may have; remove them")
+    return where
+
+
+def section_error_key(prefix: str, message: str) -> str:
+    """The key a section's own check names (``task.path must name ...`` -> ``task.path``), so that a bad value
+    given on the command line is blamed on the command line; else the section (``task``)."""
+    import re
+    named = re.match(rf"{re.escape(prefix)}[A-Za-z_][A-Za-z0-9_]*(?=[\s:,]|$)", message) if prefix else None
+    return named.group(0) if named else prefix.rstrip(".")
