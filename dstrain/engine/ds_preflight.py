@@ -140,7 +140,7 @@ def adopt_file_values(cfg: RunConfig, world_size: int) -> list[tuple[str, object
                 setattr(holder, name, value)
             where = path.replace(": ", f" in {source}: ", 1) if ": " in path else f"{path} in {source}"
             adopted.append((key, value, f"{where} (was {dsc.format_override(old)})"))
-    from dstrain.config import validate
+    from dstrain.config_checks import validate
     try:
         validate(cfg, source)
     except ConfigError as err:
