@@ -280,5 +280,16 @@ def export_safetensors(ckpt: str | Path, out: str | Path) -> Path:
         out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"format": "pt", "dstrain_model": json.dumps(run_cfg["model"]),
             "dstrain_run_config": json.dumps(run_cfg)}
-    save_file(state, str(out), metadata=meta)
+    # Written beside it and renamed into place: an export stopped halfway (Ctrl-C, a full disk) leaves an
+    # earlier file of that name whole, never a truncated one that loads as garbage or not at all.
+    partial = out.with_name(f".{out.name}.partial")
+    try:
+        save_file(state, str(partial), metadata=meta)
+        # safetensors creates its file 0600; an export is for others to load: the mode any new file gets here
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(partial, 0o666 & ~mask)
+        os.replace(partial, out)
+    finally:
+        partial.unlink(missing_ok=True)
     return out

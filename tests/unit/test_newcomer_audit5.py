@@ -289,3 +289,32 @@ def test_a_tilde_in_output_dir_or_a_puzzle_file_is_the_home_folder(tmp_path, mon
     assert cli._load(str(TINY), ["--output.dir=~/runs/tiny"]).output.dir == str(tmp_path / "runs" / "tiny")
     with pytest.raises(FileNotFoundError, match=f"^{tmp_path / 'puzzles.txt'}: no such puzzle file"):
         sudoku.read_puzzle_file("~/puzzles.txt")
+
+
+def test_export_gets_the_usual_file_mode_and_replaces_a_file_only_when_complete(tmp_path, weights, monkeypatch):
+    """safetensors creates its file 0600 (others on a shared machine could not load an export), and wrote straight
+    into OUT: an export stopped halfway left a truncated file where a good one had been."""
+    import os
+
+    from safetensors.torch import load_file
+
+    from dstrain import checkpoint
+    out = tmp_path / "w.safetensors"
+    old = os.umask(0o022)
+    try:
+        assert cli.main(["export", str(tmp_path), str(out)]) == 0
+    finally:
+        os.umask(old)
+    assert out.stat().st_mode & 0o777 == 0o644
+    before = out.read_bytes()
+
+    def dies_halfway(state, path, metadata=None):
+        Path(path).write_bytes(b"half")
+        raise OSError(28, "No space left on device")
+
+    import safetensors.torch
+    monkeypatch.setattr(safetensors.torch, "save_file", dies_halfway)
+    with pytest.raises(OSError):
+        checkpoint.export_safetensors(tmp_path, out)
+    assert out.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["w.safetensors"]
+    assert load_file(str(out))["w"].shape == (2,)
