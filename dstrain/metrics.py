@@ -49,6 +49,11 @@ class Throughput:
     def add(self, tokens: int) -> None:
         self._tokens += tokens
 
+    def exclude(self, seconds: float) -> None:
+        """Leave ``seconds`` out of the current window: work between two log steps that trains no token (an
+        evaluation, a checkpoint save), which would otherwise show as a dip in the next window's rates."""
+        self._start += seconds
+
     def read(self) -> dict[str, float]:
         """Per-rank rates since the previous read; resets the window."""
         now = time.perf_counter()

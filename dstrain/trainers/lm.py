@@ -202,12 +202,14 @@ class LMTrainer:
                         self.save(step)
                         last_saved, stopped = step, True
                         break
+                aside = time.perf_counter()  # evaluation and saving: not in the tokens/s of the next window
                 if t.eval_every and step % t.eval_every == 0:
                     self.guards.phase("eval", step)
                     log.log(step, {"loss": self.evaluate()}, prefix="val")
                 if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
                     self.save(step)
                     last_saved = step
+                meter.exclude(time.perf_counter() - aside)
                 fault("DSTRAIN_FAULT_AFTER_STEP", step)
                 fault_raise(step)
             if not stopped and last_saved != step and step > self.start_step:
