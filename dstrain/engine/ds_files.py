@@ -373,6 +373,28 @@ def nests_ds_config(data, key: str = "deepspeed") -> bool:
     return isinstance(inner, dict) and any(k in KNOWN_TOP_LEVEL_KEYS and k not in own for k in inner)
 
 
+#: Top-level spellings of the gradient-accumulation dtype (generated files write it beside
+#: gradient_accumulation_steps, after the DeepSpeed change that added it as data_types.grad_accum_dtype).
+GRAD_ACCUM_DTYPE_SPELLINGS = ("gradient_accumulation_dtype", "grad_accum_dtype")
+
+
+def _misplaced(key, value) -> str | None:
+    """The refusal for a key DeepSpeed reads only inside a section, written at the top level (where a close-match
+    hint would name the wrong key: 'gradient_accumulation_dtype' is not 'gradient_accumulation_steps')."""
+    if key in GRAD_ACCUM_DTYPE_SPELLINGS:
+        return (f"unknown top-level key {key!r}: DeepSpeed reads the gradient-accumulation dtype only as "
+                "data_types.grad_accum_dtype and would silently ignore this one (accumulating in its default dtype); "
+                f"write \"data_types\": {{\"grad_accum_dtype\": {json.dumps(value)}}}")
+    from dstrain.engine.ds_check import accelerator_untouched
+    with accelerator_untouched():
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    fields = DeepSpeedZeroConfig.model_fields
+    if key in fields or any(f.alias == key for f in fields.values()):
+        return (f"unknown top-level key {key!r}: a zero_optimization key, which DeepSpeed reads only inside the "
+                "\"zero_optimization\" section and would silently ignore at the top level; move it there")
+    return None
+
+
 def _top_level_problems(cfg: dict) -> list[str]:
     problems = []
     for key in cfg:
@@ -390,6 +412,10 @@ def _top_level_problems(cfg: dict) -> list[str]:
             continue
         if key in REMOVED_TOP_LEVEL_KEYS:
             problems.append(f"top-level key {key!r} is no longer supported: {REMOVED_TOP_LEVEL_KEYS[key]}")
+            continue
+        placed = _misplaced(key, cfg[key])
+        if placed:
+            problems.append(placed)
             continue
         hint = difflib.get_close_matches(str(key), sorted(KNOWN_TOP_LEVEL_KEYS), n=1, cutoff=0.6)
         suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""

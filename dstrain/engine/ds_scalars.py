@@ -2,7 +2,8 @@
 
 No pydantic model stands between these keys and the code that uses them, so a value of the wrong kind is
 either an opaque error from DeepSpeed's config parser (``'bool' object has no attribute 'upper'`` for a
-``checkpoint.tag_validation`` of ``false``; ``not all arguments converted during string formatting`` for a
+``checkpoint.tag_validation`` of ``false``; ``value of 'true' is invalid`` for a quoted
+``checkpoint.parallel_write.pipeline_stage``; ``not all arguments converted during string formatting`` for a
 quoted ``vocabulary_size``), reached only after dstrain's other checks pass, or a setting that silently does
 something else: Lightning's DeepSpeedStrategy still writes ``aio.thread_count``, which DeepSpeed renamed
 ``intra_op_parallelism`` and no longer reads; HF Transformers' 2021 ZeRO-3 example writes
@@ -13,10 +14,14 @@ ZeRO++ quantized weights; and an fp16 ``hysteresis`` of 0 (or less)
 makes DeepSpeed's dynamic loss scaler count the hysteresis down past 1 at every overflow, so the scale never falls
 and every overflowing step is skipped. DeepSpeed's ``activation_checkpointing`` features are also named here, where
 ``dstrain check-config`` sees them (the launch refused them in the factory, after check-config had passed).
+:func:`scalar_checks` also runs ds_autocast's checks (``torch_autocast`` beside bf16 / fp16, its ``dtype``) and
+ds_paths' (a monitor ``job_name`` written as a path).
 
 :func:`scalar_checks` returns ``(problems, notes)``, each naming its key; pure.
 """
 from __future__ import annotations
+
+import json
 
 #: DeepSpeed's checkpoint tag-validation modes (it upper-cases the text before comparing).
 TAG_VALIDATION_MODES = ("Ignore", "Warn", "Fail")
@@ -56,6 +61,27 @@ def _tag_validation(cfg: dict) -> list[str]:
                 f"else ('{type(value).__name__}' object has no attribute 'upper'); write one of {modes}{fix}"]
     return [f"checkpoint.tag_validation: {value!r} is not one of {modes} (DeepSpeed's parser stops on it); write one "
             "of those"]
+
+
+def _parallel_write(cfg: dict) -> list[str]:
+    """``checkpoint.parallel_write``: DeepSpeed's parser takes ``.get`` of the block and accepts a ``pipeline_stage``
+    only ``in [True, False]``; anything else stops it with a message that names neither the fix nor, while another
+    check fails first, the key at all."""
+    ck = cfg.get("checkpoint")
+    if not isinstance(ck, dict) or "parallel_write" not in ck:
+        return []
+    block = ck["parallel_write"]
+    if not isinstance(block, dict):
+        return [f"checkpoint.parallel_write: {json.dumps(block)}, where DeepSpeed wants a block (its parser calls "
+                ".get on it and stops); write {\"pipeline_stage\": true} (each data-parallel rank of a pipeline stage "
+                "writes part of its layers) or remove it"]
+    value = block.get("pipeline_stage", False)
+    if value in (True, False):
+        return []
+    said = str(value).strip().lower() if isinstance(value, str) else None
+    fix = f"write {said} without quotes" if said in ("true", "false") else "write true or false"
+    return [f"checkpoint.parallel_write.pipeline_stage: file says {json.dumps(value)}, and DeepSpeed's parser accepts "
+            f"only true or false and stops on anything else (\"value of {value!r} is invalid\"); {fix}"]
 
 
 def _vocabulary_size(cfg: dict) -> list[str]:
@@ -199,15 +225,34 @@ def _fp16_hysteresis(cfg: dict, device_type: str) -> list[str]:
             "remove it (default 2)"]
 
 
+def _comms_logger_profiles_nothing(cfg: dict, notes: list[str]) -> None:
+    """An enabled ``comms_logger`` with ``prof_all`` false and no ``prof_ops``: DeepSpeed times an op only when
+    prof_all is on, the op is listed, or its caller passes ``prof=True`` (nothing in DeepSpeed's engine does), so the
+    logger records nothing (and dstrain's comm/* metrics stay empty)."""
+    block = cfg.get("comms_logger")
+    if isinstance(block, dict) and block.get("enabled") is True and block.get("prof_all") is False \
+            and not block.get("prof_ops"):
+        notes.append("comms_logger: enabled with prof_all false and no prof_ops, so DeepSpeed's comms logger times "
+                     "no op (only the listed ones, or all with prof_all true) and logs nothing; set prof_all to true "
+                     "or list the ops in prof_ops")
+
+
 def scalar_checks(cfg: dict, device_type: str) -> tuple[list[str], list[str]]:
     """``(problems, notes)`` for the shapes this module's docstring lists."""
     if not isinstance(cfg, dict):
         return [], []
-    problems = _tag_validation(cfg) + _vocabulary_size(cfg) + _fp16_hysteresis(cfg, device_type) + _aio_values(cfg)
+    problems = _tag_validation(cfg) + _parallel_write(cfg) + _vocabulary_size(cfg)
+    problems += _fp16_hysteresis(cfg, device_type) + _aio_values(cfg)
     problems += _autocast_problems(cfg, device_type)
     ac = activation_checkpointing_problem(cfg.get("activation_checkpointing"))
     problems += [ac] if ac else []
     notes: list[str] = []
     _aio_thread_count(cfg, problems, notes)
     _pin_memory_flag(cfg, problems, notes)
+    _comms_logger_profiles_nothing(cfg, notes)
+    from dstrain.engine.ds_autocast import autocast_mix_checks
+    from dstrain.engine.ds_paths import monitor_path_checks
+    for more, more_notes in (autocast_mix_checks(cfg, device_type), monitor_path_checks(cfg)):
+        problems += more
+        notes += more_notes
     return problems, notes

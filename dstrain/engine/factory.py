@@ -76,8 +76,13 @@ def _file_precision(template: dict) -> str | None:
     for key, section in zip(("bf16", "fp16"), sections):
         if isinstance(section, dict) and section.get("enabled") is True:
             return key
-    if any(isinstance(s, dict) and str(s.get("enabled")).lower() == "auto" for s in sections) or \
-            (isinstance(template.get("torch_autocast"), dict) and template["torch_autocast"].get("enabled") is True):
+    autocast = isinstance(template.get("torch_autocast"), dict) and template["torch_autocast"].get("enabled") is True
+    open_sections = any(isinstance(s, dict) and str(s.get("enabled")).lower() == "auto" for s in sections)
+    if autocast and not open_sections:
+        from dstrain.engine.ds_autocast import autocast_dtype
+        if autocast_dtype(template["torch_autocast"]) == "fp32":
+            return "fp32"  # autocast to fp32 lowers nothing (off on the CPU): not bf16 autocast (ds_autocast)
+    if open_sections or autocast:
         return dsc.pinned_weights_dtype(template)  # param_dtype (DeepSpeed asserts it), stage 0's grad_accum_dtype
     return "fp32"
 
