@@ -150,6 +150,8 @@ def cmd_launch(args, overrides) -> int:
     (and SIGHUP unless ignored) go to the launcher's whole process group; the
     return value is its exit status (128+N when killed by signal N).
     """
+    from dstrain.cli_checks import JOBS_STARTED
+    JOBS_STARTED.clear()  # (this launch's, for the Ctrl-C line in main)
     cfg = _load(args.recipe, overrides)  # fail here, once, rather than on every rank
     if not args.hostfile and (missing := _task_file_problem(cfg)):  # one machine: named before any rank starts
         raise missing
@@ -235,18 +237,23 @@ def cmd_launch(args, overrides) -> int:
 
     def run_once(argv, env) -> int:
         env["DSTRAIN_FAILURE_DIR"] = failures = tempfile.mkdtemp(prefix="dstrain-job-")  # see _reports_failure
-        from dstrain.job_guard import start_job, wait_for_group  # own group (Ctrl-C reaches us only), ended
+        from dstrain.cli_checks import JOBS_STARTED
+        from dstrain.job_guard import start_job, stop_job, wait_for_group  # own group (Ctrl-C reaches us only), ended
         proc = start_job(argv, env, args.master_port)  # with a stop if this process is killed outright
+        JOBS_STARTED.append(proc.pid)
 
         got = []  # the signals forwarded: the job ends as stopped by the first (128 + N), never restarted
 
         def forward(signum, _frame):
             got.append(signum)
             rank_exit.note_forwarded(failures, signum)  # rank 0's stop line names it, not the SIGTERM passed on
-            # as SIGTERM (the ranks save and leave; DeepSpeed's runner and launcher end without a KeyboardInterrupt
-            # traceback); a second Ctrl-C / SIGTERM: the ranks did not stop in time for the user, so they go now
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL if len(got) > 1 else signal.SIGTERM)
+            # as SIGTERM to the ranks (they save and leave; see job_guard.stop_job); a second Ctrl-C / SIGTERM:
+            # the ranks did not stop in time for the user, so the job goes now
+            if len(got) > 1:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+            else:
+                stop_job(proc.pid, signal.SIGTERM)
 
         signals = [signal.SIGINT, signal.SIGTERM]
         if signal.getsignal(signal.SIGHUP) == signal.SIG_DFL:  # nohup sets it to SIG_IGN: keep it so
@@ -519,10 +526,14 @@ def main(argv: list[str] | None = None) -> int:
         catch_ctrl_c()
     try:
         return args.func(args, overrides)
-    except KeyboardInterrupt:  # Ctrl-C before anything started: no traceback
-        before = " before any rank started" if args.command == "launch" else ""
-        print(f"dstrain: {args.command} interrupted (Ctrl-C){before}", file=sys.stderr)
-        return 128 + 2
+    except KeyboardInterrupt:  # Ctrl-C outside a job (a launch's checks, the pause between restarts, plan, export)
+        if args.command == "train":
+            raise
+        from dstrain.cli_checks import JOBS_STARTED
+        when = "" if args.command != "launch" else " between two attempts" if JOBS_STARTED else \
+            " before any rank started"
+        print(f"dstrain: {args.command} interrupted (Ctrl-C){when}", file=sys.stderr)
+        return 128 + 2  # as a shell reports a command Ctrl-C ended
     except (ConfigError, DSConfigError, PlanError, RunFolderError) as err:
         if args.command != "train" or _reports_failure():
             print(f"dstrain: error: {err}", file=sys.stderr)

@@ -183,6 +183,9 @@ def resume_layout_problem(cfg, world: int | None) -> str | None:
     return carry_layout_problem(root, latest, task_config(cfg).global_batch or cfg.train.micro_batch * world, world)
 
 
+JOBS_STARTED: list[int] = []
+"""The jobs ``dstrain launch`` started (their guards' process ids): a Ctrl-C between two of them is not "before any
+rank started"."""
 INTERRUPTED: list[int] = []
 """The Ctrl-C a ``dstrain`` command got before it started anything (see :func:`catch_ctrl_c`)."""
 

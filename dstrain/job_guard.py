@@ -7,8 +7,8 @@ pass nothing on: the job trained on unattended, holding the run folder's lock, a
 that folder was refused. So the launcher is started through this module
 (``python -m dstrain.job_guard PARENT_PID PORT -- ARGV``), the first process of the job's session: it
 asks the kernel for a SIGTERM when its parent dies (Linux' ``PR_SET_PDEATHSIG``), runs ARGV in its own
-process group and, on that signal, stops the job as ``dstrain launch`` would have: SIGTERM to the group
-(the ranks save and exit 143), SIGKILL to what is left after :data:`GRACE_S`; then it removes what
+process group and, on that signal, stops the job as ``dstrain launch`` would have: SIGTERM to its ranks
+(:func:`stop_job`: they save and exit 143), SIGKILL to what is left after :data:`GRACE_S`; then it removes what
 ``dstrain launch`` would have removed (the job's failure folder, its CPU ranks' shared-memory buffers).
 While ``dstrain launch`` lives, the guard passes the child's exit status through and does nothing else.
 """
@@ -47,6 +47,59 @@ def wait_for_group(pgid: int, limit_s: float = GRACE_S, poll: float = 0.2) -> No
         time.sleep(poll)
 
 
+def _descendants(root: int) -> list[int]:
+    """Every process below ``root`` (Linux' /proc), children first."""
+    import glob
+    children: dict[int, list[int]] = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            children.setdefault(int(open(stat).read().rsplit(")", 1)[1].split()[1]), []).append(int(stat.split("/")[2]))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _is_rank(pid: int) -> bool:
+    """Whether process ``pid`` is a rank (``python ... -m dstrain.cli train ...``), not a launcher that passes the
+    same words on (``deepspeed ... --module dstrain.cli train``)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            argv = fh.read().decode(errors="replace").split("\0")
+    except OSError:
+        return False
+    return is_rank_argv(argv)
+
+
+def is_rank_argv(argv: list[str]) -> bool:
+    """``python [options] -m dstrain.cli train ...``: the interpreter's own ``-m``, not a launcher's option of the
+    same name (``python -m torch.distributed.run ... -m dstrain.cli train``)."""
+    i = 1
+    while i < len(argv) and argv[i].startswith("-") and argv[i] != "-m":
+        i += 2 if argv[i] in ("-W", "-X") else 1  # interpreter options; these two take a value
+    return argv[i:i + 3] == ["-m", "dstrain.cli", "train"]
+
+
+def stop_job(root: int, signum: int) -> None:
+    """Ask the job under process ``root`` (the guard, leader of the job's process group) to stop with ``signum``.
+
+    The ranks on this host get it; the launchers between them and us (DeepSpeed's ``launch.py``, torchrun's agent)
+    do not: each passes a signal on to its ranks and SIGKILLs those still running 30 s later, which cut off a
+    checkpoint that takes longer to save (the ranks then lost it, and the stop's step with it). The ranks agree on
+    the stop at their next step (ranks on other hosts too) and exit 128 + N once saved; the launchers end with
+    them. Where no rank runs on this host (the launcher still starting them, or every rank elsewhere), the group
+    gets it, as before."""
+    ranks = [pid for pid in _descendants(root) if _is_rank(pid)] if sys.platform.startswith("linux") else []
+    for pid in ranks:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+    if not ranks:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(root, signum)
+
+
 def _ask_for_parent_death_signal() -> None:
     if not sys.platform.startswith("linux"):
         return
@@ -75,8 +128,7 @@ def main(args: list[str]) -> int:
         orphaned.append(time.monotonic())
         sys.stderr.write(f"dstrain: the launching process {parent} is gone; stopping the job (SIGTERM to its "
                          f"ranks: they save and leave)\n")
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(os.getpgrp(), signal.SIGTERM)
+        stop_job(os.getpid(), signal.SIGTERM)
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, on_signal)

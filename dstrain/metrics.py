@@ -4,6 +4,7 @@ With DeepSpeed's comms logger on (``output.comms``), every ``train`` record is f
 ``comm`` record of per-step bytes and time per collective family (:mod:`dstrain.comms`)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import resource
 import sys
@@ -66,6 +67,37 @@ class Throughput:
         return out
 
 
+def keep_records_until(path: Path, step: int) -> None:
+    """Drop the records of ``path`` (metrics.jsonl) past ``step``, where this run starts (a resume's checkpoint step,
+    0 for a fresh run), as TensorBoard's ``purge_step`` does for its events: the steps an interrupted run logged
+    after its last checkpoint are trained again, and would otherwise appear twice, with the dead attempt's values
+    first. A line cut short (a kill or a full disk mid-write) goes too; the next record would be glued to it."""
+    import os
+    try:
+        src = open(path)
+    except OSError:
+        return
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    dropped = 0
+    try:
+        with src, open(tmp, "w") as dst:
+            for line in src:
+                try:
+                    keep = int(json.loads(line)["step"]) <= step
+                except (ValueError, KeyError, TypeError):
+                    keep = False
+                if keep:
+                    dst.write(line if line.endswith("\n") else line + "\n")
+                dropped += not keep
+        if dropped:
+            os.replace(tmp, path)
+    except OSError:
+        pass  # (a full disk: the records stay as they were)
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+
+
 class RunLogger:
     """Rank-0 sinks: metrics.jsonl (always), TensorBoard and a tqdm bar (optional).
 
@@ -82,6 +114,7 @@ class RunLogger:
             return
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
+        keep_records_until(out / "metrics.jsonl", start_step)
         self.jsonl = open(out / "metrics.jsonl", "a")
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -98,13 +131,32 @@ class RunLogger:
         if comm:
             self.log(step, comm, prefix="comm")
         record = {"step": step, **{f"{prefix}/{k}": v for k, v in values.items()}}
-        self.jsonl.write(json.dumps(record) + "\n")
-        self.jsonl.flush()
+        if self.jsonl is not None:
+            try:
+                self.jsonl.write(json.dumps(record) + "\n")
+                self.jsonl.flush()
+            except OSError as err:
+                self._drop_sink("jsonl", err)
         if self.writer is not None:
-            for key, value in values.items():
-                self.writer.add_scalar(f"{prefix}/{key}", value, step)
+            try:
+                for key, value in values.items():
+                    self.writer.add_scalar(f"{prefix}/{key}", value, step)
+            except OSError as err:
+                self._drop_sink("writer", err)
         if self.bar is not None and prefix == "train" and "loss" in values:
             self.bar.set_postfix(loss=f"{values['loss']:.4f}", refresh=False)
+
+    def _drop_sink(self, name: str, err: OSError) -> None:
+        """A sink that cannot be written (disk full, its folder gone) is closed with one warning; training goes on,
+        and so do the other sinks (a full disk then stops the run at its next checkpoint, with the line that says
+        which checkpoint stays the latest)."""
+        sink = getattr(self, name)
+        setattr(self, name, None)
+        with contextlib.suppress(OSError):
+            sink.close()
+        what = "TensorBoard events" if name == "writer" else "metrics.jsonl"
+        self.message(f"dstrain: warning: {what} could not be written ({err.strerror or err}); no more {what} "
+                     f"for the rest of this run, which goes on")
 
     def advance(self, n: int = 1) -> None:
         if self.bar is not None:
@@ -121,8 +173,10 @@ class RunLogger:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-        if self.writer is not None:
-            self.writer.flush()
-            self.writer.close()
-        if self.jsonl is not None:
-            self.jsonl.close()
+        for name in ("writer", "jsonl"):
+            sink = getattr(self, name)
+            if sink is not None:
+                try:
+                    sink.close()
+                except OSError as err:
+                    self._drop_sink(name, err)

@@ -116,24 +116,22 @@ def load_resharded(engine, ckpt_root: Path, tag: str, saved_world: int, world, l
     error = runtime.broadcast_object(error)
     if error:
         raise ReshardError(error)
+    from dstrain.engine import resume_settings
     from dstrain.resilience import base_optimizer
 
     ds = engine.ds
-    groups = base_optimizer(ds).param_groups
-    hyper = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")} for g in groups]
+    # ZeRO-3's universal loader copies group 0's settings into every group, which would give the no-decay
+    # group (norms, embeddings) weight decay; each group gets this run's own back (resume_settings).
+    engine.settings_changed = []
     ds._config.load_universal_checkpoint = True
     try:
-        path, client_state = ds.load_checkpoint(str(universal_root(ckpt_root, tag)), tag=tag)
+        with resume_settings.kept(ds, engine.settings_changed):
+            path, client_state = ds.load_checkpoint(str(universal_root(ckpt_root, tag)), tag=tag)
     finally:
         ds._config.load_universal_checkpoint = False
     if path is None:
         raise ReshardError(f"DeepSpeed could not load the universal conversion of {tag}")
-    # ZeRO-3's universal loader copies group 0's hyperparameters into every group, which would give
-    # the no-decay group (norms, embeddings) weight decay; each group gets its own back (the learning
-    # rate, the same in every dstrain group, is the checkpoint's).
     base = base_optimizer(ds)
-    for group, own in zip(base.param_groups, hyper):
-        group.update(own)
     # It also hands every group the same ``step`` tensor; a foreach AdamW then increments that one
     # tensor once per group, so bias correction would run ahead. Each state gets its own copy.
     for state in base.state.values():

@@ -35,6 +35,8 @@ class Engine:
         state moved on, and a bad step's update was left out on the device)."""
         self._last_step_taken = True
         self._update_lr: float | None = None  # the lr of the last optimizer update (read before DeepSpeed's step)
+        self.settings_changed: list[str] = []
+        """After ``load``: the optimizer settings the checkpoint had otherwise, put back to this run's."""
         self._deferred = None  # deferred_check.DeferredCheck where the non-finite check is deferred (watch)
         self.nonfinite_check = "off"
         """How the non-finite guard runs: off | sync | deferred (see dstrain.engine.deferred_check)."""
@@ -201,7 +203,12 @@ class Engine:
         self.ds.save_checkpoint(save_dir, tag=tag, client_state=client_state or {}, save_latest=False)
 
     def load(self, load_dir: str, tag: str) -> dict:
-        path, client_state = self.ds.load_checkpoint(load_dir, tag=tag)
+        """DeepSpeed's state from ``tag``, with this run's optimizer settings kept (``resume_settings``:
+        what the checkpoint had differently is left in ``settings_changed``)."""
+        from dstrain.engine import resume_settings
+        self.settings_changed = []
+        with resume_settings.kept(self.ds, self.settings_changed):
+            path, client_state = self.ds.load_checkpoint(load_dir, tag=tag)
         if path is None:
             raise FileNotFoundError(f"DeepSpeed could not load checkpoint {tag} from {load_dir}")
         return client_state or {}

@@ -17,7 +17,9 @@ def decide_resume(cfg: RunConfig, world: runtime.World, out: Path, ckpt_root: Pa
     """Rank 0 decides whether to resume and from which tag; every rank gets the answer.
 
     A folder that already holds a checkpoint is never overwritten by a fresh run
-    (RunFolderError); ``--resume`` without a checkpoint starts from step 0.
+    (RunFolderError); ``--resume`` without a checkpoint starts from step 0. A run that takes the folder removes
+    the ``summary.json`` an earlier run left (it writes its own when it ends); a resume whose run config differs
+    from the checkpoint's says what changed (:func:`changed_settings_note`).
     """
     decision = None
     if world.is_main:
@@ -35,12 +37,49 @@ def decide_resume(cfg: RunConfig, world: runtime.World, out: Path, ckpt_root: Pa
                                  "pass --resume to continue it or choose another output.dir")
         else:
             decision = ("fresh", None)
+        if decision[0] != "error":  # an earlier run's summary (finished, or garbled) must not speak for this
+            with contextlib.suppress(OSError):  # one, which writes its own when it ends: none if it crashes
+                (out / "summary.json").unlink(missing_ok=True)
     kind, value = runtime.broadcast_object(decision)
     if kind == "error":
         raise RunFolderError(value)
     if kind == "resume" and value is None and world.is_main:
         print(f"no complete checkpoint in {ckpt_root}: starting from step 0", flush=True)
+    if kind == "resume" and value is not None and world.is_main:
+        note = changed_settings_note(cfg, ckpt_root / value)
+        if note:
+            print(note, flush=True)
     return value if kind == "resume" else None
+
+
+def config_changes(saved, now, prefix: str = "") -> list[str]:
+    """``key old -> new`` for every leaf of run config ``now`` that differs from ``saved`` (a checkpoint's),
+    leaving out where the run writes (output), how it checkpoints and "auto" values a resume fills in."""
+    if not isinstance(saved, dict) or not isinstance(now, dict):
+        return [] if saved == now else [f"{prefix} {json.dumps(saved)} -> {json.dumps(now)}"]
+    out = []
+    for key in now:
+        name = f"{prefix}.{key}" if prefix else key
+        if name in ("output", "checkpoint") or now[key] == "auto" or key not in saved:
+            continue
+        out += config_changes(saved[key], now[key], name)
+    return out
+
+
+def changed_settings_note(cfg: RunConfig, where: Path) -> str | None:
+    """The line a resume prints when the run config differs from checkpoint ``where``'s: the changed values
+    (``train.lr``, ``data.seq_len`` ...) are this run's from the next step on, on the checkpoint's weights,
+    optimizer moments, step and data position. None when nothing changed (or the checkpoint's config is unreadable)."""
+    try:
+        saved = json.loads((where / "run_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    changes = config_changes(saved, cfg.to_dict())
+    if not changes:
+        return None
+    return (f"dstrain: note: resuming {where} with settings changed since it was written: {', '.join(changes)}; "
+            "they apply from the next step on (the optimizer's learning rate, betas and weight decay included), "
+            "on the checkpoint's weights, optimizer moments, step count and data position")
 
 
 _LOCK = []  # the open lock file of this process's run folder: held until the process ends
