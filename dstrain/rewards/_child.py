@@ -55,21 +55,21 @@ _DENY = frozenset({
     # could name a path that looks inside its folder to the hook but leaves it for the kernel.
     "os.chdir",
 })
-# Extension modules that start processes, touch files or corrupt memory without an audit event of
-# their own (``_posixsubprocess.fork_exec``, ``_testcapi``, sub-interpreters, Tcl's ``exec`` and ``open``,
-# readline's history files, ``/etc/shadow``, the system log, ``/dev/shm``): refused by name or file
-# name, however they are loaded.
+# Extension modules that start processes, touch files or the network or corrupt memory without an audit event of
+# their own (``_posixsubprocess.fork_exec``, ``_testcapi``, sub-interpreters, Tcl's ``exec`` and ``open``, readline's
+# history files, ``/etc/shadow``, the system log, ``/dev/shm``, ``nis``: its C library's RPC to the portmapper and DNS
+# queries, the network without namespaces): refused by name or file name, however they are loaded.
 _DENY_MODULES = ("_posixsubprocess", "_ctypes", "_test", "_xx", "xx", "_tkinter", "readline", "spwd", "syslog",
-                 "_posixshmem", "_multiprocessing", "_ssl")  # (_ssl: OpenSSL reads certificate files anywhere)
+                 "_posixshmem", "_multiprocessing", "_ssl", "nis")  # (_ssl: OpenSSL reads certificate files anywhere)
 _DENY_PREFIXES = ("socket.", "ctypes.", "_ctypes.", "sqlite3.", "winreg.", "msvcrt.")
-# Calls with no audit event that reach other processes of the same user, make special files or
-# expose the judge: removed from the modules before the program runs (``_frames._drop_unaudited``). With
-# PID and mount namespaces they reach nothing outside anyway; without them (an unprivileged
-# trainer with no user namespaces, a container that forbids unshare) ``pidfd_open`` +
-# ``pidfd_send_signal`` would signal the trainer, ``setpriority`` / ``sched_set*`` slow it, and
-# ``mknod`` / ``mkfifo`` create files outside the program's folder.
+# Calls with no audit event that reach other processes of the same user, make special files (or executable ones:
+# ``memfd_create``, see _unaudited.py) or expose the judge: removed from the modules before the program runs
+# (``_frames._drop_unaudited``). With PID and mount namespaces they reach nothing outside anyway; without them (an
+# unprivileged trainer with no user namespaces, a container that forbids unshare) ``pidfd_open`` +
+# ``pidfd_send_signal`` would signal the trainer, ``setpriority`` / ``sched_set*`` slow it, and ``mknod`` / ``mkfifo``
+# create files outside the program's folder.
 # (C module, the Python module that re-exports it, names)
-_UNAUDITED = (("posix", "os", ("pidfd_open", "mknod", "mkfifo", "setpriority", "sched_setaffinity",
+_UNAUDITED = (("posix", "os", ("pidfd_open", "mknod", "mkfifo", "setpriority", "sched_setaffinity", "memfd_create",
                                "sched_setscheduler", "sched_setparam", "sync")),  # (sync: every disk's writeback)
               # a handler runs in the main thread, with its frame (f_back, f_locals and f_globals are not audited):
               # the program never runs there but as a finalizer of a collection the main thread's allocation starts
@@ -209,7 +209,7 @@ def _private_mounts(libc, cfg: dict) -> str:
     opts = f"size={TMPFS_BYTES},nr_inodes={TMPFS_INODES},mode=0700"
     if cfg.get("uid") is not None:
         opts += f",uid={cfg['uid']},gid={cfg['gid']}"
-    if libc.mount(b"tmpfs", os.fsencode(here), b"tmpfs", MS_NOSUID | MS_NODEV, opts.encode()) != 0:
+    if libc.mount(b"tmpfs", os.fsencode(here), b"tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, opts.encode()) != 0:
         return ""
     os.chdir(here)  # into the new tmpfs
     failed = 0

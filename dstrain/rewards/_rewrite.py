@@ -227,7 +227,7 @@ def _load_imported(job: dict) -> bool:
     import sys
 
     new = False
-    names = _imported_modules([*job["tests"], job["setup"]])
+    names = [*_READ_ENVIRONMENT_ONCE, *_imported_modules([*job["tests"], job["setup"]])]  # noqa: F821  (_unaudited.py)
     if any("strptime" in src for src in (*job["tests"], job["setup"]) if type(src) is str):
         names.append("_strptime")  # (imported by the interpreter's C code on the test's behalf: see _judge._C_CALLED)
     for name in names:

@@ -258,7 +258,7 @@ def _serve(isolation: str) -> None:
     import os
     import signal
 
-    for name in _PRELOAD:
+    for name in _PRELOAD + _READ_ENVIRONMENT_ONCE:  # noqa: F821  (_unaudited.py)
         try:
             __import__(name)
         except ImportError:

@@ -13,7 +13,20 @@ inside a sandbox child (its text follows ``_setupdata.py``'s, in the same privat
   without namespaces made a FIFO or a file in any folder the trainer's user may write to (a FIFO where the trainer
   opens a file hangs it). What a loaded module binds, and the sets, lists and dicts it keeps (one level down), are
   cleared of them too (:func:`_unaudited_holders`, :func:`_drop_held`).
+- C libraries that read the environment once, when first used, for what to load. OpenSSL, initialized by the
+  first import of ``_hashlib``, reads the configuration file ``OPENSSL_CONF`` names, whose providers and engines are
+  shared objects of any path: a program that wrote one into its folder, and such a file, set ``os.environ`` and
+  imported ``hashlib`` ran its own machine code (no audit event: the dynamic loader's ``dlopen``), which found the
+  nonce and wrote the verdict (reward 1 in both modes). These modules are now loaded before the program runs
+  (:data:`_READ_ENVIRONMENT_ONCE`, by ``_rewrite._load_imported`` and the fork server), with the trainer's
+  environment; and no file of the program's may be mapped executable: its tmpfs is mounted ``noexec`` and
+  ``os.memfd_create`` (an anonymous file, ``/proc/self/fd/N``, that no mount's ``noexec`` covers) is removed.
 """
+
+# Extension modules whose C library reads the environment once, when first used, to decide what to load (OpenSSL's
+# OPENSSL_CONF: providers and engines, shared objects): imported before the program runs, so the program's
+# ``os.environ`` comes too late (``_rewrite._load_imported`` in every child, ``_server._serve`` before it forks)
+_READ_ENVIRONMENT_ONCE = ("_hashlib",)
 
 _HOLDERS = (None, ())  # (the _SNAPSHOT they were found for, ((holder, key), ...)): see _unaudited_holders
 _ROOTS = (None, ())  # (the _SNAPSHOT they were found for, the folders): see _extension_roots

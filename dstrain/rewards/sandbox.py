@@ -25,7 +25,7 @@ Layers, from the kernel up (see ``_child.py`` for the child side):
   (the trainer's pid does not exist there, and a fresh ``/proc`` lists none of its
   processes) when ``unshare`` is permitted; silently skipped when it is not;
 * a new mount namespace in which every mount is remounted read-only and the program's
-  folder is a fresh tmpfs of ``_child.TMPFS_BYTES`` (64 MiB): nothing outside it can be
+  folder is a fresh ``noexec`` tmpfs of ``_child.TMPFS_BYTES`` (64 MiB): nothing outside it can be
   created even by calls no audit event covers (``mknod``, ``mkfifo``), and a disk-filling
   program fills 64 MiB of memory, not the trainer's disk (``ExecResult.isolation`` then
   says ``mntns,rofs``);
@@ -64,7 +64,8 @@ fails the test.
 Consequences for programs: no ``ctypes`` and therefore no ``numpy``; no subprocesses
 (``import subprocess`` itself is refused, and with it ``asyncio`` and ``multiprocessing``);
 threads must have ended when the tests finish; ``sys._getframe``/``traceback`` frame access
-raises; only the temporary directory is writable; imported modules compile from source.
+raises; only the temporary directory is writable, and nothing in it is executable (no
+``os.memfd_create`` either); imported modules compile from source.
 
 Not protected against: a determined attacker with a CPython memory-corruption bug or a
 kernel exploit (this is not a security boundary of the strength of a VM or of seccomp:
