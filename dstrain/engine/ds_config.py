@@ -352,6 +352,10 @@ def _fill_scheduler(cfg: dict, v: RunValues, problems: list[str]) -> None:
     for key, default in (("warmup_min_ratio", 0.0), ("warmup_min_lr", 0.0)):
         if _is_auto(params.get(key)):
             params[key] = default
+        elif _is_number_like(params.get(key), 0.0) and params[key] < 0:  # DeepSpeed checks neither
+            problems.append(f"scheduler.params.{key}: must be a number >= 0 or \"auto\", file says "
+                            f"{_fmt(params[key])} (the warm-up starts from it: DeepSpeed would set a negative learning "
+                            "rate, training uphill, for the first steps)")
 
 
 def _fill_precision(cfg: dict, v: RunValues, problems: list[str]) -> None:

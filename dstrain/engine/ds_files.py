@@ -308,6 +308,8 @@ def canonical_forms(cfg: dict) -> dict:
                 out[head] = {**node, key: flag}
             else:
                 out[key] = flag
+    if isinstance(out.get("gradient_clipping"), bool):  # DeepSpeed clips at max_norm True (1.0); False is off (0)
+        out["gradient_clipping"] = float(out["gradient_clipping"])
     zo = out.get("zero_optimization")
     if isinstance(zo, dict) and any(isinstance(v, str) or _zero_or_one(v) for v in _walk_values(zo)):
         out["zero_optimization"] = _zero_string_booleans(zo)
@@ -413,7 +415,8 @@ def _top_level_problems(cfg: dict) -> list[str]:
         if key in REMOVED_TOP_LEVEL_KEYS:
             problems.append(f"top-level key {key!r} is no longer supported: {REMOVED_TOP_LEVEL_KEYS[key]}")
             continue
-        placed = _misplaced(key, cfg[key])
+        from dstrain.engine.ds_foreign import foreign_key_problem
+        placed = _misplaced(key, cfg[key]) or foreign_key_problem(key, cfg)
         if placed:
             problems.append(placed)
             continue

@@ -18,6 +18,7 @@ import os
 from dstrain.engine.ds_classes import class_notes, class_problems
 from dstrain.engine.ds_config import describe_zero, precision_left_open, sets_lr_itself
 from dstrain.engine.ds_engine_keys import engine_key_problems
+from dstrain.engine.ds_foreign import foreign_section_problems
 from dstrain.engine.ds_scalars import scalar_checks
 from dstrain.engine.ds_copied import copied_checks
 from dstrain.engine.ds_unread import unread_problems
@@ -263,7 +264,8 @@ def _unused_sections(cfg: dict, problems: list[str]) -> None:
         problems.append("pipeline: DeepSpeed's pipeline engine needs a PipelineModule, which dstrain's models are "
                         "not; remove the section (dstrain parallelises with parallel.tp / parallel.sp)")
     tp = cfg.get("tensor_parallel")
-    if isinstance(tp, dict) and (tp.get("autotp_size") or tp.get("tp_size") or 1) not in (0, 1):
+    problems += foreign_section_problems(cfg)  # tensor_parallel.tp_size, a checkpoint path (ds_foreign)
+    if isinstance(tp, dict) and "tp_size" not in tp and (tp.get("autotp_size") or 1) not in (0, 1):
         problems.append("tensor_parallel: DeepSpeed's AutoTP is not used by dstrain; remove the section and use "
                         "--parallel.tp=N")
     ep = cfg.get("expert_parallel")

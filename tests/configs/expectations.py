@@ -581,3 +581,32 @@ EXPECT.update({  # round 14: keys DeepSpeed reads only inside a section (the clo
 })
 EXPECT["comms_logger_prof_all_false_no_ops.json"] = None  # trains; a note says the logger times no op
 CHECKED_ONLY.add("comms_logger_prof_all_false_no_ops.json")  # round 14: trained 3 steps on 2 CPU ranks by hand
+EXPECT.update({  # round 15: other tools' configs given as a training DeepSpeed JSON (dstrain.engine.ds_foreign)
+    # DeepSpeed-inference / MII keys: the training engine ignores them silently (an fp16 "dtype" trains in fp32)
+    "mii_inference_config_dtype_fp16.json": "unknown top-level key 'dtype': a DeepSpeed-inference key "
+                                            "(deepspeed.init_inference / MII), which training never reads",
+    # training's TPTrainingConfig forbids tp_size: DeepSpeed's parser line, shown bare before
+    "inference_tensor_parallel_tp_size_one.json": "tensor_parallel.tp_size: DeepSpeed-inference's tensor-parallel keys",
+    # a string "checkpoint" stopped DeepSpeed's parser on "'str' object has no attribute 'get'", shown bare before
+    "inference_checkpoint_json_path.json": "checkpoint: file says 'checkpoints/llama/ds_inference_config.json', "
+                                           "DeepSpeed-inference's checkpoint path",
+    "verl_actor_critic_nested_deepspeed_config.json": "top-level key 'actor' holds a DeepSpeed config two levels down, "
+                                                      "at actor.deepspeed_config",
+    "determined_hyperparameters_overwrite_args.json": "unknown top-level key 'overwrite_deepspeed_args': Determined's "
+                                                      "overrides",
+    # DeepSpeed clips at max_norm True, i.e. 1.0 (refused as not a number before); false is no clipping
+    "ray_train_gradient_clipping_true.json": None,
+    # pinned: the autotuner's ds_config_optimal.json (its autotuning section popped), and 1e0 / 5e9 for integers,
+    # 1 / 0 for booleans after a UTF-8 BOM, each read as DeepSpeed's hjson / pydantic read them
+    "autotuning_ds_config_optimal.json": None,
+    "floats_for_ints_and_int_flags_bom.json": None,
+})
+# round 15: SageMaker model parallelism's (smp) parameters beside a DeepSpeed config; its "pipeline": "interleaved"
+# stopped DeepSpeed's parser ("'str' object has no attribute 'items'"), shown bare before
+EXPECT["sagemaker_smp_pipeline_interleaved.json"] = ("pipeline: file says \"interleaved\", as SageMaker model "
+                                                     "parallelism (smp) writes its pipeline mode")
+# round 15: DeepSpeed's WarmupLR starts at warmup_min_lr unchecked: a negative one trained uphill (passed before)
+EXPECT["warmup_lr_negative_min_lr.json"] = "scheduler.params.warmup_min_lr: must be a number >= 0 or \"auto\""
+CHECKED_ONLY |= {  # round 15: trained 3 steps on 2 CPU ranks by hand
+    "ray_train_gradient_clipping_true.json", "autotuning_ds_config_optimal.json",
+    "floats_for_ints_and_int_flags_bom.json"}

@@ -1,0 +1,100 @@
+"""Keys from other tools' configs found in a training DeepSpeed JSON: DeepSpeed-inference's (``deepspeed.init_inference``
+/ MII: ``dtype``, ``replace_with_kernel_inject``, ``enable_cuda_graph``, ``tensor_parallel.tp_size``, a ``checkpoint``
+path), SageMaker model parallelism's (smp) parameters and its string ``"pipeline"`` mode, Determined's
+``overwrite_deepspeed_args`` and its ``deepspeed_config`` file name, and a DeepSpeed config nested two levels down
+(verl's / RL trainers' per-model ``actor.deepspeed_config``). DeepSpeed's training engine ignores the top-level ones
+silently and stops its parser on the section ones; each is refused with the key and what to do.
+"""
+from __future__ import annotations
+
+import json
+
+#: Inference-config fields too generic to name as inference keys (a typo hint serves better), or also training keys.
+_GENERIC = frozenset({"config", "args", "tm", "tp", "mpu", "zero", "checkpoint", "tensor_parallel"})
+
+#: SageMaker model parallelism's (smp) parameters, written beside a DeepSpeed config in SageMaker's examples.
+SMP_KEYS = frozenset({"partitions", "microbatches", "optimize", "placement_strategy", "ddp", "auto_partition",
+                      "default_partition", "active_microbatches", "tensor_parallel_degree", "pipeline_parallel_degree",
+                      "sharded_data_parallel_degree", "memory_weight", "prescaled_batch", "shard_optimizer_state",
+                      "delayed_parameter_initialization", "offload_activations", "activation_loading_horizon",
+                      "skip_tracing", "fp16_params"})
+
+_DTYPES = {**dict.fromkeys(("fp16", "float16", "half", "torch.float16", "torch.half"), "fp16"),
+           **dict.fromkeys(("bf16", "bfloat16", "torch.bfloat16"), "bf16"),
+           **dict.fromkeys(("fp32", "float32", "float", "torch.float32", "torch.float"), "fp32")}
+
+
+def inference_keys() -> frozenset[str]:
+    """Top-level keys (names and aliases) of DeepSpeed's inference config that its training config does not have."""
+    from dstrain.engine.ds_check import accelerator_untouched
+    from dstrain.engine.ds_files import KNOWN_TOP_LEVEL_KEYS
+    with accelerator_untouched():
+        from deepspeed.inference.config import DeepSpeedInferenceConfig
+    names = set()
+    for name, field in DeepSpeedInferenceConfig.model_fields.items():
+        names.update(n for n in (name, field.alias) if n)
+    return frozenset(names - _GENERIC - set(KNOWN_TOP_LEVEL_KEYS))
+
+
+def _dtype_fix(value) -> str:
+    dtype = _DTYPES.get(str(value).strip().lower())
+    if dtype == "fp32":
+        return " (a file that enables neither bf16 nor fp16 trains in fp32)"
+    if dtype:
+        return f" (to train in {dtype}, write \"{dtype}\": {{\"enabled\": true}})"
+    return " (training's precision is set by the \"bf16\" / \"fp16\" sections)"
+
+
+def foreign_key_problem(key: str, cfg: dict) -> str | None:
+    """The refusal for an unknown top-level ``key`` that belongs to another tool's config; None for any other key."""
+    from dstrain.engine.ds_files import NESTING_KEYS, nests_ds_config
+    value = cfg[key]
+    if key in inference_keys():
+        fix = ("; dstrain's tensor parallelism is --parallel.tp=N" if key in ("mp_size", "training_mp_size")
+               else _dtype_fix(value) if key == "dtype" else "")
+        return (f"unknown top-level key {key!r}: a DeepSpeed-inference key (deepspeed.init_inference / MII), which "
+                f"training never reads and DeepSpeed would silently ignore; remove it{fix}")
+    if key in SMP_KEYS:
+        return (f"unknown top-level key {key!r}: a SageMaker model-parallel (smp) parameter, which smp reads from "
+                "the estimator's distribution (mp_parameters) and DeepSpeed would silently ignore; remove it (dstrain "
+                "parallelises with parallel.tp / parallel.sp)")
+    if key == "overwrite_deepspeed_args":
+        return (f"unknown top-level key {key!r}: Determined's overrides, which Determined merges into the DeepSpeed "
+                "config itself and DeepSpeed would silently ignore here; write their values into the file's own keys "
+                "and remove it")
+    if key in NESTING_KEYS and isinstance(value, str):
+        return (f"top-level key {key!r} names another file ({value!r}, as Determined's hyperparameters do); "
+                "DeepSpeed would silently ignore it: give that file itself as --deepspeed.profile")
+    if isinstance(value, dict):
+        inner = [f"{key}.{k}" for k in NESTING_KEYS if nests_ds_config(value, k)]
+        if inner:
+            return (f"top-level key {key!r} holds a DeepSpeed config two levels down, at {', '.join(inner)} (as "
+                    "verl's and other RL trainers' dumps nest one per model); DeepSpeed reads only top-level keys and "
+                    f"would silently ignore it: give the object at {inner[0]} alone as the file")
+    return None
+
+
+def foreign_section_problems(cfg: dict) -> list[str]:
+    """Sections written in DeepSpeed-inference's shape: ``tensor_parallel`` with its ``tp_size`` (training's
+    TPTrainingConfig forbids it: a pydantic 'Extra inputs are not permitted') and ``checkpoint`` as a path
+    (training's is an object: DeepSpeed's parser stops on "'str' object has no attribute 'get'")."""
+    problems = []
+    tp = cfg.get("tensor_parallel")
+    inference_tp = sorted(k for k in ("tp_size", "tp_grain_size", "tp_group", "mpu", "enabled")
+                          if isinstance(tp, dict) and k in tp)
+    if inference_tp:
+        problems.append(f"tensor_parallel.{', '.join(inference_tp)}: DeepSpeed-inference's tensor-parallel keys "
+                        "(deepspeed.init_inference / MII); DeepSpeed's training section reads only autotp_size and its "
+                        "parser rejects these; remove the section (dstrain's tensor parallelism is --parallel.tp=N)")
+    pipe = cfg.get("pipeline")
+    if pipe is not None and not isinstance(pipe, dict):
+        problems.append(f"pipeline: file says {json.dumps(pipe)}, as SageMaker model parallelism (smp) writes its "
+                        "pipeline mode; DeepSpeed reads \"pipeline\" as an object of its pipeline engine's options "
+                        f"and its parser stops on anything else ('{type(pipe).__name__}' object has no attribute "
+                        "'items'); remove it (dstrain parallelises with parallel.tp / parallel.sp)")
+    ckpt = cfg.get("checkpoint")
+    if isinstance(ckpt, str):
+        problems.append(f"checkpoint: file says {ckpt!r}, DeepSpeed-inference's checkpoint path (init_inference); "
+                        "training's \"checkpoint\" is an object of saving options, and DeepSpeed's parser stops on a "
+                        "string ('str' object has no attribute 'get'); remove it (dstrain resumes with --resume)")
+    return problems
