@@ -87,11 +87,16 @@ def stop_line(summary: dict, steps: int, ckpt_root: Path, code: int) -> str:
 
 def note_forwarded(folder: str | Path, signum: int) -> None:
     """``dstrain launch`` passes ``signum`` on to its job: left for rank 0's stop line (the first signal only)."""
+    _write_first(folder, FORWARDED_FILE, int(signum))
+
+
+def _write_first(folder: str | Path, name: str, value: int) -> None:
+    """``value`` into ``folder/name`` unless that file exists already (the first writer wins; errors ignored)."""
     try:
-        fd = os.open(os.path.join(folder, FORWARDED_FILE), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        fd = os.open(os.path.join(folder, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     except OSError:
         return
-    os.write(fd, f"{int(signum)}\n".encode())
+    os.write(fd, f"{value}\n".encode())
     os.close(fd)
 
 
@@ -118,14 +123,8 @@ def note_stopped(code: int) -> None:
 def note_failed(code: int) -> None:
     """Leave ``code`` for ``dstrain launch`` unless a rank left one first (no-op for ranks it did not start)."""
     folder = os.environ.get("DSTRAIN_FAILURE_DIR")
-    if not folder:
-        return
-    try:
-        fd = os.open(os.path.join(folder, FAILED_FILE), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except OSError:
-        return
-    os.write(fd, f"{code}\n".encode())
-    os.close(fd)
+    if folder:
+        _write_first(folder, FAILED_FILE, code)
 
 
 def failed_code(folder: str | Path) -> int | None:

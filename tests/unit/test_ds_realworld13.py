@@ -29,6 +29,7 @@ false}`` and ``tensor_parallel.autotp_size`` 1, and HF Transformers' 2021 ZeRO-3
 """
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -36,27 +37,16 @@ import pytest
 
 from dstrain import cli
 from dstrain.engine.ds_check import check_ds_file
-from dstrain.engine.ds_config import DSConfigError
 from dstrain.engine.ds_scalars import scalar_checks
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-ROOT = CONFIGS.parents[1]
-RECIPE = str(ROOT / "models" / "gpt" / "recipes" / "tiny.json")
+from tests.unit.ds_rounds import CONFIGS, RECIPE, ROOT  # noqa: E402,F401
+from tests.unit.ds_rounds import deepspeed_config as _deepspeed_config  # noqa: E402,F401
+from tests.unit.ds_rounds import refusals as _refusals  # noqa: E402,F401
+from tests.unit.ds_rounds import dry_run  # noqa: E402
+
+_dry_run = functools.partial(dry_run, values_from_file=False)  # (this round's files give their own values)
 
 from tests.unit.test_ds_realworld6 import _cpu_accelerator  # noqa: F401,E402 (the fixture is autouse here too)
-
-
-def _refusals(path, device_type: str = "cpu") -> list[str]:
-    with pytest.raises(DSConfigError) as err:
-        check_ds_file(path, device_type=device_type, world_size=2)
-    return err.value.problems
-
-
-def _dry_run(capsys, monkeypatch, tmp_path, profile, *extra) -> tuple[int, list[str]]:
-    monkeypatch.chdir(tmp_path)
-    code = cli.main(["launch", "--dry-run", "--nproc", "2", "--accelerator", "cpu", RECIPE,
-                     f"--deepspeed.profile={profile}", "--train.steps=3", f"--output.dir={tmp_path / 'run'}", *extra])
-    return code, capsys.readouterr().err.strip().splitlines()
 
 
 def _with_nvme_path(tmp_path, name: str) -> Path:
@@ -68,11 +58,6 @@ def _with_nvme_path(tmp_path, name: str) -> Path:
     out = tmp_path / name
     out.write_text(json.dumps(cfg))
     return out
-
-
-def _deepspeed_config(cfg: dict):
-    from deepspeed.runtime.config import DeepSpeedConfig
-    return DeepSpeedConfig({"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1, **cfg})
 
 
 # --------------------------------------------------------------------------- checkpoint keys read with dict.get

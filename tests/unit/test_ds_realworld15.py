@@ -35,35 +35,15 @@ from pathlib import Path
 
 import pytest
 
-from dstrain import cli
 from dstrain.engine.ds_check import check_ds_file
-from dstrain.engine.ds_config import DSConfigError
 from dstrain.engine.ds_files import load_ds_json
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-ROOT = CONFIGS.parents[1]
-RECIPE = str(ROOT / "models" / "gpt" / "recipes" / "tiny.json")
+from tests.unit.ds_rounds import CONFIGS, RECIPE, ROOT  # noqa: E402,F401
+from tests.unit.ds_rounds import deepspeed_config as _deepspeed_config  # noqa: E402,F401
+from tests.unit.ds_rounds import refusals as _refusals  # noqa: E402,F401
+from tests.unit.ds_rounds import dry_run as _dry_run  # noqa: E402,F401
 
 from tests.unit.test_ds_realworld6 import _cpu_accelerator  # noqa: F401,E402 (the fixture is autouse here too)
-
-
-def _refusals(path, device_type: str = "cpu") -> list[str]:
-    with pytest.raises(DSConfigError) as err:
-        check_ds_file(path, device_type=device_type, world_size=2)
-    return err.value.problems
-
-
-def _dry_run(capsys, monkeypatch, tmp_path, profile) -> tuple[int, list[str]]:
-    monkeypatch.chdir(tmp_path)
-    code = cli.main(["launch", "--dry-run", "--nproc", "2", "--accelerator", "cpu", RECIPE,
-                     f"--deepspeed.profile={profile}", "--train.steps=3", "--deepspeed.values_from_file=true",
-                     f"--output.dir={tmp_path / 'run'}"])
-    return code, capsys.readouterr().err.strip().splitlines()
-
-
-def _deepspeed_config(cfg: dict):
-    from deepspeed.runtime.config import DeepSpeedConfig
-    return DeepSpeedConfig({"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1, **cfg})
 
 
 # --------------------------------------------------------------------------- DeepSpeed-inference / MII keys
