@@ -250,6 +250,8 @@ def cmd_launch(args, overrides) -> int:
             # as SIGTERM to the ranks (they save and leave; see job_guard.stop_job); a second Ctrl-C / SIGTERM:
             # the ranks did not stop in time for the user, so the job goes now
             if len(got) > 1:
+                print("dstrain: a second stop signal: killing the job now (the stop's checkpoint, if not yet "
+                      "complete, is not written; --resume takes the latest complete one)", file=sys.stderr, flush=True)
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
             else:

@@ -327,3 +327,36 @@ def test_a_stop_reaches_the_ranks_not_the_launcher_that_would_cut_their_save_sho
 ])
 def test_which_processes_of_a_job_are_its_ranks(argv, rank):
     assert job_guard.is_rank_argv(argv) is rank
+
+
+def test_a_second_ctrl_c_kills_the_job_and_says_so(capsys, monkeypatch, tmp_path):
+    """The first Ctrl-C asks the job to save and stop; a job that does not (here: it ignores SIGTERM) is killed by
+    the second, which before did so without a word (the user saw the launch end, no reason given)."""
+    import threading
+
+    from dstrain import launcher as launcher_mod
+    monkeypatch.chdir(tmp_path)
+    ready = tmp_path / "ready"
+    script = (f"import pathlib, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+              f"pathlib.Path({str(ready)!r}).write_text('1'); time.sleep(60)")
+
+    def build(spec, **kwargs):
+        return [sys.executable, "-c", script], dict(os.environ)
+
+    monkeypatch.setattr(launcher_mod, "build_deepspeed_command", build)
+
+    def press_ctrl_c_twice():
+        deadline = time.monotonic() + 30
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for _ in range(2):
+            time.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    presser = threading.Thread(target=press_ctrl_c_twice, daemon=True)
+    presser.start()
+    started = time.monotonic()
+    code = cli.main(["launch", "--nproc", "1", RECIPE, f"--output.dir={tmp_path / 'run'}"])
+    presser.join(5)
+    assert code == 128 + signal.SIGINT and time.monotonic() - started < 30
+    assert "dstrain: a second stop signal: killing the job now" in capsys.readouterr().err
