@@ -204,6 +204,9 @@ class SequenceParallelDilatedCore(nn.Module):
         mode = choose_mode(self.mode, self.branches, n, self.sp, h, self.sparse_keep < 1.0)
         self.last_mode = mode
         if mode == "ulysses":
+            if not self.causal or self.sparse_keep < 1.0:  # neither pads a sequence the segments do not tile:
+                for br in self.branches:  # refused here, before the first all-to-all (every rank alike)
+                    br.effective(n)
             qh, kh, vh = (SeqToHeads.apply(x, self.group, self.sp) for x in (q, k, v))
             qh, kh, vh = (x.transpose(1, 2) for x in (qh, kh, vh))
             out = dilated_attention(qh, kh, vh, self.branches, self.causal,

@@ -48,7 +48,8 @@ Deliberate deviations, pinned:
   confidence interval, only median, mean, p90, min and max (numpy's linear p90: round 5).
 * Ulysses refuses heads not divisible by sp (no uneven head split) before any collective; on a sequence the
   segments do not tile it pads at the end under causal dense attention only, and otherwise raises the kernel's
-  "does not tile" error on every rank alike (after the first all-to-all, so no rank is left waiting).
+  "does not tile" error on every rank alike, before the first all-to-all (it came after it before this round's
+  review; every rank raised alike, so none was left waiting).
 """
 from __future__ import annotations
 
@@ -204,6 +205,12 @@ def test_auto_mode_takes_ulysses_where_the_segments_do_not_tile(monkeypatch):
     (4, 4, [8, 16], True, {"sparse_block": 2, "sparse_keep": 0.5}, "ulysses", "does not tile"),
 ])
 def test_ulysses_refuses_what_it_cannot_compute(monkeypatch, heads, sp, segs, causal, kw, mode, match):
+    """Each refusal comes before any collective (a collective here fails the test): a rank that raised after
+    one while its peers waited in the next would leave them hanging."""
+    def no_collective(*args, **kwargs):
+        raise AssertionError("a collective ran before the refusal")
+
+    monkeypatch.setattr(_ThreadDist, "all_to_all_single", no_collective)
     x = torch.zeros(1, 24, heads, 4, dtype=torch.float64)
     with pytest.raises(ValueError, match=match):
         _ulysses(monkeypatch, sp, x, x, x, x, segs, [1, 2], causal, 0, mode=mode, **kw)
