@@ -425,6 +425,11 @@ def cmd_export(args, overrides) -> int:
     if problem := export_target_problem(args.out):  # before the weights are gathered
         print(f"dstrain: error: {problem}", file=sys.stderr)
         return EXIT_CONFIG
+    if Path(args.out).suffix != ".safetensors":  # a policy run exports into a folder as a HF checkpoint
+        from dstrain.trainers.policy_rl import export_policy_checkpoint
+        if (folder := export_policy_checkpoint(args.checkpoint, args.out)) is not None:
+            print(f"wrote a Hugging Face checkpoint to {folder} (--model.args.path={folder} loads it)")
+            return 0
     out = export_safetensors(args.checkpoint, args.out)
     print(f"wrote {out}")
     return 0

@@ -186,7 +186,8 @@ def build_token_streams(
 
     Document ``i`` goes to val when ``i % val_every == val_every - 1`` (every
     ``val_every``-th document, the first one being train), otherwise to train.
-    Streams are ``torch.int16`` (ids fit: max 256); convert batches to int64.
+    Streams are ``torch.int16`` (``torch.int32`` for a vocabulary over 32768, a checkpoint's
+    own tokenizer); convert batches to int64.
 
     Raises:
         ValueError: ``val_every < 2``, or either stream would be empty (fewer
@@ -194,11 +195,12 @@ def build_token_streams(
     """
     if val_every < 2:
         raise ValueError(f"val_every must be >= 2, got {val_every}")
-    eos = np.array([tokenizer.eos_id], dtype=np.int16)
+    dtype = np.int16 if tokenizer.vocab_size <= np.iinfo(np.int16).max + 1 else np.int32
+    eos = np.array([tokenizer.eos_id], dtype=dtype)
     parts: dict[bool, list[np.ndarray]] = {False: [], True: []}
     for i, doc in enumerate(documents):
         is_val = i % val_every == val_every - 1
-        parts[is_val].append(tokenizer.encode_array(doc).astype(np.int16))
+        parts[is_val].append(tokenizer.encode_array(doc).astype(dtype))
         parts[is_val].append(eos)
     if not parts[False] or not parts[True]:
         raise ValueError(

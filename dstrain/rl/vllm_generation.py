@@ -61,16 +61,19 @@ def to_completions(outputs, rows: list[list[int]], num_samples: int, tokenizer, 
     exactly as the hf generator cuts (``models/policy/generation.py``): at the first EOS (kept), else
     right after the first stop string's tokens (kept; ``text`` ends where it begins)."""
     from models.policy.generation import Completion, cut_at_stop
-    eos = tokenizer.eos_token_id
+    from models.policy.tokenizer import eos_token_ids
+    ends = eos_token_ids(tokenizer)
     results = []
     for i, out in enumerate(outputs):
         o = out.outputs[0]
         ids, finished, hit = list(o.token_ids), False, None
-        if eos is not None and eos in ids:
-            ids, finished = ids[:ids.index(eos) + 1], True
-        elif o.finish_reason == "stop" and not isinstance(o.stop_reason, str) and eos is not None:
-            ids, finished = ids + [eos], True  # vLLM ended it on EOS without listing it: keep it (stopping is learnt)
-        cut = cut_at_stop([t for t in ids if t != eos], tokenizer, stops) if stops else None
+        end = next((j for j, t in enumerate(ids) if t in ends), None)
+        if end is not None:
+            ids, finished = ids[:end + 1], True
+        elif o.finish_reason == "stop" and not isinstance(o.stop_reason, str) and ends:
+            # vLLM ended it on an EOS without listing it: keep that EOS (stopping is learnt)
+            ids, finished = ids + [o.stop_reason if o.stop_reason in ends else ends[0]], True
+        cut = cut_at_stop([t for t in ids if t not in ends], tokenizer, stops) if stops else None
         if cut is not None:
             ids, text, hit, finished = ids[:cut[0]], cut[1], cut[2], True
         else:
@@ -130,14 +133,15 @@ class VLLMToolkit:
         self.sync()
         if not prompts:
             return []
-        encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        from models.policy.tokenizer import encode_prompt, eos_token_ids
+        encoded = [encode_prompt(tokenizer, p) for p in prompts]
         rows = [ids for ids in encoded for _ in range(num_samples)]
         base_seed = 0 if seed is None else int(seed)
         params = [self.vllm.SamplingParams(n=1, temperature=0.0 if greedy else float(temperature),
                                            top_p=1.0 if greedy else float(top_p), top_k=-1,
                                            max_tokens=max_new_tokens,
                                            stop=(list(stop) or None) if self.own_tokenizer else None,
-                                           stop_token_ids=[tokenizer.eos_token_id],
+                                           stop_token_ids=eos_token_ids(tokenizer),
                                            include_stop_str_in_output=True, detokenize=self.own_tokenizer,
                                            seed=None if greedy else base_seed * 1_000_003 + i)
                   for i in range(len(rows))]

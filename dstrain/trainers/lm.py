@@ -31,13 +31,26 @@ from dstrain.engine.factory import create_engine
 from dstrain.metrics import RunLogger, Throughput, peak_memory_bytes, reduce_mean
 
 
+def corpus_tokenizer(cfg: RunConfig):
+    """What the corpus is read with: the bytes (``ByteTokenizer``), or the model's own tokenizer where
+    its spec has one (a policy loaded from a Hugging Face checkpoint with tokenizer files)."""
+    from models import registry
+    rl = getattr(registry.get_spec(cfg.model.name), "rl", None)
+    own = getattr(rl, "corpus_tokenizer", None)
+    if own is not None:
+        found = own(registry.make_model_config(cfg.model.name, cfg.model.size, cfg.model.args))
+        if found is not None:
+            return found
+    return ByteTokenizer()
+
+
 def load_token_streams(cfg: RunConfig, world: runtime.World) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank 0 reads (and lets ``datasets`` cache) the corpus first; the others then read the cache."""
     cache = str(Path(cfg.output.dir) / ".cache" / "datasets")
 
     def read():
         docs = load_documents(cfg.data.corpus, cache_dir=cache, max_bytes=cfg.data.max_bytes)
-        return build_token_streams(docs, ByteTokenizer(), val_every=cfg.data.val_every)
+        return build_token_streams(docs, corpus_tokenizer(cfg), val_every=cfg.data.val_every)
 
     streams, error = None, None
     if world.is_main:

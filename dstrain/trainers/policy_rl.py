@@ -35,6 +35,26 @@ def policy_toolkit(cfg: RunConfig):
     return spec, registry.make_model_config(cfg.model.name, cfg.model.size, cfg.model.args), spec.rl
 
 
+def export_policy_checkpoint(ckpt: str | Path, out: str | Path) -> Path | None:
+    """``dstrain export`` of a policy run into a folder: a Hugging Face checkpoint (config, weights under
+    transformers' names, tokenizer, generation config) that ``--model.args.path`` loads; None (nothing
+    written) when the run's model is no policy."""
+    import json
+
+    from dstrain.checkpoint import consolidated_state_dict, resolve_checkpoint
+    from models import registry
+    root, tag = resolve_checkpoint(ckpt)
+    run_cfg = json.loads((Path(root) / tag / "run_config.json").read_text())
+    model = run_cfg.get("model", {})
+    spec = registry.get_spec(model.get("name", ""))
+    if getattr(spec, "rl", None) is None or not hasattr(spec.rl, "export_pretrained"):
+        return None
+    state, _ = consolidated_state_dict(ckpt)
+    mcfg = registry.make_model_config(model["name"], model.get("size"), model.get("args") or {})
+    spec.rl.export_pretrained(state, mcfg, str(out))
+    return Path(out)
+
+
 def load_task_sets(task: PolicyTaskConfig, seed: int) -> tuple[list, list]:
     """(train tasks, held-out tasks) as the task section names them."""
     from dstrain.data import tasks as T
@@ -72,9 +92,11 @@ def completion_target(task) -> str:
 
 def supervised_batch(tokenizer, prompts: list[str], targets: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids, labels): prompt + target, right-padded; labels are -100 except on target tokens."""
+    from models.policy.tokenizer import encode_prompt
+
     rows = []
     for p, t in zip(prompts, targets):
-        pi = tokenizer(p, add_special_tokens=False)["input_ids"]
+        pi = encode_prompt(tokenizer, p)
         ti = tokenizer(t, add_special_tokens=False)["input_ids"]
         rows.append((pi + ti, [-100] * len(pi) + ti))
     width = max(len(ids) for ids, _ in rows)

@@ -15,9 +15,9 @@ from .config import SIZES, PolicyConfig
 from .generation import Completion, generate, pack
 from .heads import ValueHead
 from .model import PolicyModel, build_policy, is_partitioned, is_zero3, token_entropy, token_logprobs
-from .reference import (ReferencePolicy, full_state_dict, load_full_state_dict, reference_ds_config,
-                        save_pretrained)
-from .tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, byte_tokenizer, load_tokenizer
+from .reference import (ReferencePolicy, export_pretrained, full_state_dict, load_full_state_dict,
+                        reference_ds_config, save_pretrained)
+from .tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, byte_tokenizer, corpus_tokenizer, load_tokenizer
 
 
 def parallelize_policy(model: torch.nn.Module, activation_checkpointing: bool = False,
@@ -43,6 +43,7 @@ def example_inputs(config: PolicyConfig, micro_batch: int, seq_len: int) -> tupl
 RL = SimpleNamespace(
     build=build_policy,                               # (config, ds_config=None) -> PolicyModel
     load_tokenizer=load_tokenizer,                    # (config) -> tokenizer, left padding
+    corpus_tokenizer=corpus_tokenizer,                # (config) -> the LM trainer's corpus tokenizer or None (bytes)
     generate=generate,                                # (model, tokenizer, prompts, ...) -> [Completion]
     pack=pack,                                        # (completions, pad_id) -> dict of tensors
     token_logprobs=token_logprobs,                    # (logits, input_ids, temperature=1.0) -> [B, T-1]
@@ -50,6 +51,7 @@ RL = SimpleNamespace(
     reference=ReferencePolicy.from_policy_config,     # (config, placement, train_ds_config=None, *, state_dict, seed)
     full_state_dict=full_state_dict,                  # (model) -> CPU state dict (gathered under ZeRO-3)
     save_pretrained=save_pretrained,                  # (model, directory, tokenizer=None): HF checkpoint
+    export_pretrained=export_pretrained,              # (state with hf. names, config, directory): HF checkpoint
     value_head=ValueHead,                             # (backbone, hidden_size=None, init="normal"): critic / value
 )
 """The toolkit dstrain's RL trainers use (``ModelSpec.rl``)."""

@@ -16,6 +16,7 @@ from typing import Sequence
 import torch
 
 from .model import PolicyModel, is_partitioned
+from .tokenizer import encode_prompt, eos_token_ids
 
 
 @dataclass
@@ -152,10 +153,12 @@ def generate(model: PolicyModel, tokenizer, prompts: list[str], *, num_samples: 
     """Sample ``num_samples`` completions per prompt; returns them prompt-major.
 
     ``model`` is a :class:`PolicyModel`, or a (dstrain or DeepSpeed) engine around one.
-    Prompts are tokenized without special tokens and left-padded. ``greedy`` takes
+    Prompts are left-padded. ``greedy`` takes
     the argmax (temperature and top_p unused); otherwise sampling from
     ``softmax(logits / temperature)`` restricted to the ``top_p`` nucleus (no top-k).
-    The pad and BOS tokens are never generated. ``seed`` makes sampling reproducible
+    Prompts get the special tokens the tokenizer puts in front (:func:`encode_prompt`);
+    every id of :func:`eos_token_ids` ends a completion. The pad and BOS tokens are never
+    generated, nor ids past ``len(tokenizer)`` (a padded embedding). ``seed`` makes sampling reproducible
     without touching the caller's RNG state. The model is put in eval mode (and back),
     with gradients off.
 
@@ -187,27 +190,40 @@ def generate(model: PolicyModel, tokenizer, prompts: list[str], *, num_samples: 
         policy.train(was_training)
 
 
+def policy_vocab_size(policy: PolicyModel) -> int:
+    """Rows of the output head (the checkpoint's ``vocab_size``, which may exceed the tokenizer's)."""
+    cfg = policy.hf.config
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    return int(cfg.vocab_size)
+
+
 def _generate(policy, tok, prompts, num_samples, temperature, top_p, max_new_tokens, stops,
               greedy, seed) -> list[Completion]:
     from transformers import GenerationConfig, StoppingCriteriaList
 
-    encoded = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    encoded = [encode_prompt(tok, p) for p in prompts]
     rows = [ids for ids in encoded for _ in range(num_samples)]
     width = max(len(r) for r in rows)
     if width == 0:
         raise ValueError("all prompts are empty: give at least one token to condition on")
+    vocab = policy_vocab_size(policy)
+    if max(max(r, default=0) for r in rows) >= vocab:
+        raise ValueError(f"a prompt holds token id {max(max(r, default=0) for r in rows)}, past the model's "
+                         f"vocabulary ({vocab} embedding rows): tokenizer and checkpoint do not belong together")
     device = next(policy.parameters()).device
-    pad, eos = tok.pad_token_id, tok.eos_token_id
+    pad, ends = tok.pad_token_id, eos_token_ids(tok)
     input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
     mask = torch.zeros_like(input_ids)
     for i, r in enumerate(rows):
         if r:
             input_ids[i, width - len(r):] = torch.tensor(r)
             mask[i, width - len(r):] = 1
-    banned = sorted({t for t in (pad, tok.bos_token_id) if t is not None and t != eos})
+    banned = {t for t in (pad, tok.bos_token_id) if t is not None and t not in ends}
+    # a padded embedding (vocab_size rounded up past the tokenizer) has rows no text decodes to
+    banned = sorted(banned | set(range(len(tok), vocab)))
     sampling = {} if greedy else dict(temperature=float(temperature), top_p=float(top_p), top_k=0)
     gen_cfg = GenerationConfig(do_sample=not greedy, max_new_tokens=max_new_tokens,
-                               pad_token_id=pad, eos_token_id=eos,
+                               pad_token_id=pad, eos_token_id=ends,
                                suppress_tokens=banned or None, **sampling)
     criteria = StoppingCriteriaList([StopOnStrings(tok, stops, width)] if stops else [])
     fork = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [],
@@ -228,9 +244,10 @@ def _generate(policy, tok, prompts, num_samples, temperature, top_p, max_new_tok
     results = []
     for i, seq in enumerate(out[:, width:].tolist()):
         ids, finished, hit = seq, False, None
-        if eos in ids:
-            ids, finished = ids[:ids.index(eos) + 1], True
-        cut = cut_at_stop([t for t in ids if t != eos], tok, stops) if stops else None
+        end = next((j for j, t in enumerate(ids) if t in ends), None)
+        if end is not None:
+            ids, finished = ids[:end + 1], True
+        cut = cut_at_stop([t for t in ids if t not in ends], tok, stops) if stops else None
         if cut is not None:
             ids, text, hit = ids[:cut[0]], cut[1], cut[2]
             finished = True

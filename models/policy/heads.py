@@ -30,6 +30,8 @@ import math
 import torch
 from torch import nn
 
+from .model import positions_from_mask
+
 
 def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
     """``[B]``: index of each row's last position with mask 1 (0 for a row with none)."""
@@ -62,8 +64,10 @@ class ValueHead(nn.Module):
         """``[B, T, hidden]``: the backbone's final hidden states."""
         body = getattr(self.backbone, "base_model", None)
         if isinstance(body, nn.Module) and body is not self.backbone:
-            return body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        out = self.backbone(input_ids, attention_mask=attention_mask, output_hidden_states=True)
+            extra = positions_from_mask(body, attention_mask)
+            return body(input_ids=input_ids, attention_mask=attention_mask, **extra).last_hidden_state
+        extra = positions_from_mask(self.backbone, attention_mask)
+        out = self.backbone(input_ids, attention_mask=attention_mask, output_hidden_states=True, **extra)
         return out.hidden_states[-1]
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,

@@ -127,14 +127,32 @@ def is_partitioned(model: nn.Module) -> bool:
     return any(hasattr(p, "ds_id") for p in model.parameters())
 
 
+def positions_from_mask(module: nn.Module, attention_mask: torch.Tensor | None) -> dict:
+    """``{"position_ids": ...}`` counted from each row's first real token, for a transformers
+    module that takes them, else ``{}``.
+
+    A left-padded row gets ``0..len-1`` on its tokens, as unpadded, where absolute-position
+    models (GPT-2) would otherwise shift it by its padding; a right-padded (or unpadded)
+    row keeps ``0..T-1``.
+    """
+    import inspect
+
+    if attention_mask is None or "position_ids" not in inspect.signature(module.forward).parameters:
+        return {}
+    t = attention_mask.shape[-1]
+    first = (attention_mask != 0).long().argmax(dim=-1, keepdim=True)  # leading padding per row
+    return {"position_ids": (torch.arange(t, device=attention_mask.device) - first).clamp_(min=0)}
+
+
 class PolicyModel(nn.Module):
     """A causal LM (``self.hf``, a ``transformers`` ``*ForCausalLM``) with dstrain's interface.
 
     ``forward(input_ids, targets=None, attention_mask=None)`` returns logits
     ``[B, T, V]``, or with ``targets`` (aligned with the logits: ``targets[b, t]`` is
     the token that should follow ``input_ids[b, t]``; -100 = ignore) the mean
-    cross-entropy in fp32. Position ids are ``0..T-1``: feed right-padded batches
-    (see :func:`~models.policy.generation.pack`).
+    cross-entropy in fp32. With an ``attention_mask`` the position ids count from each row's
+    first real token (:func:`positions_from_mask`), so left- and right-padded rows score as
+    unpadded ones (absolute positions included); without one they are ``0..T-1``.
     """
 
     def __init__(self, hf: nn.Module, config: PolicyConfig, weights_loaded: bool = False,
@@ -151,7 +169,8 @@ class PolicyModel(nn.Module):
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
-        logits = self.hf(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        extra = positions_from_mask(self.hf, attention_mask)
+        logits = self.hf(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra).logits
         if targets is None:
             return logits
         if targets.shape != input_ids.shape:
@@ -332,6 +351,27 @@ def _fix_rope_buffers(hf: nn.Module) -> None:
                 setattr(module, name, buf.to(getattr(module, name).device))
 
 
+def set_dropout(hf: nn.Module, p: float) -> int:
+    """Set every dropout probability inside ``hf`` to ``p``; returns how many were changed.
+
+    Covers ``nn.Dropout`` modules (GPT-2's ``attn_pdrop``/``resid_pdrop``/``embd_pdrop``)
+    and the float attributes modules pass to functional dropout or attention
+    (``attention_dropout``, OPT's ``dropout``, Phi's ``resid_pdrop``...). The
+    checkpoint's ``config.json`` is left as it is.
+    """
+    changed = 0
+    for module in hf.modules():
+        if isinstance(module, nn.Dropout):
+            changed += module.p != p
+            module.p = p
+            continue
+        for name, value in list(vars(module).items()):
+            if ("dropout" in name or "pdrop" in name) and isinstance(value, float) and value != p:
+                setattr(module, name, p)
+                changed += 1
+    return changed
+
+
 # A stage-3 config for transformers when an outer zero.Init (the factory's) already partitions.
 _NESTED_ZERO3 = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
 
@@ -360,6 +400,7 @@ def build_policy(cfg: PolicyConfig, ds_config: Mapping | None = None) -> PolicyM
             ds_config, zero3 = _NESTED_ZERO3, True
         with _hf_deepspeed(ds_config if zero3 else None) as hf_ds:
             hf = AutoModelForCausalLM.from_pretrained(cfg.path, local_files_only=True, **kw)
+        set_dropout(hf, cfg.dropout)  # RL needs the same log-probs in train and eval mode
         model = PolicyModel(hf, cfg, weights_loaded=True, hf_ds_config=hf_ds)
     else:
         hf_cfg = (AutoConfig.from_pretrained(cfg.path, local_files_only=True) if cfg.path
@@ -369,6 +410,8 @@ def build_policy(cfg: PolicyConfig, ds_config: Mapping | None = None) -> PolicyM
                 torch.random.fork_rng(devices=[]):
             hf = AutoModelForCausalLM.from_config(hf_cfg, **kw)
         hf.tie_weights()  # no_init_weights also skipped the tying
+        if cfg.path:
+            set_dropout(hf, cfg.dropout)
         model = PolicyModel(hf, cfg, weights_loaded=False, hf_ds_config=hf_ds)
         if not is_partitioned(model):
             model.reset_parameters()

@@ -101,6 +101,28 @@ def save_pretrained(model: PolicyModel, directory: str, tokenizer=None) -> None:
         tokenizer.save_pretrained(directory)
 
 
+def export_pretrained(state: Mapping[str, torch.Tensor], config, directory: str) -> None:
+    """Write consolidated weights (the policy's ``hf.``-prefixed names) as a Hugging Face checkpoint.
+
+    The architecture, tokenizer and generation config come from ``config`` (its ``path``
+    checkpoint, else the Llama-style build and the byte tokenizer); the folder loads
+    with ``path=directory`` or ``AutoModelForCausalLM.from_pretrained``. An output head
+    tied to the embedding may be absent from ``state``.
+    """
+    from .model import build_policy
+    from .tokenizer import load_tokenizer
+
+    model = build_policy(config)
+    missing, unexpected = model.load_state_dict(dict(state), strict=False)
+    head = model.hf.get_output_embeddings()
+    tied = {n for n, p in model.named_parameters(remove_duplicate=False)
+            if head is not None and p is head.weight and model._tied()}
+    if unexpected or set(missing) - tied:
+        raise KeyError(f"weights do not fit the policy of {config.path or 'the config'}: missing "
+                       f"{sorted(set(missing) - tied)[:5]}, unexpected {sorted(unexpected)[:5]}")
+    save_pretrained(model, directory, load_tokenizer(config))
+
+
 class ReferencePolicy:
     """A frozen copy of the initial policy: ``token_logprobs(input_ids, attention_mask, temperature)``."""
 

@@ -83,21 +83,110 @@ def has_tokenizer_files(path: str) -> bool:
     return any(os.path.isfile(os.path.join(path, name)) for name in _TOKENIZER_FILES)
 
 
+def _generation_eos_ids(path: str) -> list[int]:
+    """``eos_token_id`` of a checkpoint's ``generation_config.json`` (else ``config.json``) as a list."""
+    import json
+
+    for name in ("generation_config.json", "config.json"):
+        file = os.path.join(path, name)
+        if os.path.isfile(file):
+            with open(file) as f:
+                value = json.load(f).get("eos_token_id")
+            if value is not None:
+                return [int(v) for v in (value if isinstance(value, list) else [value])]
+    return []
+
+
+def eos_token_ids(tokenizer) -> list[int]:
+    """Every id that ends a completion: the tokenizer's EOS first, then the checkpoint's others.
+
+    A checkpoint's ``generation_config.json`` may list several (Llama-3's
+    ``<|eot_id|>`` and ``<|end_of_text|>``, Qwen's ``<|im_end|>`` and
+    ``<|endoftext|>``); :func:`load_tokenizer` records them on the tokenizer.
+    """
+    eos = getattr(tokenizer, "eos_token_id", None)
+    ids = [eos] if eos is not None else []
+    return list(dict.fromkeys(ids + list(getattr(tokenizer, "dstrain_eos_ids", ()))))
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """A prompt's ids: its text without special tokens, after the special tokens the tokenizer
+    itself puts in front (a BOS where its post-processor or ``add_bos_token`` adds one,
+    as Llama's and Gemma's do); an EOS it would append is left off (the completion follows).
+    """
+    plain = tokenizer(text, add_special_tokens=False)["input_ids"]
+    special = set(getattr(tokenizer, "all_special_ids", ()))
+    if not special:
+        return plain
+    full = tokenizer(text, add_special_tokens=True)["input_ids"]
+    ends = set(eos_token_ids(tokenizer))
+    head = []
+    for t in full:
+        if t not in special or t in ends or (plain and t == plain[0]):
+            break
+        head.append(t)
+    return head + plain
+
+
 def load_tokenizer(cfg: PolicyConfig):
     """The tokenizer that belongs to ``cfg``'s model, padding on the left.
 
     With ``cfg.path`` holding tokenizer files: ``AutoTokenizer.from_pretrained(path,
     local_files_only=True)``; a tokenizer without a pad token gets its EOS token as
     pad (the usual choice for Llama/Qwen checkpoints; padded positions are masked
-    anyway). Otherwise (built from config, or a checkpoint saved without tokenizer)
-    the embedded :func:`byte_tokenizer`.
+    anyway), one without an EOS token the checkpoint's first generation EOS. The
+    checkpoint's generation EOS ids (``generation_config.json``, possibly a list) are
+    kept on it for :func:`eos_token_ids`. Otherwise (built from config, or a checkpoint
+    saved without tokenizer) the embedded :func:`byte_tokenizer`.
     """
     if cfg.path and has_tokenizer_files(cfg.path):
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(cfg.path, local_files_only=True)
         tok.padding_side = "left"
+        extra = _generation_eos_ids(cfg.path)
+        if tok.eos_token_id is None and extra:
+            tok.eos_token = tok.convert_ids_to_tokens(extra[0])
+        if tok.eos_token_id is None:
+            raise ValueError(f"the tokenizer in {cfg.path} has no EOS token and the checkpoint names "
+                             "none (generation_config.json eos_token_id): completions could never end")
         if tok.pad_token_id is None:
             tok.pad_token = tok.eos_token
+        tok.dstrain_eos_ids = [t for t in extra if t < len(tok)]
         return tok
     return byte_tokenizer(cfg.max_positions)
+
+
+class CorpusTokenizer:
+    """A checkpoint's own tokenizer in the shape the LM trainer's corpus streams use.
+
+    ``encode_array(doc)`` is the document's ids as :func:`encode_prompt` gives them (a
+    BOS in front where the tokenizer adds one); ``eos_id`` ends each document;
+    ``vocab_size`` is ``len(tokenizer)``.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.eos_id = int(tokenizer.eos_token_id)
+        self.vocab_size = len(tokenizer)
+
+    def encode_array(self, text: str):
+        import numpy as np
+
+        return np.asarray(encode_prompt(self.tokenizer, text), dtype=np.int64)
+
+    def encode(self, text: str) -> list[int]:
+        return encode_prompt(self.tokenizer, text)
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def corpus_tokenizer(cfg: PolicyConfig):
+    """The tokenizer a text corpus must be read with for ``cfg``'s model: a
+    :class:`CorpusTokenizer` around a checkpoint's own tokenizer, or None where the
+    byte ids of ``dstrain.data.corpus.ByteTokenizer`` are the model's (the byte
+    tokenizer: same ids, EOS 256)."""
+    if cfg.path and has_tokenizer_files(cfg.path):
+        return CorpusTokenizer(load_tokenizer(cfg))
+    return None

@@ -1,0 +1,126 @@
+"""Tiny random-weight Hugging Face checkpoints of real architectures, built locally.
+
+``build_checkpoint(kind, out_dir, **tokenizer_options)`` writes a ``save_pretrained``
+directory (model + tokenizer + generation config) that ``--model.args.path`` loads.
+Nothing is downloaded: the tokenizer is a byte-level BPE trained here on a small text.
+Each build takes well under a second.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+TEXT = ("def add(a, b):\n    return a + b\n\nprint(add(1, 2))\n"
+        "The quick brown fox jumps over the lazy dog. 0123456789 = + - * / ( ) [ ] { } : ;\n"
+        "for i in range(10):\n    x = x * 2 + i\n") * 4
+
+# kind -> (transformers class, config class, config kwargs)
+_ARCHS = {
+    "gpt2": ("GPT2LMHeadModel", "GPT2Config",
+             dict(n_embd=32, n_layer=2, n_head=4, n_positions=256)),
+    "llama": ("LlamaForCausalLM", "LlamaConfig",
+              dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config",
+              dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)),
+    "mistral": ("MistralForCausalLM", "MistralConfig",
+                dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                     sliding_window=None)),
+    "gpt_neox": ("GPTNeoXForCausalLM", "GPTNeoXConfig",
+                 dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, max_position_embeddings=256)),
+    "opt": ("OPTForCausalLM", "OPTConfig",
+            dict(hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+                 word_embed_proj_dim=32, max_position_embeddings=256)),
+    "phi": ("PhiForCausalLM", "PhiConfig",
+            dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, max_position_embeddings=256)),
+    "phi3": ("Phi3ForCausalLM", "Phi3Config",
+             dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)),
+    "gemma": ("GemmaForCausalLM", "GemmaConfig",
+              dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                   max_position_embeddings=256)),
+}
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def available() -> list[str]:
+    """The kinds whose classes the installed transformers has."""
+    import transformers
+
+    return [k for k, (m, c, _) in _ARCHS.items() if hasattr(transformers, m) and hasattr(transformers, c)]
+
+
+def build_tokenizer(vocab: int = 300, *, pad: str | None = "<pad>", eos: str = "<|endoftext|>",
+                    bos: str | None = None, add_bos: bool = False, chat: bool = False,
+                    padding_side: str = "right", extra_special: tuple[str, ...] = ()):
+    """A byte-level BPE trained on :data:`TEXT`, as a ``PreTrainedTokenizerFast``.
+
+    ``pad`` None: no pad token; ``pad == eos``: pad is the EOS token. ``add_bos``:
+    a post-processor puts ``bos`` in front of every encoding (as Llama's tokenizers do).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = [t for t in dict.fromkeys([eos, pad, bos, *extra_special,
+                                          *(("<|im_start|>", "<|im_end|>") if chat else ())]) if t]
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    core.train_from_iterator([TEXT], trainer=trainer)
+    if add_bos:
+        core.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, core.token_to_id(bos))])
+    kw = dict(eos_token=eos, padding_side=padding_side, clean_up_tokenization_spaces=False)
+    if pad:
+        kw["pad_token"] = pad
+    if bos:
+        kw["bos_token"] = bos
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, **kw)
+    if chat:
+        tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def build_checkpoint(kind: str, out_dir: str, *, extra_vocab: int = 0, tie: bool | None = None,
+                     eos_list: bool = False, seed: int = 0, **tok_kw) -> str:
+    """Write a tiny random ``kind`` checkpoint with its tokenizer to ``out_dir``; returns it.
+
+    ``extra_vocab``: embedding rows beyond the tokenizer's (a padded vocabulary).
+    ``eos_list``: ``generation_config.eos_token_id`` is a list (EOS and ``<|im_end|>``,
+    Llama-3/Qwen style; needs ``chat=True``). ``tie``: tie the output head.
+    """
+    import transformers
+
+    model_cls, cfg_cls, arch = _ARCHS[kind]
+    tok = build_tokenizer(**tok_kw)
+    n = len(tok) + extra_vocab
+    ids = dict(eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id if tok.bos_token_id
+               is not None else tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    cfg = getattr(transformers, cfg_cls)(vocab_size=n, **arch, **ids)
+    if tie is not None:
+        cfg.tie_word_embeddings = tie
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(cfg)
+    with torch.no_grad():  # larger weights than the default init: distinct, peaked next-token choices
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.2)
+    gen = transformers.GenerationConfig(
+        eos_token_id=[tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")] if eos_list
+        else tok.eos_token_id, bos_token_id=ids["bos_token_id"], pad_token_id=tok.pad_token_id)
+    model.generation_config = gen
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    return out_dir
