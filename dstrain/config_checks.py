@@ -144,6 +144,10 @@ def _validate_task(cfg: RunConfig, source: str) -> None:
                                               f"got {', '.join(sorted(cfg.task))}")
         return
     build_section(cls, cfg.task, source, "task.")
+    if isinstance(cfg.task, dict) and cfg.task.get("chat_template") == "on":  # known now, not after the engines
+        from models.policy.tokenizer import chat_template_problem
+        args = cfg.model.args if isinstance(cfg.model.args, dict) else {}
+        _check(not (why := chat_template_problem(str(args.get("path") or ""))), source, "task.chat_template", why)
 
 
 def _validate_placement(cfg: RunConfig, source: str) -> None:

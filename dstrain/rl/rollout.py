@@ -82,9 +82,10 @@ class RolloutWorker:
         self.rl = spec.rl
         self.model_cfg = registry.make_model_config(model_name, model_size, model_args)
         self.model = self.rl.build(self.model_cfg).to(getattr(torch, dtype)).eval()
-        self.tokenizer = self.rl.load_tokenizer(self.model_cfg)
         module, name = task_class.rsplit(".", 1)  # the trainer's own task dataclass (GRPO's, SCoRe's)
         self.task = getattr(importlib.import_module(module), name)(**task_fields)
+        from dstrain.trainers.policy_rl import task_tokenizer
+        self.tokenizer = task_tokenizer(self.rl, self.model_cfg, self.task)
         self.pool = sandbox_pool(self.task)
 
     def load(self, tensors: dict) -> int:

@@ -90,7 +90,7 @@ class GRPOTrainer(RLLoop):
                                     self.spec.parallelize, self.plan, steps)
         self.guards = RunGuards(cfg, self.world, {"": self.engine})
         self.saver = CheckpointSaver(self.engine, self.ckpt_root, self.world, cfg, self.plan)
-        self.tokenizer = self.rl.load_tokenizer(self.model_cfg)
+        self.tokenizer = prl.task_tokenizer(self.rl, self.model_cfg, self.task)
         self.reference = None
         if self.task.beta > 0:
             self.reference = self.rl.reference(self.model_cfg, self.task.reference,

@@ -122,6 +122,10 @@ class PolicyTaskConfig:
     warm_start_batch: int = 32
     time_limit_s: float = 0.0
     """Stop (checkpoint, evaluate, leave) at the first log step after this many seconds (0: none)."""
+    chat_template: str = "off"
+    """off (prompts are encoded as plain text) | on (every prompt is rendered as one user message
+    through the tokenizer's chat template with the generation prompt appended; refused for a
+    tokenizer without one) | auto (on exactly when the checkpoint's tokenizer has a template)."""
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
@@ -164,6 +168,8 @@ class PolicyTaskConfig:
         if self.overlong_buffer > self.max_new_tokens:
             raise ValueError(f"task.overlong_buffer ({self.overlong_buffer}) must not exceed task.max_new_tokens "
                              f"({self.max_new_tokens})")
+        if self.chat_template not in ("off", "on", "auto"):
+            raise ValueError(f"task.chat_template must be off, on or auto, got {self.chat_template!r}")
         if self.sandbox_mode not in ("", "fork_server", "spawn"):
             raise ValueError(f"task.sandbox_mode must be fork_server or spawn (or empty for the platform's "
                              f"default), got {self.sandbox_mode!r}")

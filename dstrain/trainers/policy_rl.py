@@ -70,6 +70,17 @@ def load_task_sets(task: PolicyTaskConfig, seed: int) -> tuple[list, list]:
         raise ConfigError("run config", "task.path", str(err)) from None
 
 
+def task_tokenizer(rl, model_cfg, task: PolicyTaskConfig):
+    """The policy's tokenizer with the task's ``chat_template`` choice applied (a ConfigError
+    when it asks for a template the tokenizer lacks)."""
+    from models.policy.tokenizer import use_chat_template
+    tok = rl.load_tokenizer(model_cfg)
+    try:
+        return use_chat_template(tok, getattr(task, "chat_template", "off"))
+    except ValueError as err:
+        raise ConfigError("run config", "task.chat_template", str(err)) from None
+
+
 def step_prompts(n_tasks: int, step: int, prompts_per_step: int, seed: int) -> list[int]:
     """Task indices of ``step``: consecutive slices of per-epoch permutations (pure; resume-exact)."""
     out: list[int] = []
@@ -133,7 +144,7 @@ def warm_start(cfg: RunConfig, task: PolicyTaskConfig, tasks: list, world: runti
         _, mcfg, rl = policy_toolkit(cfg)
         runtime.seed_everything(cfg.train.seed)
         model = rl.build(mcfg)
-        tokenizer = rl.load_tokenizer(mcfg)
+        tokenizer = task_tokenizer(rl, mcfg, task)
         model.train()
         opt = torch.optim.AdamW(model.parameters(), lr=task.warm_start_lr, weight_decay=0.0)
         rng = random.Random(cfg.data.seed + 17)

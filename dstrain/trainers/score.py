@@ -91,7 +91,7 @@ class ScoreTrainer(RLLoop):
         self._note_frozen()
         self.guards = RunGuards(cfg, w, {"policy": self.models.policy, **self._extra_engines()})
         self.saver = CheckpointSaver(self.models.policy, self.ckpt_root, w, cfg, self.plan)
-        self.tokenizer = self.rl.load_tokenizer(self.model_cfg)
+        self.tokenizer = prl.task_tokenizer(self.rl, self.model_cfg, self.task)
         self.pool = sandbox_pool(self.task)
         # the policy's turns (and their rewards) run where rollout.backend says; the guidance model stays here
         self.rollouts = make_rollout(SimpleNamespace(

@@ -109,11 +109,71 @@ def eos_token_ids(tokenizer) -> list[int]:
     return list(dict.fromkeys(ids + list(getattr(tokenizer, "dstrain_eos_ids", ()))))
 
 
+CHAT_TEMPLATE_MODES = ("off", "on", "auto")
+
+
+def use_chat_template(tokenizer, mode: str = "off"):
+    """Switch ``tokenizer`` (in place; returned) to render every prompt through its chat template.
+
+    ``mode``: ``off`` (prompts are plain text), ``on`` (a ValueError for a tokenizer with
+    no ``chat_template``), ``auto`` (on exactly when the tokenizer has one). The choice is
+    kept on the tokenizer, so every path that turns a prompt into ids through
+    :func:`encode_prompt` (generation, vLLM, log-prob scoring of the packed ids, the
+    supervised warm start, both SCoRe turns and the hint) renders it the same way.
+    """
+    if mode not in CHAT_TEMPLATE_MODES:
+        raise ValueError(f"chat_template must be one of {', '.join(CHAT_TEMPLATE_MODES)}, not {mode!r}")
+    has = bool(getattr(tokenizer, "chat_template", None))
+    if mode == "on" and not has:
+        raise ValueError("task.chat_template is 'on' but the tokenizer has no chat template (the embedded "
+                         "byte tokenizer and base checkpoints have none): use 'off', or 'auto' to apply "
+                         "a template only where the checkpoint has one")
+    tokenizer.dstrain_chat_template = has and mode != "off"
+    return tokenizer
+
+
+def chat_template_problem(path: str) -> str | None:
+    """Why ``task.chat_template=on`` cannot work with the model at ``path`` (``model.args.path``), read from its
+    files before anything is built, else None: the embedded byte tokenizer (no path, or a checkpoint saved without
+    tokenizer files) and a tokenizer whose files hold no template have none."""
+    import json
+
+    if not path or not has_tokenizer_files(path):
+        return ("'on' needs a tokenizer with a chat template, and this model uses the embedded byte tokenizer "
+                "(no model.args.path with tokenizer files): use 'off'")
+    if os.path.isfile(os.path.join(path, "chat_template.jinja")) or \
+            os.path.isfile(os.path.join(path, "chat_template.json")):
+        return None
+    try:
+        with open(os.path.join(path, "tokenizer_config.json")) as f:
+            has = bool(json.load(f).get("chat_template"))
+    except (OSError, ValueError):
+        return None  # not readable here: the trainer's load decides (use_chat_template)
+    return None if has else (f"'on' but the tokenizer in {path} has no chat template (a base checkpoint): use "
+                             "'off', or 'auto' to apply one only where a checkpoint has it")
+
+
+def render_prompt(tokenizer, text: str) -> str:
+    """The text a prompt is encoded from: ``text`` itself, or, after :func:`use_chat_template`
+    switched it on, ``text`` as one user message through the chat template with the
+    assistant's generation prompt appended (``apply_chat_template(..., tokenize=False)``)."""
+    if not getattr(tokenizer, "dstrain_chat_template", False):
+        return text
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
 def encode_prompt(tokenizer, text: str) -> list[int]:
     """A prompt's ids: its text without special tokens, after the special tokens the tokenizer
     itself puts in front (a BOS where its post-processor or ``add_bos_token`` adds one,
     as Llama's and Gemma's do); an EOS it would append is left off (the completion follows).
+
+    With the chat template switched on (:func:`use_chat_template`) the rendered conversation
+    is encoded without added special tokens: the template writes its own BOS where the model
+    wants one, and a second one from the tokenizer would be a different prompt than training saw.
     """
+    if getattr(tokenizer, "dstrain_chat_template", False):
+        return tokenizer(render_prompt(tokenizer, text), add_special_tokens=False)["input_ids"]
     plain = tokenizer(text, add_special_tokens=False)["input_ids"]
     special = set(getattr(tokenizer, "all_special_ids", ()))
     if not special:
