@@ -36,7 +36,7 @@ def _guard_tools(quiet: set, setup: str = "") -> tuple:
     # and every ``functools.lru_cache`` of the loaded modules (``fnmatch._compile_pattern``, ``typing``'s), emptied
     # likewise: a result the program had it memoize while a global it reads was patched (``fnmatch.translate``,
     # then put back) would answer for the library later, with the module intact again
-    clears += _lru_clears()
+    clears += _lru_clears() + _state_clears()  # noqa: F821  (_unaudited.py: codecs, zoneinfo, ABCs)
     strptime = sys.modules.get("_strptime")  # (its compiled formats: a pattern planted there would answer likewise)
     if type(strptime) is type(sys) and type(vars(strptime).get("_regex_cache")) is dict:
         clears += (vars(strptime)["_regex_cache"].clear,)

@@ -271,7 +271,7 @@ def _serve(isolation: str) -> None:
     _lru_clears()  # noqa: F821  (from _guards.py: found once here, for every child of this snapshot)
     _library_cells()  # noqa: F821  (likewise)
     _fixed_namespaces()  # noqa: F821  (from _namespaces.py: likewise)
-    _unaudited_holders(), _extension_roots()  # noqa: F821  (from _unaudited.py: likewise)
+    _unaudited_holders(), _extension_roots(), _codec_cache(), _state_clears()  # noqa: F821  (_unaudited.py: likewise)
     gc.collect()
     gc.freeze()
     # As its PID namespace's init, the server gets from its children only the signals it

@@ -101,3 +101,135 @@ def _drop_held(holders: tuple) -> None:
             holder[:] = [x for x in holder if x is not key]
         elif type(holder) is dict:
             dict.pop(holder, key, None)
+
+
+
+_CODEC_CACHE = []  # [the interpreter's codec cache] once found: see _codec_cache
+
+
+def _codec_cache():
+    """The interpreter's own cache of codec lookups (a dict of the C code's, by normalized name: ``'utf_8'``), found
+    among what refers to UTF-8's entry, or None. The fork server finds it before it forks (and before ``gc.freeze``,
+    after which the collector no longer sees it)."""
+    import codecs
+    import gc
+    import sys
+
+    if not _CODEC_CACHE:
+        encodings, info = sys.modules.get("encodings"), codecs.lookup("utf-8")
+        own = vars(encodings).get("_cache") if type(encodings) is type(sys) else None
+        found = [d for d in gc.get_referrers(info) if type(d) is dict and d is not own
+                 and all(type(k) is str and type(v) is codecs.CodecInfo for k, v in d.items())]
+        fresh = [n for n in ("utf8", "u8", "utf", "utf8_ucs4") if all(n not in d for d in found)][:1]
+        for name in fresh:  # (UTF-8's aliases: nothing imported; a copy the judge keeps, ``_judge._held_state``'s,
+            # gets no new name)
+            codecs.lookup(name)
+            found = [d for d in found if name in d]
+        _CODEC_CACHE.append(found[0] if len(found) == 1 and fresh else None)
+    return _CODEC_CACHE[0]
+
+
+def _state_clears() -> tuple:
+    """Clears (for ``_guards._guard_tools``, called before each library call of a test) of what the library keeps
+    beyond a module's namespace and the caches ``_guards`` empties, where a program could leave an answer for later:
+
+    - codecs. A lookup's result is kept by the interpreter (:func:`_codec_cache`), from ``encodings.search_function``,
+      which reads ``encodings._cache``, ``encodings.aliases.aliases`` and ``sys.modules``: a program that put UTF-8's
+      entry there under ``cp1252`` had a test's ``'€'.encode('cp1252')`` give UTF-8's bytes (reward 1 for the wrong
+      answer), also when it looked the name up once and then put everything back. All three caches are put back as
+      they were before the program ran;
+    - ``zoneinfo``: ``ZoneInfo`` keeps every zone it made, by key; a program that pointed ``zoneinfo.reset_tzpath``
+      at a folder of its own, made ``ZoneInfo('Europe/Paris')`` from its own file there and reset the path had a
+      test's ``ZoneInfo('Europe/Paris')`` get its zone (reward 1). Its caches are emptied, its search path put back."""
+    import sys
+
+    clears, encodings, aliases = [], sys.modules.get("encodings"), sys.modules.get("encodings.aliases")
+    if type(encodings) is type(sys):
+        kept = [(d, dict(d)) for d in (_codec_cache(), vars(encodings).get("_cache"), vars(encodings).get("_aliases"),
+                                       getattr(aliases, "aliases", None)) if type(d) is dict]
+        bound = [(vars(encodings), k, vars(encodings).get(k)) for k in ("_cache", "_aliases")]
+        if type(aliases) is type(sys):
+            bound.append((vars(aliases), "aliases", vars(aliases).get("aliases")))
+
+        def codecs_back():
+            for d, was in kept:
+                dict.clear(d)
+                dict.update(d, was)
+            for namespace, k, v in bound:
+                dict.__setitem__(namespace, k, v)
+        clears.append(codecs_back)
+    tzpath, zoneinfo = sys.modules.get("zoneinfo._tzpath"), sys.modules.get("zoneinfo")
+    if type(tzpath) is type(sys) and type(zoneinfo) is type(sys):
+        path_was, classes = vars(tzpath).get("TZPATH"), [vars(zoneinfo).get("ZoneInfo")]
+        classes += [vars(m).get("ZoneInfo") for m in (sys.modules.get("_zoneinfo"),) if type(m) is type(sys)]
+        clear_caches = tuple(c.clear_cache for c in classes if type(c) is type and "clear_cache" in vars(c))
+
+        def zones_back():
+            dict.__setitem__(vars(tzpath), "TZPATH", path_was)
+            for clear in clear_caches:
+                clear()
+        clears.append(zones_back)
+    global _ABCS
+    if _ABCS[0] is not _SNAPSHOT or _SNAPSHOT is None:  # noqa: F821  (found once per snapshot, like _lru_clears)
+        _ABCS = (_SNAPSHOT, tuple(rec[0] for rec in _SNAPSHOT[0].values() if isinstance(rec[0], _ABC_CALLS[0])))  # noqa: F821
+    abcs = _ABCS[1]
+    if abcs:
+        clears.append(_abc_check(abcs))
+    return tuple(clears)
+
+
+def _abc_calls() -> tuple:
+    """``abc.ABCMeta`` and ``_abc``'s ``get_cache_token``, ``_get_dump`` and ``_reset_caches``, bound as this text
+    loads (``_reset_caches`` is removed before the program runs: ``_child._UNAUDITED``)."""
+    import _abc
+    import abc
+
+    return abc.ABCMeta, _abc.get_cache_token, _abc._get_dump, _abc._reset_caches
+
+
+_ABC_CALLS = _abc_calls()
+_ABCS = (None, ())  # (the _SNAPSHOT they were found for, its abstract classes): see _state_clears
+
+
+def _abc_check(abcs: list):
+    """For :func:`_state_clears`: the abstract classes' registries (``collections.abc.Mapping.register(list)``) and
+    caches, kept in C, where no namespace shows them. A program that registered ``list`` as a ``Mapping`` had the
+    test's ``Counter([('a', 1)])`` count ``{'a': 1}`` (``Counter.update`` asks ``isinstance(x, Mapping)``), its own
+    wrong answer (reward 1). Whenever the cache token moved (every registration moves it), a class of the library's
+    registered since the program began with an abstract class (the library's, or a subclass of one: the library's
+    ``issubclass`` asks those too) fails the test, and every abstract class of the library's forgets what its
+    checks cached (a registration undone keeps its answer there). The registries cannot be emptied any more
+    (``_abc._reset_registry`` is removed; ``_abc._abc_init``, which makes a class's data afresh, fails the test)."""
+    meta, token, dump, reset = _ABC_CALLS
+    subclasses, snapshot = type.__dict__["__subclasses__"], _SNAPSHOT[0]  # noqa: F821
+    was = {id(c): frozenset(id(r()) for r in dump(c)[0]) for c in abcs}
+    import _operator
+
+    # (``_abc._abc_init`` makes a class's data afresh: compared by identity, in C, the class namespaces read live)
+    proxies = tuple(map(type.__dict__["__dict__"].__get__, abcs))
+    get, keys, is_not = type(proxies[0]).get, ("_abc_impl",) * len(proxies), _operator.is_not
+    impl_was, last = tuple(map(get, proxies, keys)), [token()]
+
+    def abc_back():
+        if any(map(is_not, map(get, proxies, keys), impl_was)):
+            raise AssertionError("the program made the data of an abstract class of the library's afresh")
+        if token() == last[0]:
+            return
+        seen, todo = set(), list(abcs)
+        while todo:
+            c = todo.pop()
+            if id(c) in seen:
+                continue
+            seen.add(id(c))
+            todo.extend(subclasses(c))
+            try:
+                registered = [r() for r in dump(c)[0]]
+            except TypeError:  # (not an abstract class: a plain subclass of one)
+                continue
+            for r in registered:
+                if r is not None and snapshot.get(id(r), (None,))[0] is r and id(r) not in was.get(id(c), ()):
+                    raise AssertionError("the program registered a class of the library's with an abstract class")
+        for c in abcs:
+            reset(c)
+        last[0] = token()
+    return abc_back
