@@ -63,14 +63,15 @@ def test_killed_rank_releases_shared_memory(tmp_path):
 
 def test_bad_corpus_after_start_is_one_line_from_every_rank(tmp_path):
     """A corpus rank 0 cannot read (found once the ranks run): its verdict is shared, every rank stops
-    with the same config error, one line is printed, and no traceback."""
-    corpus = tmp_path / "corpus.csv"
-    corpus.write_text("a,b\n1,2\n")
+    with the same config error, one line is printed, and no traceback. (A missing file or another file type is
+    refused before the launch; JSON lines without a 'text' field are found only when rank 0 reads them.)"""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join('{"content": "def f(x):\\n    return x"}\n' for _ in range(50)))
     port = find_free_port()
     proc = launch([*overrides(tmp_path / "run", 3), f"--data.corpus={corpus}", "--master-port", str(port)],
                   check=False, timeout=600)
     text = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "Traceback" not in text, text[-6000:]
     errors = [line for line in text.splitlines() if line.startswith("dstrain: error:")]
-    assert len(errors) == 1 and "data.corpus: unsupported corpus file" in errors[0], errors
+    assert len(errors) == 1 and "data.corpus: corpus file" in errors[0] and "has no 'text' field" in errors[0], errors
     assert shm_buffers(port) == []
