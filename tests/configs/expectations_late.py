@@ -1,0 +1,124 @@
+"""Expectations of the files added from round 12 on (``tests/unit/test_ds_realworld12.py`` and later), in the form
+of :mod:`tests.configs.expectations`, which merges them into its tables after the earlier rounds'."""
+from __future__ import annotations
+
+EXPECT: dict[str, str | None] = {}
+CHECKED_ONLY: set[str] = set()
+
+# Round 12: the files people copy today, in their exact shapes: Accelerate's docs and resolved dumps, LLaMA-Factory's,
+# axolotl's, OpenRLHF's / TRL's reference-model configs, DeepSpeed-Chat's eval config, Megatron-DeepSpeed's templates
+# and run-script heredocs, DeepSpeed tutorials' leftovers (keys DeepSpeed 0.19 renamed, ignores or removed).
+EXPECT.update({
+    "accelerate_docs_zero2_torch_adam_warmupdecay.json": None,
+    "accelerate_docs_zero3_offload_gather_auto.json": None,  # gather "auto": DeepSpeed's default (false), a note
+    "accelerate_plugin_dump_nvme_path_null.json": None,  # "nvme_path": null under "cpu" / "none"; a stage-3 key noted
+    # Accelerate writes steps_per_print inf: json.dump's Infinity, which DeepSpeed's hjson loader reads as text
+    "accelerate_resolved_dump_steps_per_print_inf.json": "steps_per_print: Infinity is not a JSON number",
+    # DeepSpeed before DeepCompile's torch.compile switches: named, with the fix (was "unknown key" alone)
+    "axolotl_zero1_torch_compile.json": "compile.disable, backend: torch.compile settings of DeepSpeed before "
+                                        "DeepCompile; DeepSpeed 0.19's compile section configures DeepCompile only "
+                                        "and rejects them as unknown keys; remove them and pass --train.compile=true",
+    "axolotl_zero2_bf16_immediate_grad_update_false.json": None,
+    "axolotl_zero3_bf16.json": None,  # sub_group_size / live parameters / reuse distance 0, fp16 "auto" beside bf16
+    "ds_old_fp16_auto_cast_bf16_on.json": None,  # fp16 off with auto_cast: unread; round_robin_gradients at stage 2
+    "ds_tutorial_zero_offload_amp_disabled_memory_breakdown.json": "top-level key 'amp' is no longer supported",
+    "dschat_eval_config_stage0_offload_none.json": None,  # stage-3 keys and memory_efficient_linear at stage 0: a note
+    "hf_trainer_zero3_legacy_gather_fp16_only_auto.json": None,  # the old gather spelling alone: DeepSpeed's alias
+    "llamafactory_ds_z0_config.json": None,
+    "llamafactory_ds_z3_config.json": None,
+    # unfilled placeholders, every one named in one line (was two of seven, with "write the number without quotes")
+    "megatron_ds_heredoc_shell_vars.json": "train_batch_size ($GLOBAL_BATCH), train_micro_batch_size_per_gpu "
+                                           "($MICRO_BATCH), zero_optimization.stage (${ZERO_STAGE}): unfilled "
+                                           "template placeholders",
+    "megatron_ds_moe_elastic_checkpoint_bf16.json": None,
+    "megatron_ds_prescale_predivide_comm_dtype_fp32.json": None,  # the predivide factor unused: a note says so
+    "megatron_ds_template_placeholders.json": "zero_optimization.stage (ZERO_STAGE), prescale_gradients "
+                                              "(PRESCALE_GRAD), fp16.enabled (CONFIG_FP16_ENABLED), bf16.enabled "
+                                              "(CONFIG_BF16_ENABLED): unfilled template placeholders",
+    "openrlhf_eval_ref_zero3_offload_param.json": None,
+    "trl_ppo_ref_model_zero3_no_batch.json": None,  # the micro batch alone
+    "ulysses_seq_parallel_comm_dtype_fp32_sp1.json": None,  # sequence_parallel_size 1: the Ulysses dtype unused, noted
+})
+CHECKED_ONLY |= {  # round 12: each trained 3 steps on 2 CPU ranks with a checkpoint at step 2 by hand (as written)
+    "accelerate_docs_zero2_torch_adam_warmupdecay.json", "accelerate_docs_zero3_offload_gather_auto.json",
+    "accelerate_plugin_dump_nvme_path_null.json", "axolotl_zero2_bf16_immediate_grad_update_false.json",
+    "axolotl_zero3_bf16.json", "ds_old_fp16_auto_cast_bf16_on.json", "dschat_eval_config_stage0_offload_none.json",
+    "hf_trainer_zero3_legacy_gather_fp16_only_auto.json", "llamafactory_ds_z0_config.json",
+    "llamafactory_ds_z3_config.json", "megatron_ds_moe_elastic_checkpoint_bf16.json",
+    "megatron_ds_prescale_predivide_comm_dtype_fp32.json", "openrlhf_eval_ref_zero3_offload_param.json",
+    "trl_ppo_ref_model_zero3_no_batch.json", "ulysses_seq_parallel_comm_dtype_fp32_sp1.json"}
+EXPECT.update({  # round 13 (tests/unit/test_ds_realworld13.py)
+    "lightning_strategy_zero3_offload_dump.json": None,  # aio.thread_count with no NVMe: the section is noted unused
+    "lightning_strategy_nvme_aio_thread_count.json": "aio.thread_count: 8, which DeepSpeed 0.19 no longer reads",
+    "zero3_nvme_aio_quoted_values.json": "aio.block_size: a positive whole number, file says '1048576'",
+    "lightning_fp16_hysteresis_zero.json": "fp16.hysteresis: 0, and DeepSpeed's dynamic loss scaler lowers the scale "
+                                           "only when its hysteresis count is 1",
+    "openrlhf_zero2_compile_deepcompile_false.json": None,  # DeepCompile off, autotp_size 1, stage-3 "auto"s noted
+    "hf_2021_zero3_cpu_offload_flags.json": None,  # cpu_offload_use_pin_memory: unread by DeepSpeed 0.19, noted
+    "zero2_cpu_offload_use_pin_memory_false.json": "zero_optimization.cpu_offload_use_pin_memory: false, which "
+                                                   "DeepSpeed 0.19 no longer reads",
+    "checkpoint_flags_quoted_false.json": "checkpoint.use_node_local_storage: file says 'false' in quotes",
+    "checkpoint_tag_validation_boolean.json": "checkpoint.tag_validation: false, not a mode",
+    "vocabulary_size_quoted.json": "vocabulary_size: file says '50257', not a number",
+    "communication_data_type_auto.json": "communication_data_type: \"auto\" is not a value dstrain can fill",
+    "torch_autocast_safe_modules_short_names.json": "torch_autocast.lower_precision_safe_modules: 'Linear' not "
+                                                    "importable as package.Class",
+    "zeropp_quantized_weights_torch_autocast.json": "zero_optimization.zero_quantized_weights: ZeRO++ quantized",
+})
+CHECKED_ONLY |= {  # round 13: each trained 3 steps on 2 CPU ranks with a checkpoint at step 2 by hand (as written)
+    "lightning_strategy_zero3_offload_dump.json", "openrlhf_zero2_compile_deepcompile_false.json",
+    "hf_2021_zero3_cpu_offload_flags.json"}
+EXPECT.update({  # round 14 (tests/unit/test_ds_realworld14.py)
+    "tensorboard_csv_job_name_absolute.json": None,  # DeepSpeed's os.path.join drops output_path: noted, honoured
+    "tensorboard_job_name_dotdot.json": "tensorboard.job_name: '../../tensorboard_runs/gpt_tiny_zero2' climbs out "
+                                        "of output_path",
+    "torch_autocast_bf16_both_enabled.json": None,  # bf16 weights with bfloat16 autocast on top, as DeepSpeed runs it
+    "torch_autocast_no_dtype.json": None,  # torch's CPU default, bfloat16 (refused on GPUs: float16 without a scaler)
+    "torch_autocast_dtype_fp32.json": None,  # autocast off on the CPU: an fp32 run, reported as fp32 (was bf16)
+    # fp16 itself is refused on the CPU; on GPUs the pairing is (tests/unit/test_ds_realworld14.py)
+    "torch_autocast_fp16_enabled.json": "fp16.enabled: fp16 does not run on the CPU accelerator",
+    "torch_autocast_fp16_over_bf16.json": "torch_autocast.dtype: fp16 does not run on the CPU accelerator",
+})
+CHECKED_ONLY |= {  # round 14: trained 3 steps on 2 CPU ranks by hand (the absolute job_name pointed at a writable
+    # folder for that run; as written it names a shared mount)
+    "tensorboard_csv_job_name_absolute.json", "torch_autocast_bf16_both_enabled.json", "torch_autocast_no_dtype.json",
+    "torch_autocast_dtype_fp32.json"}
+EXPECT["checkpoint_parallel_write_quoted.json"] = ("checkpoint.parallel_write.pipeline_stage: file says \"true\", and "
+                                                   "DeepSpeed's parser accepts only true or false")
+EXPECT.update({  # round 14: keys DeepSpeed reads only inside a section (the close-match hint named the wrong key)
+    "gradient_accumulation_dtype_top_level.json": "unknown top-level key 'gradient_accumulation_dtype': DeepSpeed "
+                                                  "reads the gradient-accumulation dtype only as "
+                                                  "data_types.grad_accum_dtype",
+    "zero_keys_flattened_top_level.json": "unknown top-level key 'overlap_comm': a zero_optimization key",
+})
+EXPECT["comms_logger_prof_all_false_no_ops.json"] = None  # trains; a note says the logger times no op
+CHECKED_ONLY.add("comms_logger_prof_all_false_no_ops.json")  # round 14: trained 3 steps on 2 CPU ranks by hand
+EXPECT.update({  # round 15: other tools' configs given as a training DeepSpeed JSON (dstrain.engine.ds_foreign)
+    # DeepSpeed-inference / MII keys: the training engine ignores them silently (an fp16 "dtype" trains in fp32)
+    "mii_inference_config_dtype_fp16.json": "unknown top-level key 'dtype': a DeepSpeed-inference key "
+                                            "(deepspeed.init_inference / MII), which training never reads",
+    # training's TPTrainingConfig forbids tp_size: DeepSpeed's parser line, shown bare before
+    "inference_tensor_parallel_tp_size_one.json": "tensor_parallel.tp_size: DeepSpeed-inference's tensor-parallel keys",
+    # a string "checkpoint" stopped DeepSpeed's parser on "'str' object has no attribute 'get'", shown bare before
+    "inference_checkpoint_json_path.json": "checkpoint: file says 'checkpoints/llama/ds_inference_config.json', "
+                                           "DeepSpeed-inference's checkpoint path",
+    "verl_actor_critic_nested_deepspeed_config.json": "top-level key 'actor' holds a DeepSpeed config two levels down, "
+                                                      "at actor.deepspeed_config",
+    "determined_hyperparameters_overwrite_args.json": "unknown top-level key 'overwrite_deepspeed_args': Determined's "
+                                                      "overrides",
+    # DeepSpeed clips at max_norm True, i.e. 1.0 (refused as not a number before); false is no clipping
+    "ray_train_gradient_clipping_true.json": None,
+    # pinned: the autotuner's ds_config_optimal.json (its autotuning section popped), and 1e0 / 5e9 for integers,
+    # 1 / 0 for booleans after a UTF-8 BOM, each read as DeepSpeed's hjson / pydantic read them
+    "autotuning_ds_config_optimal.json": None,
+    "floats_for_ints_and_int_flags_bom.json": None,
+})
+# round 15: SageMaker model parallelism's (smp) parameters beside a DeepSpeed config; its "pipeline": "interleaved"
+# stopped DeepSpeed's parser ("'str' object has no attribute 'items'"), shown bare before
+EXPECT["sagemaker_smp_pipeline_interleaved.json"] = ("pipeline: file says \"interleaved\", as SageMaker model "
+                                                     "parallelism (smp) writes its pipeline mode")
+# round 15: DeepSpeed's WarmupLR starts at warmup_min_lr unchecked: a negative one trained uphill (passed before)
+EXPECT["warmup_lr_negative_min_lr.json"] = "scheduler.params.warmup_min_lr: must be a number >= 0 or \"auto\""
+CHECKED_ONLY |= {  # round 15: trained 3 steps on 2 CPU ranks by hand
+    "ray_train_gradient_clipping_true.json", "autotuning_ds_config_optimal.json",
+    "floats_for_ints_and_int_flags_bom.json"}
