@@ -9,6 +9,7 @@ returning the loss, ``init_module`` for sharded initialisation, FLOP counts).
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Mapping
 
 import torch
@@ -127,6 +128,15 @@ def is_partitioned(model: nn.Module) -> bool:
     return any(hasattr(p, "ds_id") for p in model.parameters())
 
 
+@functools.lru_cache(maxsize=64)
+def _takes_position_ids(forward) -> bool:
+    """Whether ``forward`` (a module's forward function) has a ``position_ids`` parameter; read once per function,
+    not at every forward."""
+    import inspect
+
+    return "position_ids" in inspect.signature(forward).parameters
+
+
 def positions_from_mask(module: nn.Module, attention_mask: torch.Tensor | None) -> dict:
     """``{"position_ids": ...}`` counted from each row's first real token, for a transformers
     module that takes them, else ``{}``.
@@ -135,9 +145,7 @@ def positions_from_mask(module: nn.Module, attention_mask: torch.Tensor | None) 
     models (GPT-2) would otherwise shift it by its padding; a right-padded (or unpadded)
     row keeps ``0..T-1``.
     """
-    import inspect
-
-    if attention_mask is None or "position_ids" not in inspect.signature(module.forward).parameters:
+    if attention_mask is None or not _takes_position_ids(getattr(module.forward, "__func__", module.forward)):
         return {}
     t = attention_mask.shape[-1]
     first = (attention_mask != 0).long().argmax(dim=-1, keepdim=True)  # leading padding per row
