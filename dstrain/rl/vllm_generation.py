@@ -15,7 +15,8 @@ with the ``hf`` generator) and loaded into vLLM's model in place (``load_weights
 Sampling matches the ``hf`` generator's contract (``models/policy/generation.py``): prompts
 go in as token ids of the trainer's tokenizer; completions are cut by the same function
 (``cut_at_stop``), so ``completion_ids`` keep the stop string's tokens or the EOS and
-``text`` ends where the stop string begins; temperature and top-p only (no top-k); each
+``text`` ends where the stop string begins; temperature and top-p only (no top-k), over the same
+ids (``allowed_token_ids``: never pad, BOS or a padded embedding's rows); each
 sample draws from its own seed derived from ``seed``.
 Not installed here: the config refuses ``vllm`` with one line (:func:`vllm_missing`).
 """
@@ -133,16 +134,22 @@ class VLLMToolkit:
         self.sync()
         if not prompts:
             return []
+        from models.policy.generation import never_generated, policy_vocab_size
         from models.policy.tokenizer import encode_prompt, eos_token_ids
         encoded = [encode_prompt(tokenizer, p) for p in prompts]
         rows = [ids for ids in encoded for _ in range(num_samples)]
         base_seed = 0 if seed is None else int(seed)
+        # the hf generator's suppressed ids (pad, BOS, a padded embedding's rows), left out here too
+        vocab = policy_vocab_size(self.tr.policy)
+        banned = set(never_generated(tokenizer, vocab))
+        allowed = [i for i in range(vocab) if i not in banned] if banned else None
         params = [self.vllm.SamplingParams(n=1, temperature=0.0 if greedy else float(temperature),
                                            top_p=1.0 if greedy else float(top_p), top_k=-1,
                                            max_tokens=max_new_tokens,
                                            stop=(list(stop) or None) if self.own_tokenizer else None,
                                            stop_token_ids=eos_token_ids(tokenizer),
                                            include_stop_str_in_output=True, detokenize=self.own_tokenizer,
+                                           allowed_token_ids=allowed,
                                            seed=None if greedy else base_seed * 1_000_003 + i)
                   for i in range(len(rows))]
         outputs = self.llm.generate([{"prompt_token_ids": r} for r in rows], sampling_params=params, use_tqdm=False)

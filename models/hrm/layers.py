@@ -32,8 +32,11 @@ def trunc_normal_(tensor: torch.Tensor, std: float) -> torch.Tensor:
     The underlying normal is widened by ``1 / TRUNC_STD_RATIO`` so the truncated values
     have the requested spread (as JAX's and the HRM reference's initialisers do; plain
     truncation would give ``0.88 * std``). Sampled by the inverse CDF: no data-dependent
-    control flow, so it also runs on meta and fake tensors.
+    control flow, so it also runs on meta and fake tensors. A 16-bit tensor (a bf16 ``zero.Init``
+    build) gets fp32 draws rounded once, the values an fp32 build rounds to.
     """
+    if tensor.dtype in (torch.float16, torch.bfloat16):
+        return tensor.copy_(trunc_normal_(torch.empty_like(tensor, dtype=torch.float32), std))
     lo = 0.5 * (1.0 + math.erf(-2.0 / math.sqrt(2.0)))
     wide = std / TRUNC_STD_RATIO
     tensor.uniform_(2 * lo - 1, 1 - 2 * lo)
@@ -42,8 +45,13 @@ def trunc_normal_(tensor: torch.Tensor, std: float) -> torch.Tensor:
 
 
 def lecun_init_(weight: torch.Tensor, std: float | None = None) -> torch.Tensor:
-    """Truncated normal (at two standard deviations) with std ``1/sqrt(fan_in)`` by default."""
-    return trunc_normal_(weight, 1.0 / math.sqrt(weight.shape[-1]) if std is None else std)
+    """Truncated normal (at two standard deviations) with std ``1/sqrt(fan_in)`` by default.
+
+    A ZeRO-3 shard built under ``zero.Init`` is empty (its shape ``[0]``): the fan-in is read
+    from its full shape (``ds_shape``) and nothing is drawn; the factory initialises it again
+    gathered."""
+    fan_in = getattr(weight, "ds_shape", weight.shape)[-1]
+    return trunc_normal_(weight, 1.0 / math.sqrt(fan_in) if std is None else std)
 
 
 class Rotary(nn.Module):
@@ -59,8 +67,11 @@ class Rotary(nn.Module):
         self.register_buffer("sin", sin, persistent=False)
 
     def _tables(self) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
-        t = torch.arange(self.positions, dtype=torch.float32)
+        # Integer ranges made fp32 by a cast: ``zero.Init`` turns every floating tensor a factory
+        # function (arange, empty...) makes into the training dtype, and bf16 angles are off by up
+        # to 0.2 rad at position 96. Casts are not intercepted, so the tables stay fp32.
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim))
+        t = torch.arange(self.positions).float()
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos(), emb.sin()

@@ -153,8 +153,10 @@ class HRM(nn.Module):
         self.L_level = ReasoningModule(cfg.L_layers, h, cfg.num_heads, inner, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(h, cfg.vocab_size, bias=False)
         self.q_head = nn.Linear(h, 2, bias=True)
-        self.register_buffer("H_init", torch.empty(h))
-        self.register_buffer("L_init", torch.empty(h))
+        # .float(): under a 16-bit zero.Init ``torch.empty`` gives bf16/fp16, and the initial states
+        # are fp32 buffers in any other build (DeepSpeed leaves buffers' dtype alone)
+        self.register_buffer("H_init", torch.empty(h).float())
+        self.register_buffer("L_init", torch.empty(h).float())
         self.reset_parameters()
 
     # ---------------------------------------------------------------- init and sizes

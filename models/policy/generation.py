@@ -197,6 +197,15 @@ def policy_vocab_size(policy: PolicyModel) -> int:
     return int(cfg.vocab_size)
 
 
+def never_generated(tok, vocab: int) -> list[int]:
+    """Ids no completion may contain (sorted): the pad and BOS tokens (unless one of them ends a
+    completion) and the rows of a padded embedding (``vocab`` rounded up past the tokenizer: no text
+    decodes to them). Every generation backend leaves them out."""
+    ends = eos_token_ids(tok)
+    banned = {t for t in (tok.pad_token_id, tok.bos_token_id) if t is not None and t not in ends}
+    return sorted(banned | set(range(len(tok), vocab)))
+
+
 def _generate(policy, tok, prompts, num_samples, temperature, top_p, max_new_tokens, stops,
               greedy, seed) -> list[Completion]:
     from transformers import GenerationConfig, StoppingCriteriaList
@@ -218,9 +227,7 @@ def _generate(policy, tok, prompts, num_samples, temperature, top_p, max_new_tok
         if r:
             input_ids[i, width - len(r):] = torch.tensor(r)
             mask[i, width - len(r):] = 1
-    banned = {t for t in (pad, tok.bos_token_id) if t is not None and t not in ends}
-    # a padded embedding (vocab_size rounded up past the tokenizer) has rows no text decodes to
-    banned = sorted(banned | set(range(len(tok), vocab)))
+    banned = never_generated(tok, vocab)
     sampling = {} if greedy else dict(temperature=float(temperature), top_p=float(top_p), top_k=0)
     gen_cfg = GenerationConfig(do_sample=not greedy, max_new_tokens=max_new_tokens,
                                pad_token_id=pad, eos_token_id=ends,
