@@ -36,6 +36,41 @@ def autocast_dtype(block) -> str | None:
     return _CANONICAL.get(written.strip().removeprefix("torch.").lower())
 
 
+def autocast_precision(cfg: dict) -> str | None:
+    """The precision an enabled ``torch_autocast`` section gives the run where the file's bf16 / fp16 sections leave
+    it to the section (neither enabled nor "auto") and ``data_types`` pins no weights' dtype: "bf16" for a bfloat16
+    ``dtype`` or none written (torch's CPU default; refused on GPUs), "fp32" for fp32 (autocast is off for it).
+    DeepSpeed runs the section as written whatever the run would pick, so the plan must not choose another (it
+    said fp32 on a CPU without fast bf16, and chose fp16 weights under the bfloat16 autocast on GPUs without bf16).
+    None otherwise (fp16 autocast, or no such section)."""
+    from dstrain.engine.ds_reading import pinned_weights_dtype, precision_left_open
+    block = cfg.get("torch_autocast")
+    if not isinstance(block, dict) or block.get("enabled") is not True or precision_left_open(cfg):
+        return None
+    if _on(cfg, "bf16") or _on(cfg, "fp16"):
+        return None
+    dtype = autocast_dtype(block)
+    if dtype == "fp32":
+        return "fp32"
+    if (dtype == "bf16" or block.get("dtype") is None) and pinned_weights_dtype(cfg) is None:
+        return "bf16"
+    return None
+
+
+def autocast_precision_problem(cfg: dict, precision: str) -> str | None:
+    """The run's ``precision`` other than the one an enabled ``torch_autocast`` section gives (:func:`autocast_precision`):
+    DeepSpeed would autocast as written beside it (bf16 autocast in an "fp32" run, or over fp16 weights). None if
+    they agree or the section decides nothing."""
+    decided = autocast_precision(cfg)
+    if decided is None or decided == precision:
+        return None
+    written = cfg["torch_autocast"].get("dtype")
+    what = f"dtype {written!r}" if written is not None else "no dtype (bfloat16 on the CPU)"
+    return (f"torch_autocast.enabled: file says true with {what}, a {decided} run as DeepSpeed runs it, run precision "
+            f"is {precision} (DeepSpeed autocasts as the section says whatever the run's precision; remove the section "
+            "for a run in the run's precision)")
+
+
 def _on(cfg: dict, key: str) -> bool:
     return isinstance(cfg.get(key), dict) and cfg[key].get("enabled") is True
 

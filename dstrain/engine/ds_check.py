@@ -76,7 +76,9 @@ def values_from_file(cfg: dict, hidden_size: int = 1024, world_size: int | None 
     betas = _explicit(params.get("betas"))
     betas = betas if isinstance(betas, list) and len(betas) == 2 and all(
         isinstance(b, (int, float)) and not isinstance(b, bool) for b in betas) else None  # else named by filling
-    precision = open_weights_dtype(cfg) or "fp32"  # the weights' dtype DeepSpeed asserts, where bf16 / fp16 leave it open
+    from dstrain.engine.ds_autocast import autocast_precision
+    # the torch_autocast section's, or the weights' dtype DeepSpeed asserts, where bf16 / fp16 leave it open
+    precision = autocast_precision(cfg) or open_weights_dtype(cfg) or "fp32"
     for key in ("bf16", "fp16"):
         section = cfg.get(key)
         if isinstance(section, dict) and section.get("enabled") is True:

@@ -365,11 +365,13 @@ def _fill_precision(cfg: dict, v: RunValues, problems: list[str]) -> None:
                         "start-up): set one of them to false")
         return
     said = {}  # what the file itself sets bf16 / fp16 "enabled" to
+    from dstrain.engine.ds_autocast import autocast_precision, autocast_precision_problem
+    by_autocast = autocast_precision(cfg)  # the file's torch_autocast section gives the run its bf16 (fp32 weights)
     for key, kind in ((bf16_key, "bf16"), ("fp16", "fp16")):
         want = v.precision == kind
         section = cfg.get(key)
         if section is None:
-            if want:
+            if want and by_autocast != kind:
                 cfg[key] = {"enabled": True}
             continue
         if not isinstance(section, dict):
@@ -390,6 +392,11 @@ def _fill_precision(cfg: dict, v: RunValues, problems: list[str]) -> None:
     on = [kind for kind, value in said.items() if value is True]
     fixed = on[0] if on else "fp32" if said and all(value is False for value in said.values()) else None
     _check_param_dtype(cfg, v, problems, fixed)
+    if (text := autocast_precision_problem(cfg, v.precision)) is not None:
+        if isinstance(problems, _Problems):
+            problems.mismatch(text, "deepspeed.precision", by_autocast)
+        else:
+            problems.append(text)
     pinned, key = pinned_weights(cfg)
     if key == "data_types.grad_accum_dtype" and not fixed and any(_is_auto(x) for x in said.values()) \
             and pinned != v.precision and isinstance(problems, _Problems):

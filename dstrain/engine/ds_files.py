@@ -415,8 +415,11 @@ def _top_level_problems(cfg: dict) -> list[str]:
         if key in REMOVED_TOP_LEVEL_KEYS:
             problems.append(f"top-level key {key!r} is no longer supported: {REMOVED_TOP_LEVEL_KEYS[key]}")
             continue
-        from dstrain.engine.ds_foreign import foreign_key_problem
-        placed = _misplaced(key, cfg[key]) or foreign_key_problem(key, cfg)
+        from dstrain.engine.ds_foreign import foreign_key_problem, ignored_key
+        ignored = ignored_key(key, cfg) if isinstance(key, str) else None
+        if ignored is not None and not ignored[1]:
+            continue  # turns nothing on: a note (ds_foreign.ignored_key_notes)
+        placed = _misplaced(key, cfg[key]) or foreign_key_problem(key, cfg) or (ignored and ignored[0])
         if placed:
             problems.append(placed)
             continue

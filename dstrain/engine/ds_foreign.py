@@ -98,3 +98,64 @@ def foreign_section_problems(cfg: dict) -> list[str]:
                         "training's \"checkpoint\" is an object of saving options, and DeepSpeed's parser stops on a "
                         "string ('str' object has no attribute 'get'); remove it (dstrain resumes with --resume)")
     return problems
+
+
+#: DeepSpeedConfig's attribute names written as keys (LLaMA-Factory's ZeRO-3 examples) -> the top-level section
+#: DeepSpeed reads instead; and the monitors a ``monitor_config`` object may hold.
+ATTRIBUTE_KEYS = {"comms_config": "comms_logger section",
+                  "monitor_config": "tensorboard / csv_monitor / wandb / comet sections"}
+_MONITORS = ("tensorboard", "csv_monitor", "wandb", "comet")
+
+
+def _on(node) -> bool:
+    return isinstance(node, dict) and (node.get("enabled") is True or str(node.get("enabled")).lower() == "true")
+
+
+def _comment(key: str, value) -> bool:
+    """``"_comment": "..."`` (JSON has no comments): a key starting with "_" or named comment(s), holding text."""
+    text = isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value))
+    return text and (key.startswith("_") or key.lower().strip("_") in ("comment", "comments", "note", "notes"))
+
+
+def ignored_key(key: str, cfg: dict) -> tuple[str, bool] | None:
+    """``(text, refused)`` for a top-level key DeepSpeed 0.19 never reads that comes from a known source: refused
+    where it turns something on (DeepSpeed would silently train without it), a note where it turns nothing on
+    (nothing is lost); None for any other key."""
+    value = cfg[key]
+    if _comment(key, value):
+        return f"{key}: a comment (DeepSpeed ignores the key)", False
+    if key in ATTRIBUTE_KEYS and isinstance(value, dict):
+        where = f"not a DeepSpeed key (DeepSpeedConfig's attribute name, as LLaMA-Factory's examples write it), " \
+                f"which DeepSpeed silently ignores: it reads the top-level {ATTRIBUTE_KEYS[key]}"
+        on = [m for m in _MONITORS if _on(value.get(m))] if key == "monitor_config" else \
+            (["comms_logger"] if _on(value) else [])
+        if on:
+            moves = ", ".join(f"{key}.{m}" for m in on) if key == "monitor_config" else key
+            return (f"{key}: {where}, so {moves} would never be enabled; move {'them' if len(on) > 1 else 'it'} to the "
+                    f"top level as {' / '.join(on)}"), True
+        return f"{key}: {where}; it enables nothing here, so nothing is lost", False
+    if key == "fp8" and isinstance(value, dict):
+        if not _on(value):
+            return "fp8: not a DeepSpeed 0.19 section (ignored by it); it is off here", False
+        return ("unknown top-level key 'fp8': DeepSpeed 0.19 has no fp8 training section (FP8 runs through Transformer "
+                "Engine or torchao, set up by the trainer, as LLaMA-Factory's and Accelerate's fp8 options do) and "
+                "would silently train without it, in the precision of the bf16 / fp16 sections; remove it (dstrain "
+                "trains in bf16 or fp32: --deepspeed.precision)"), True
+    if key == "sequence_parallel" and isinstance(value, dict):
+        if not _on(value):
+            return "sequence_parallel: LLaMA-Factory's sequence-parallel section, which DeepSpeed ignores; off here", \
+                False
+        ulysses = value.get("ulysses")
+        size = value.get("size", ulysses.get("degree") if isinstance(ulysses, dict) else None)
+        fix = f"--parallel.sp={size}" if isinstance(size, int) and not isinstance(size, bool) else "--parallel.sp=N"
+        return ("unknown top-level key 'sequence_parallel': LLaMA-Factory's sequence-parallel (ALST / Ulysses) section, "
+                "which its own trainer sets up and DeepSpeed would silently ignore (each rank would train on whole "
+                f"sequences); remove it and use dstrain's sequence parallelism, {fix}"), True
+    return None
+
+
+def ignored_key_notes(cfg: dict) -> list[str]:
+    """The notes of :func:`ignored_key` for the top-level keys of ``cfg`` DeepSpeed ignores and nothing loses."""
+    from dstrain.engine.ds_files import KNOWN_TOP_LEVEL_KEYS
+    found = [ignored_key(k, cfg) for k in cfg if isinstance(k, str) and k not in KNOWN_TOP_LEVEL_KEYS]
+    return [text for text, refused in filter(None, found) if not refused]

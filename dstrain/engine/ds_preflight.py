@@ -121,9 +121,12 @@ def adopt_file_values(cfg: RunConfig, world_size: int) -> list[tuple[str, object
     if problems:  # a number written as a string, ...: named, not taken
         raise dsc.DSConfigError(source, problems)
     wanted += _deepspeed_defaults(template, {key for key, _, _ in wanted})
+    from dstrain.engine.ds_autocast import autocast_precision
     enabled = [kind for kind in ("bf16", "fp16") if _explicit(template, f"{kind}.enabled") is True]
     if len(enabled) == 1:  # both: refused by the checks that follow (DeepSpeed allows only one)
         wanted.append(("deepspeed.precision", enabled[0], f"{enabled[0]}.enabled"))
+    elif (autocast := autocast_precision(template)) is not None:  # the section DeepSpeed runs as written
+        wanted.append(("deepspeed.precision", autocast, "torch_autocast.enabled"))
     elif (weights := dsc.open_weights_dtype(template)) is not None:  # the weights' dtype DeepSpeed asserts
         wanted.append(("deepspeed.precision", weights, dsc.pinned_weights(template)[1]))
     adopted = []
@@ -211,8 +214,9 @@ def check_run(cfg: RunConfig, world_size: int, device_type: str, strict: bool = 
     ds_trainers.rl_batch_problems(cfg, template, world_size, source)
     precision = cfg.deepspeed.precision
     if precision == "auto":
+        from dstrain.engine.ds_autocast import autocast_precision
         precision = next((k for k in ("bf16", "fp16") if _explicit(template, f"{k}.enabled") is True), None) \
-            or dsc.open_weights_dtype(template) or "fp32"
+            or autocast_precision(template) or dsc.open_weights_dtype(template) or "fp32"
     t = ds_trainers.trainer_train(cfg, world_size)  # the batch the trainer will feed DeepSpeed
     try:
         values = dsc.RunValues(

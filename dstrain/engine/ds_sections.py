@@ -528,7 +528,9 @@ def section_problems(cfg: dict, device_type: str) -> tuple[list[str], list[str]]
     problems += class_problems(cfg, device_type, problems)
     notes += class_notes(cfg)
     problems += engine_key_problems(cfg, device_type, problems) + unread_problems(cfg)
+    from dstrain.engine.ds_foreign import ignored_key_notes
     copied, copied_notes = copied_checks(cfg)
+    notes += ignored_key_notes(cfg)
     scalars, scalar_notes = scalar_checks(cfg, device_type)
     return problems + copied + scalars, notes + copied_notes + scalar_notes
 

@@ -69,19 +69,19 @@ def _model_parts(cfg: RunConfig):
 
 
 def _file_precision(template: dict) -> str | None:
-    """The precision a DeepSpeed JSON fixes, None where it leaves it to dstrain ("auto", or a
-    ``torch_autocast`` section). A file with neither section enabled nor "auto" trains in fp32, as
-    DeepSpeed reads it (a user's file that never mentions bf16 is not switched to it)."""
+    """The precision a DeepSpeed JSON fixes, None where it leaves it to dstrain ("auto"). A file with
+    neither section enabled nor "auto" trains in fp32, as DeepSpeed reads it (a user's file that never
+    mentions bf16 is not switched to it); one with an enabled ``torch_autocast`` section in that section's
+    precision (:func:`dstrain.engine.ds_autocast.autocast_precision`: DeepSpeed runs it as written)."""
     sections = [template.get(key) for key in ("bf16", "fp16")]
     for key, section in zip(("bf16", "fp16"), sections):
         if isinstance(section, dict) and section.get("enabled") is True:
             return key
+    from dstrain.engine.ds_autocast import autocast_precision
+    if (decided := autocast_precision(template)) is not None:
+        return decided  # fp32: autocast to fp32 lowers nothing (off on the CPU)
     autocast = isinstance(template.get("torch_autocast"), dict) and template["torch_autocast"].get("enabled") is True
     open_sections = any(isinstance(s, dict) and str(s.get("enabled")).lower() == "auto" for s in sections)
-    if autocast and not open_sections:
-        from dstrain.engine.ds_autocast import autocast_dtype
-        if autocast_dtype(template["torch_autocast"]) == "fp32":
-            return "fp32"  # autocast to fp32 lowers nothing (off on the CPU): not bf16 autocast (ds_autocast)
     if open_sections or autocast:
         return dsc.pinned_weights_dtype(template)  # param_dtype (DeepSpeed asserts it), stage 0's grad_accum_dtype
     return "fp32"
@@ -314,6 +314,9 @@ def mixed_precision(resolved: dict, template: dict, mode: str, device_type: str)
     if mode == "auto":
         mode = "autocast" if bf16 and (file_autocast or (left_to_us and stage == 0 and device_type == "cuda")) \
             else "deepspeed"
+    from dstrain.engine.ds_autocast import autocast_precision
+    if not bf16 and file_autocast and autocast_precision(template) == "bf16":  # the run's bf16 is that section
+        return resolved, "bf16 as torch.autocast over fp32 weights (the file's torch_autocast section)"
     if not bf16 or mode == "deepspeed":
         return resolved, ""
     out = dict(resolved)

@@ -150,7 +150,11 @@ def test_fp32_autocast_trains_and_is_reported_as_fp32(capsys, monkeypatch, tmp_p
     from dstrain.engine.factory import _file_precision
     template = json.loads((CONFIGS / "torch_autocast_dtype_fp32.json").read_text())
     assert _file_precision(template) == "fp32"
-    assert _file_precision({"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}) is None  # the run's choice
+    # round 16: the section's own precision, as DeepSpeed runs it (was None, the factory's choice: fp32 in the plan
+    # on a CPU without fast bf16 while DeepSpeed autocast in bfloat16; see tests/unit/test_ds_realworld16.py)
+    assert _file_precision({"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}) == "bf16"
+    assert _file_precision({"torch_autocast": {"enabled": True, "dtype": "bfloat16"}, "bf16": {"enabled": "auto"}}) \
+        is None  # bf16 "auto" beside it: the run's choice
     note = ("torch_autocast.dtype: 'fp32' is not a lower precision: torch turns autocast off for it on the CPU ('the "
             "target dtype is not supported') and casts nothing down on GPUs, so the run trains in fp32; write "
             "\"bfloat16\" for mixed precision")
