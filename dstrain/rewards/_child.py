@@ -28,18 +28,18 @@ pipe and leaves with ``os._exit``.
 How tests are judged (every value a test operates on must be made of classes that existed,
 unchanged, before the program ran; builtins and loaded modules as they were then) is in
 ``_judge.py`` and ``_guards.py`` (and how tests are rewritten for them in ``_rewrite.py``; what the
-program's builtins and modules lack in ``_frames.py``), whose texts run in front of this file's in the same globals.
+program's builtins and modules lack in ``_frames.py``), whose texts run in front of this file's in the same globals;
+the ``launch`` stage is in ``_launch.py`` (re-exported here in the trainer).
 """
 
 STUB = "import sys; exec(compile(sys.argv[1], '<sandbox>', 'exec'), {'__name__': '__sandbox__'})"
 
-CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x20000, 0x10000000, 0x20000000, 0x40000000
-PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 24, 38
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_NOATIME, MS_NODIRATIME = 1, 2, 4, 8, 32, 1024, 2048
-MS_BIND, MS_REC, MS_PRIVATE, MS_RELATIME = 4096, 16384, 1 << 18, 1 << 21
-TMPFS_BYTES, TMPFS_INODES = 64 << 20, 8192
-"""Size and files (and folders) of the tmpfs a sandboxed program (or a fork server's programs, one at a time)
-may fill: the fork server removes a job's folder before the next job starts, so its entries are capped."""
+
+if __name__ != "__sandbox__":  # in the trainer (``sandbox``, ``forkserver``, tests): stage 1 is in _launch.py
+    from dstrain.rewards._launch import (  # noqa: F401
+        CLONE_NEWNET, CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWUSER, TMPFS_BYTES, TMPFS_INODES, _launch, _map_own_ids,
+        _private_mounts, _set_limits)
+
 
 # Audit events that are always refused and counted as violations.
 _DENY = frozenset({
@@ -98,153 +98,6 @@ _PATH_WRITE = {
     "os.rename": ((0, 1), (2, 3)), "os.truncate": ((0,), ()), "os.chmod": ((0,), (2,)),
     "os.chown": ((0,), (3,)), "os.utime": ((0,), (3,)), "shutil.rmtree": ((0,), (1,)),
 }
-
-
-def _launch(cfg: dict, result_fd: int) -> None:
-    """Stage 1: isolate this process, limit it, and exec the ``run`` stage."""
-    import ctypes
-    import os
-    import sys
-
-    notes = []
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-    except OSError:
-        libc = None
-    pid_ns = False
-    if cfg["namespaces"] and libc is not None:
-        ids = os.geteuid(), os.getegid()
-        for flags, label in ((CLONE_NEWNET | CLONE_NEWPID, "netns,pidns"),
-                             (CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWPID, "userns,netns,pidns"),
-                             (CLONE_NEWNET, "netns"), (CLONE_NEWUSER | CLONE_NEWNET, "userns,netns")):
-            if libc.unshare(flags) == 0:
-                notes.append(label)
-                pid_ns = "pidns" in label
-                if flags & CLONE_NEWUSER:
-                    _map_own_ids(*ids)
-                break
-    fresh_proc = False
-    if cfg["namespaces"] and libc is not None:
-        mounts = _private_mounts(libc, cfg)
-        if mounts:
-            notes.append(mounts)
-            fresh_proc = pid_ns
-    if libc is not None and os.geteuid() == 0:
-        try:
-            with open("/proc/sys/kernel/cap_last_cap") as f:
-                last = int(f.read())
-        except (OSError, ValueError):
-            last = 40
-        if all(libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) == 0 for cap in range(last + 1)):
-            notes.append("nocaps")
-    if cfg.get("uid") is not None:
-        os.setgroups([])
-        os.setgid(cfg["gid"])
-        os.setuid(cfg["uid"])
-        notes.append(f"uid={cfg['uid']}")
-    if libc is not None and libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0:
-        notes.append("nonewprivs")
-    _set_limits(cfg)
-    isolation = ",".join(notes) or "none"
-    if cfg.get("stage") == "serve":  # a fork server (see _server.py): per-program limits come with each job
-        argv = [sys.executable, "-I", "-B", "-c", STUB, sys.argv[1], "serve", sys.argv[5], isolation]
-    else:
-        argv = [sys.executable, "-I", "-B", "-c", STUB, sys.argv[1], "run", str(result_fd), isolation,
-                str(cfg["nproc"])]
-    if not pid_ns:
-        os.execv(sys.executable, argv)
-    pid = os.fork()  # the child is the init of the new PID namespace
-    if pid == 0:
-        try:
-            # a /proc of this PID namespace: the trainer's processes are not even listed
-            if fresh_proc and libc.mount(b"proc", b"/proc", b"proc", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
-                                         None) == 0:
-                argv[argv.index(isolation)] = isolation + ",procfs"
-            os.execv(sys.executable, argv)
-        finally:
-            os._exit(127)
-    while True:
-        try:
-            _, status = os.waitpid(pid, 0)
-            break
-        except InterruptedError:
-            continue
-    os._exit(128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))
-
-
-def _map_own_ids(uid: int, gid: int) -> None:
-    """In the new user namespace (an unprivileged trainer), map this process's own uid and gid
-    to themselves. Unmapped, it could create no file on the tmpfs mounted inside the namespace
-    (EOVERFLOW: its ids have no owner there), so no program could run. Mapped to themselves,
-    not to 0, the process keeps no capabilities in the namespace once it execs, so the
-    program cannot undo the read-only remounts. Left unmapped if the kernel refuses."""
-    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
-        try:
-            with open(f"/proc/self/{name}", "w") as f:
-                f.write(text)
-        except OSError:
-            return
-
-
-def _private_mounts(libc, cfg: dict) -> str:
-    """In a new mount namespace, mount a fresh tmpfs of :data:`TMPFS_BYTES` on the working
-    directory (the program's files then never reach a disk nor the trainer's view of that
-    folder) and remount every other mount read-only, so that nothing outside it can be
-    created or changed even by calls no audit event covers (``mknod``, ``mkfifo``). Returns
-    ``"mntns,rofs"``, ``"mntns"`` when some remount failed, or ``""`` when not permitted."""
-    import os
-
-    if libc.unshare(CLONE_NEWNS) != 0:
-        return ""
-    if libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
-        return ""
-    try:
-        with open("/proc/self/mountinfo", "rb") as f:
-            table = [line.split() for line in f.read().splitlines()]
-    except OSError:
-        return ""
-    keep = {b"nosuid": MS_NOSUID, b"nodev": MS_NODEV, b"noexec": MS_NOEXEC, b"noatime": MS_NOATIME,
-            b"nodiratime": MS_NODIRATIME, b"relatime": MS_RELATIME}
-    here = os.getcwd()
-    opts = f"size={TMPFS_BYTES},nr_inodes={TMPFS_INODES},mode=0700"
-    if cfg.get("uid") is not None:
-        opts += f",uid={cfg['uid']},gid={cfg['gid']}"
-    if libc.mount(b"tmpfs", os.fsencode(here), b"tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, opts.encode()) != 0:
-        return ""
-    os.chdir(here)  # into the new tmpfs
-    failed = 0
-    for row in table:
-        if len(row) < 6:
-            continue
-        point = row[4]
-        for code in set(point.split(b"\\")[1:]):  # mountinfo escapes spaces etc. as \ooo
-            if code[:3].isdigit():
-                point = point.replace(b"\\" + code[:3], bytes([int(code[:3], 8)]))
-        flags = MS_REMOUNT | MS_BIND | MS_RDONLY
-        for opt in row[5].split(b","):
-            flags |= keep.get(opt, 0)
-        if libc.mount(None, point, None, flags, None) != 0:
-            failed += 1
-    return "mntns" if failed else "mntns,rofs"
-
-
-def _set_limits(cfg: dict) -> None:
-    """Sets the resource limits ``cfg`` names (``cpu``, ``mem``, ``fsize``, ``nofile``; a
-    missing or None entry is left as it is) and ``RLIMIT_CORE=0``."""
-    import resource
-
-    limits = [(resource.RLIMIT_CORE, 0, 0)]
-    if cfg.get("cpu") is not None:
-        limits.append((resource.RLIMIT_CPU, cfg["cpu"], cfg["cpu"] + 1))
-    for key, which in (("mem", resource.RLIMIT_AS), ("fsize", resource.RLIMIT_FSIZE),
-                       ("nofile", resource.RLIMIT_NOFILE)):
-        if cfg.get(key) is not None:
-            limits.append((which, cfg[key], cfg[key]))
-    for which, soft, hard in limits:
-        try:
-            resource.setrlimit(which, (soft, hard))
-        except (ValueError, OSError):
-            pass
 
 
 def _make_hook(tmp: str, read_roots: tuple, violations: list, quiet: set = frozenset(), kept=None):
@@ -445,7 +298,7 @@ def _worker(job: dict, prepared: list, box: list, judge: tuple, done) -> None:
         update(bdict, saved)
         if job["setup"].strip():
             try:
-                _run_setup(ns, tools)  # noqa: F821  (_guards.py: with the real builtins, its bindings kept)
+                _run_setup(ns, tools)  # noqa: F821  (_setupdata.py: with the real builtins, its bindings kept)
             except BaseException as e:
                 box[1:] = ["setup", _describe(e)]  # noqa: F821  (_guards.py)
                 return
@@ -557,7 +410,7 @@ def _execute(job: dict, result_fd: int, isolation: str, max_processes: int) -> N
     sys.pycache_prefix = os.path.join(tmp, ".no-pycache")
     import signal  # noqa: F401  (loaded now, so that _drop_unaudited reaches its copy too)
     _drop_unaudited()  # noqa: F821  (_frames.py, like _frame_builtins)
-    tools = _guard_tools(_QUIET, job["setup"])  # noqa: F821  (_guards.py; _QUIET: _frames.py)
+    tools = _guard_tools(_QUIET, job["setup"])  # noqa: F821  (_guardtools.py; _QUIET: _frames.py)
     sys.addaudithook(_make_hook(tmp, tuple(sorted(roots)), violations, tools[5], tools[-1]))
     _thread.start_new_thread(_worker, (job, prepared, box, (checks, _SNAPSHOT[1], tools), done))
     try:  # only now: counted per user, the limit could otherwise stop the worker thread itself

@@ -58,7 +58,7 @@ _FRAME_WRAPPERS = "def _make(_next, _factory, _send):\n" + "".join(f"""
 """The replacements of the builtins that read their caller's frame: each hands its call to a fresh worker (see
 :func:`_frame_builtins`), inline (a helper's frame would not be the library's code that the profile guard lets run),
 through the cells of its closure (which the guards check before and after a library call, as the library's:
-``_guards._library_cells``), not its globals (which a program could change unseen)."""
+``_guardtools._library_cells``), not its globals (which a program could change unseen)."""
 
 
 _QUIET = set()
@@ -70,7 +70,7 @@ _FRAMES_DONE = []
 def _frame_builtins() -> None:
     """Replaces ``eval``, ``exec``, ``globals``, ``locals`` and ``vars`` in ``builtins`` and gives the judge's globals a
     private copy of the builtins (see the module docstring), once per process, before the snapshot of the classes and
-    modules is taken (``_judge._type_snapshot``: a module's ``__builtins__`` is among what it keeps). A replacement
+    modules is taken (``_snapshot._type_snapshot``: a module's ``__builtins__`` is among what it keeps). A replacement
     behaves as the builtin for the program's frames (an ``exec`` at its top level binds its globals); the frame of a
     wrapper only asks a worker (a generator handed out by a generator, fresh for each call, so that an ``eval`` inside
     an ``eval`` works) and holds nothing of the judge's. The judge keeps the real ones in its globals."""

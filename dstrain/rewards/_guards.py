@@ -1,7 +1,8 @@
 """The guards a rewritten test calls (``_rewrite.py``), built per test on the trust checks of
 ``_judge.py``; runs only inside a sandbox child.
 
-Its text is put after ``_judge.py``'s and in front of ``_child.py``'s, and executed in the same
+Its text is put after ``_judge.py``'s (and ``_snapshot.py``'s) and in front of ``_guardtools.py``'s (what the
+guards are built on) and ``_child.py``'s, and executed in the same
 private globals (see ``sandbox.py``). Importing it in the trainer defines functions and runs nothing.
 """
 
@@ -12,169 +13,6 @@ def _describe(exc: BaseException) -> str:
     except BaseException:
         text = type(exc).__name__
     return str.__str__(text) if isinstance(text, str) else "error"
-
-
-def _guard_tools(quiet: set, setup: str = "") -> tuple:
-    """What the guards call, taken before the program runs (it could patch the modules);
-    ``quiet``: the audit hook lets a thread listed there call ``sys.setprofile``; ``setup``: the task's
-    setup, parsed now (``_rewrite._prepare_setup``) for :func:`_run_setup`."""
-    import _thread
-    import builtins
-    import decimal
-    import gc
-    import re
-    import sys
-    import time
-
-    # (decimal's context as it was: an operation on a ``Decimal`` runs in it, not in one the program set, where
-    # ``Emin=0`` would round a wrong answer's difference to zero)
-    context = (decimal.getcontext, decimal.setcontext, decimal.Context())
-    # re's pattern caches, emptied before each library call of a test: an entry the program planted (its key
-    # a pattern the test uses, its value a pattern that matches anything) would answer for the library
-    caches = {k: v for k, v in vars(re).items() if k.startswith("_cache") and type(v) is dict}  # (3.12: _cache2)
-    clears = tuple(getattr(re, k).cache_clear for k in ("_compile_repl", "_compile_template") if hasattr(re, k))
-    # and every ``functools.lru_cache`` of the loaded modules (``fnmatch._compile_pattern``, ``typing``'s), emptied
-    # likewise: a result the program had it memoize while a global it reads was patched (``fnmatch.translate``,
-    # then put back) would answer for the library later, with the module intact again
-    clears += _lru_clears() + _state_clears()  # noqa: F821  (_unaudited.py: codecs, zoneinfo, ABCs)
-    strptime = sys.modules.get("_strptime")  # (its compiled formats: a pattern planted there would answer likewise)
-    if type(strptime) is type(sys) and type(vars(strptime).get("_regex_cache")) is dict:
-        clears += (vars(strptime)["_regex_cache"].clear,)
-    re_cache = (vars(re), caches, clears)
-    # the C library's time zone (``TZ`` and ``time.tzset``): ``localtime``, ``mktime``, ``datetime.fromtimestamp`` and
-    # ``strftime('%Z')`` read it, so a program that moved it three hours would make a wrong timestamp's hour right
-    local, strftime = time.localtime, time.strftime
-
-    def zone():
-        return tuple((tuple(local(t)), strftime("%Z", local(t))) for t in (0, 1_700_000_000, 1_715_000_000))
-    # the interpreter's own table of modules (the C code's imports read it, whatever ``sys.modules`` is bound to later)
-    return (_thread._count, gc.disable, gc.callbacks, sys.setprofile, _thread.get_ident, quiet, context, vars(builtins),
-            builtins, re_cache, _prepare_setup(setup), {}, sys.modules, (zone, zone()), _library_cells(),  # noqa: F821
-            _frame_readers(), _namespaces_check([]))  # noqa: F821  (_namespaces.py: see there)
-
-
-_LRU_CLEARS = (None, ())  # (the _SNAPSHOT they were found for, the functions): see _lru_clears
-
-
-def _lru_clears() -> tuple:
-    """The ``cache_clear`` of every ``functools.lru_cache`` wrapper that a loaded module, one of its classes or one
-    of its dicts (``typing._caches``) holds, the ``re`` ones excepted (see :func:`_guard_tools`). Found once per
-    snapshot of the loaded modules (``_judge._SNAPSHOT``, which the fork server takes, and this with it, before it
-    forks: the walk takes milliseconds), before the program runs."""
-    import functools
-    import sys
-
-    global _LRU_CLEARS
-    if _LRU_CLEARS[0] is _SNAPSHOT and _SNAPSHOT is not None:  # noqa: F821  (_judge.py)
-        return _LRU_CLEARS[1]
-    wrapper, found = functools._lru_cache_wrapper, {}
-    for module in list(sys.modules.values()):
-        if type(module) is not type(sys) or getattr(module, "__name__", None) == "re":
-            continue
-        for v in list(vars(module).values()):
-            inner = list(vars(v).values()) if isinstance(v, type) else list(v.values()) if type(v) is dict else [v]
-            for w in inner:
-                w = getattr(w, "__func__", w) if type(w) in (staticmethod, classmethod) else w
-                if type(w) is wrapper:
-                    found[id(w)] = w.cache_clear
-    _LRU_CLEARS = (_SNAPSHOT, tuple(found.values()))  # noqa: F821
-    return _LRU_CLEARS[1]
-
-
-_CELLS = (None, ((), ()))  # (the _SNAPSHOT they were found for, (cells, defaults)): see _library_cells
-
-
-def _shallow(x):
-    """What a default value of a library function holds, if it is a list, a set or a dict (exact types: no program code
-    runs), as a tuple to compare item by item; None for anything else."""
-    tx = type(x)
-    return tuple(dict.items(x)) if tx is dict else tuple(x) if tx is list or tx is set else None
-
-
-def _library_cells() -> tuple:
-    """``(((cell, contents), ...), ((function, defaults, kwdefaults, their items, what their lists and dicts hold),
-    ...))`` for the library's functions (those the snapshot's classes and modules hold, and the functions their cells
-    hold: ``Fraction.__sub__`` is a closure of ``_operator_fallbacks`` over ``Fraction._sub``). A cell's
-    ``cell_contents``, a function's ``__defaults__`` and ``__kwdefaults__`` (or what they hold) can be changed with no
-    audit event, and the library function, its class and its module unchanged, would then run what the program put
-    there (a C callable: no Python frame for the profile guard either; ``copy.deepcopy``'s ``memo`` prefilled, ``json.
-    dumps``' ``default``). Found once per snapshot, like :func:`_lru_clears`, before the program runs."""
-    import types
-
-    global _CELLS
-    if _CELLS[0] is _SNAPSHOT and _SNAPSHOT is not None:  # noqa: F821  (_judge.py)
-        return _CELLS[1]
-    function, todo, seen, found, defaulted = types.FunctionType, [], set(), [], []
-    values = [v for rec in _SNAPSHOT[0].values() if rec[2] is not None for v in rec[2].values()]  # noqa: F821
-    values += [v for rec in _SNAPSHOT[1].values() for v in rec[1].values()]  # noqa: F821
-    for v in values:
-        tv = type(v)
-        f = v.__func__ if tv is classmethod or tv is staticmethod else v.fget if tv is property else v
-        if type(f) is function:
-            todo.append(f)
-    while todo:
-        f = todo.pop()
-        if id(f) in seen:
-            continue
-        seen.add(id(f))
-        d, kw = f.__defaults__, f.__kwdefaults__
-        if d is not None or kw is not None:  # (the lists, sets and dicts among them, with what they hold)
-            held = tuple((x, _shallow(x)) for x in (*(d or ()), *(kw or {}).values()) if _shallow(x) is not None)
-            defaulted.append((f, d, kw, _shallow(kw), held))
-        for cell in f.__closure__ or ():
-            try:
-                x = cell.cell_contents
-            except ValueError:  # (empty: nothing to keep)
-                continue
-            found.append((cell, x))
-            if type(x) is function:
-                todo.append(x)
-    _CELLS = (_SNAPSHOT, (tuple(found), tuple(defaulted)))  # noqa: F821
-    return _CELLS[1]
-
-
-def _run_setup(ns: dict, tools: tuple) -> None:
-    """Runs the task's setup in the program's namespace with the real builtins (the program may have bound
-    its own ``__builtins__``, whose ``__import__`` would hand ``from math import isclose`` a fake), one
-    top-level statement at a time, and keeps (``tools[11]``) what each bound: a test reads those names as
-    the setup left them, not as the program's code rebinds them later (``isclose = max`` in the tested
-    function, or in a class the setup instantiates)."""
-    module, steps, fixed = tools[8], tools[10], tools[11]
-    if type(steps) is not list:
-        raise steps  # (its SyntaxError, reported as the setup's)
-    loaded = {rec[2]: rec for rec in _SNAPSHOT[1].values()}  # noqa: F821  (_judge.py)
-    for code, names, imports in steps:
-        _str_keys_only(ns)
-        dict.__setitem__(ns, "__builtins__", module)
-        exec(code, ns)
-        tools[1]()  # (gc off: a finalizer of the program's would run in the judge's code below, and then)
-        if not tools[-1]():  # no built-in class's namespace changed by the program's code the setup ran
-            raise AssertionError("the program changed the namespace of a built-in class in the setup")
-        _str_keys_only(ns)
-        fixed.update((k, v) for k, v in dict.items(ns) if k in names)
-        # an import binds the module as it was before the program ran, and its attribute as it was then: not what
-        # the program's finder (``sys.meta_path``), its ``sys.modules`` entry or a patched attribute gives
-        for bound, name, attr in imports:
-            rec = loaded.get(name)
-            if rec is not None and (attr is None or attr in rec[1]):
-                held = None if attr is None else dict.get(rec[3], attr)
-                fixed[bound] = rec[0] if attr is None else rec[1][attr] if held is None else \
-                    _library_data(rec[1][attr], held)  # noqa: F821  (_setupdata.py: as it was before the program ran)
-                dict.__setitem__(ns, bound, fixed[bound])
-            elif attr is not None and f"{name}.{attr}" in loaded:  # ``from xml import dom``: a submodule
-                fixed[bound] = loaded[f"{name}.{attr}"][0]
-                dict.__setitem__(ns, bound, fixed[bound])
-    _keep_setup_data(fixed)  # noqa: F821  (_setupdata.py: a test reads its own copy of the setup's plain data)
-
-
-def _str_keys_only(ns: dict) -> None:
-    """Drops every key of ``ns`` that is not an exact ``str``: a lookup of a name compares it with a key of the
-    same hash, and the program's key's ``__eq__`` would then decide what the name means (or hide and restore
-    a global of the program's while the guards look). Only exact strs are compared from then on: no code runs."""
-    if any(type(k) is not str for k in dict.keys(ns)):
-        kept = [(k, v) for k, v in dict.items(ns) if type(k) is str]
-        dict.clear(ns)
-        dict.update(ns, kept)
 
 
 def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dict, test_names: tuple, tools: tuple):
@@ -195,9 +33,9 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
     trusted, overridden, operators, library_code, module_intact, library_class = judge
     function, module_type, missing = type(_make_guards), type(_judge_sys), object()  # noqa: F821  (_judge.py)
     count, gc_disable, gc_callbacks, set_profile, get_ident, quiet, (get_context, set_context, context), live, \
-        builtins_module, (re_dict, re_caches, re_clears), _, fixed, interp_modules, (zone, zone_was), \
+        builtins_module, (re_dict, re_caches, re_clears, codecs_back), _, fixed, interp_modules, (zone, zone_was), \
         (cells, defaulted), (f_globals, f_code, co_name), types_kept = tools
-    _str_keys_only(ns)
+    _hold_names(ns, ("__builtins__",))  # noqa: F821  (_setupdata.py; with _str_keys_only)
     # the test function takes its builtins from the globals it is made with (``__import__``, ``__build_class__``)
     dict.__setitem__(ns, "__builtins__", builtins_module)
     # the one builtin name the program may have in place of the builtin: the tested function (``sum``), when the test
@@ -317,7 +155,7 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
     c_called = tuple((n, by_name[n]) for n in _C_CALLED if n in by_name)  # noqa: F821  (_judge.py)
     c_names, operator_functions = frozenset(n for n, _ in c_called), tuple(operators.values())
 
-    def c_called_kept(when: str) -> None:
+    def c_called_kept(when: str, before: bool = False) -> None:
         """Fails the test unless the modules the interpreter's C code calls into (``_judge._C_CALLED``) are those of
         the snapshot, in the interpreter's table of modules, intact (``copyreg`` and ``_strptime`` with what they keep:
         ``copyreg.dispatch_table``, ``_strptime._TimeRE_cache``): ``copyreg.__newobj__`` or ``_strptime.
@@ -325,6 +163,9 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
         gives, with no Python frame for the profile guard and no module of the test's call to check."""
         for clear in re_clears:  # (``_strptime._regex_cache`` grows with each new format the library parses)
             clear()
+        if before:  # (the codec caches: compared with what they held, key by key, so only where it counts)
+            for back in codecs_back:
+                back()
         found = {}
         for k, v in dict.items(interp_modules):  # (exact str keys only are compared: no program __eq__)
             if type(k) is str and k in c_names:
@@ -368,7 +209,7 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
                 bad[len(bad):] = [f"a closure of the library was changed by the program {when}"]
                 raise AssertionError(bad[-1])
         if "defaults" in quiet and not (all(map(same_object, map(get_defaults, fns), defaults_was)) and all(
-                map(same_object, map(get_kw, fns), kw_was)) and all(same(_shallow(x), h) for x, h in contents_was)):
+                map(same_object, map(get_kw, fns), kw_was)) and all(same(_shallow(x), h) for x, h in contents_was)):  # noqa: F821
             bad[len(bad):] = [f"the defaults of a library function were changed by the program {when}"]
             raise AssertionError(bad[-1])
 
@@ -377,11 +218,12 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
             x is y or type(x) is tuple and type(y) is tuple and len(x) == 2 == len(y) and x[0] is y[0] and x[1] is y[1]
             for x, y in zip(a, b))
 
-    def builtins_kept(when: str, calls: bool = True) -> None:
+    def builtins_kept(when: str, calls: bool = True, before: bool = False) -> None:
         """Fails the test unless the builtins are those the program started with: library code reads them
         (``builtins.isinstance = slice; builtins.all = bool`` in the tested function, C callables no profile
         sees, and ``Counter() == 3`` says yes). Only exact ``str`` keys are looked up (no program ``__eq__``).
-        No module may have a class of the program's either (:func:`modules_kept`)."""
+        No module may have a class of the program's either (:func:`modules_kept`). ``before``: right before the
+        library's call (the codec caches are put back then, ``c_called_kept``)."""
         if fresh_guard:  # (its caller checked the built-in classes, and only the judge's code ran since)
             del fresh_guard[:]
         else:
@@ -389,7 +231,7 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
         modules_kept(when)
         cells_kept(when)
         if calls:  # (a call's: an operator of the test on trusted values runs no C code that calls into them)
-            c_called_kept(when)
+            c_called_kept(when, before)
         if len(live) == len(builtins):
             for k, v in dict.items(live):
                 if type(k) is not str or builtins.get(k, missing) is not v:
@@ -426,11 +268,11 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
             result = fn(*args, **kw)
             types_intact("in its function")
             return result
-        for k, cache in re_caches.items():
+        for k, (cache, hold_and_clear) in re_caches.items():
             if re_dict.get(k) is not cache:
                 bad[len(bad):] = ["module re was changed by the program"]
                 raise AssertionError(bad[-1])
-            dict.clear(cache)
+            hold_and_clear()  # (``_guardtools._holding_clear``: no finalizer of the program's runs here)
         for clear in re_clears:
             clear()
         if type(fn) is method:
@@ -472,7 +314,7 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
                 fresh_guard[:] = [True]
                 return guarded("the test's call of " + str(getattr(fn, "__name__", "a library function")), fn, *args, **kw)
             fresh_guard[:] = [True]
-            builtins_kept("before the test's call")
+            builtins_kept("before the test's call", before=True)
             programs_context = get_context()
             set_context(context.copy())  # (``abs(d)`` rounds in it)
             try:
@@ -498,6 +340,7 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
         reads the names the setup bound as the setup left them (the program's code that computed the arguments
         may have rebound them: ``K = 0`` for ``def check(a, b): return K == 0 or a == b``), no builtin it reads may
         be the program's, and no program code may run inside it."""
+        _hold_names(ns, fixed)  # noqa: F821  (_setupdata.py: no finalizer of the program's in what is rebound)
         dict.update(ns, fixed)
         for n in fixed:  # (this test's copies while it runs, the originals again after: see ``_setupdata.py``)
             if _COPY_TOOLS[4](_SETUP_DATA, n):  # noqa: F821  (the name holds a copied value)
@@ -517,6 +360,7 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
         try:
             return guarded("the setup's " + code.co_name, fn, *args, **kw)
         finally:
+            _hold_names(ns, fixed)  # noqa: F821
             dict.update(ns, fixed)
 
     flagged, quiet_add, quiet_discard = [], set.add, set.discard  # (bound now: see ``_namespaces.py``)
@@ -529,7 +373,7 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
     def guarded(what: str, fn, *args, **kw):
         """``fn(*args, **kw)`` with no Python code but the library's (and the judge's) allowed to run."""
         calls = not any(fn is op for op in operator_functions)
-        builtins_kept("before " + what, calls)
+        builtins_kept("before " + what, calls, True)
         ident = get_ident()
         del flagged[:]
         programs_context = get_context()

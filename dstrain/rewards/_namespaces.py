@@ -20,11 +20,11 @@ _FIXED = (None, ((), (), (), ()))  # (the _SNAPSHOT they were taken for, what _f
 def _fixed_namespaces() -> tuple:
     """``(namespaces, sizes, values, names)`` of the snapshot's classes that ``setattr`` refuses: the dicts (from their
     proxies, before the hook refuses ``gc``), their sizes, what they hold in order and the names. Taken once per
-    snapshot, before any program runs, like ``_guards._lru_clears``."""
+    snapshot, before any program runs, like ``_guardtools._lru_clears``."""
     import gc
 
     global _FIXED
-    if _FIXED[0] is _SNAPSHOT and _SNAPSHOT is not None:  # noqa: F821  (_judge.py)
+    if _FIXED[0] is _SNAPSHOT and _SNAPSHOT is not None:  # noqa: F821  (_snapshot.py)
         return _FIXED[1]
     flags_of, dict_of = type.__dict__["__flags__"].__get__, type.__dict__["__dict__"].__get__
     heap, immutable = 1 << 9, 1 << 8  # Py_TPFLAGS_HEAPTYPE, Py_TPFLAGS_IMMUTABLETYPE

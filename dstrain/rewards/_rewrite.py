@@ -150,7 +150,7 @@ def _bound_names(tree) -> frozenset:
 
 def _prepare_setup(setup: str):
     """The setup as ``[(code, names it binds, imports)]``, one entry per top-level statement (see
-    ``_guards._run_setup``), or the SyntaxError/ValueError it raises; parsed before the program runs.
+    ``_setupdata._run_setup``), or the SyntaxError/ValueError it raises; parsed before the program runs.
     ``imports``: for an ``import`` statement, ``[(name bound, module, attribute or None)]``."""
     import ast
 

@@ -267,11 +267,11 @@ def _serve(isolation: str) -> None:
     # collections then never walk (and so never copy-on-write) the server's pages.
     global _SNAPSHOT
     _frame_builtins()  # noqa: F821  (from _frames.py: before the snapshot, which holds every module's __builtins__)
-    _SNAPSHOT = _type_snapshot()  # noqa: F821  (from _judge.py): the classes every child starts with
-    _lru_clears()  # noqa: F821  (from _guards.py: found once here, for every child of this snapshot)
+    _SNAPSHOT = _type_snapshot()  # noqa: F821  (from _snapshot.py): the classes every child starts with
+    _lru_clears()  # noqa: F821  (from _guardtools.py: found once here, for every child of this snapshot)
     _library_cells()  # noqa: F821  (likewise)
     _fixed_namespaces()  # noqa: F821  (from _namespaces.py: likewise)
-    _unaudited_holders(), _extension_roots(), _codec_cache(), _state_clears()  # noqa: F821  (_unaudited.py: likewise)
+    _unaudited_holders(), _extension_roots(), _codec_cache(), _zone_cache(), _state_clears()  # noqa: F821  (likewise)
     gc.collect()
     gc.freeze()
     # As its PID namespace's init, the server gets from its children only the signals it

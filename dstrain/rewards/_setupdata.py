@@ -3,7 +3,7 @@ only inside a sandbox child (its text follows ``_namespaces.py``'s, in the same 
 
 The setup runs in the program's namespace, so the tested function reaches what it bound through its own globals: a
 test ``assert f(1) == expected`` with ``expected = [1, 2, 3]`` in the setup was passed by ``expected.clear()`` and
-``return []``. A test reads a setup's name as the setup bound it (``_guards._run_setup``); for a value made only of
+``return []``. A test reads a setup's name as the setup bound it (:func:`_run_setup`); for a value made only of
 the built-in containers and scalars (by exact type: no method of the program's runs while it is copied) that now means
 a copy of what the value held when the setup ended, one per test (two reads in one test, or two names that shared a
 list, share the copy: ``sort_in_place(lst) is None and lst == [1, 2, 3]`` still sees the call's work). The program's
@@ -129,24 +129,33 @@ def _setup_state(memo=None, cls=None, name=None):
                 mine = True
         if not mine:
             return _setup_state
-    for kind, holder, key, kept, plain in _SETUP_STATE:
+    held = _HELD  # noqa: F821  (_guardtools.py: what is replaced is kept, or the program's finalizer in it would run
+    for kind, holder, key, kept, plain in _SETUP_STATE:  # now, after the checks, and put its own value back)
         fresh = _plain_copy(kept, {}) if plain else kept
         if kind == "defaults":
+            held.append(holder.__defaults__)
             holder.__defaults__ = fresh
         elif kind == "kwdefaults":
+            held.append(holder.__kwdefaults__)
             holder.__kwdefaults__ = fresh
         elif kind == "cell":
+            try:
+                held.append(holder.cell_contents)
+            except ValueError:  # (emptied)
+                pass
             holder.cell_contents = fresh
         elif kind == "attr":
+            held.append(_DICT_OF(holder).get(key))  # (a class's keys are exact strs: nothing compared)
             type.__setattr__(holder, key, fresh)
         else:  # (a name the program added, which would hide a base class's)
             for k in [k for k in _DICT_OF(holder) if type(k) is str and k not in kept]:
+                held.append(_DICT_OF(holder).get(k))
                 type.__delattr__(holder, k)
     return _setup_state
 
 
 def _library_data(v, held):
-    """What a test reads for a module's attribute ``v``: for an exact list or dict of what ``_judge._held_state`` kept
+    """What a test reads for a module's attribute ``v``: for an exact list or dict of what ``_snapshot._held_state`` kept
     (``held``: its getter, ``{id(key): (key, value)}`` or the items), a new one with the entries it had before the
     program ran; anything else as it is."""
     getter, by_id, _ = held
@@ -155,3 +164,58 @@ def _library_data(v, held):
     if getter is None and type(v) is dict:
         return dict(_COPY_TOOLS[10](by_id))
     return v
+
+
+def _run_setup(ns: dict, tools: tuple) -> None:
+    """Runs the task's setup in the program's namespace with the real builtins (the program may have bound
+    its own ``__builtins__``, whose ``__import__`` would hand ``from math import isclose`` a fake), one
+    top-level statement at a time, and keeps (``tools[11]``) what each bound: a test reads those names as
+    the setup left them, not as the program's code rebinds them later (``isclose = max`` in the tested
+    function, or in a class the setup instantiates)."""
+    module, steps, fixed = tools[8], tools[10], tools[11]
+    if type(steps) is not list:
+        raise steps  # (its SyntaxError, reported as the setup's)
+    loaded = {rec[2]: rec for rec in _SNAPSHOT[1].values()}  # noqa: F821  (_snapshot.py)
+    for code, names, imports in steps:
+        _hold_names(ns, ("__builtins__",))
+        dict.__setitem__(ns, "__builtins__", module)
+        exec(code, ns)
+        tools[1]()  # (gc off: a finalizer of the program's would run in the judge's code below, and then)
+        if not tools[-1]():  # no built-in class's namespace changed by the program's code the setup ran
+            raise AssertionError("the program changed the namespace of a built-in class in the setup")
+        _str_keys_only(ns)
+        fixed.update((k, v) for k, v in dict.items(ns) if k in names)
+        # an import binds the module as it was before the program ran, and its attribute as it was then: not what
+        # the program's finder (``sys.meta_path``), its ``sys.modules`` entry or a patched attribute gives
+        for bound, name, attr in imports:
+            rec = loaded.get(name)
+            if rec is not None and (attr is None or attr in rec[1]):
+                held = None if attr is None else dict.get(rec[3], attr)
+                fixed[bound] = rec[0] if attr is None else rec[1][attr] if held is None else \
+                    _library_data(rec[1][attr], held)  # (as it was before the program ran)
+                dict.__setitem__(ns, bound, fixed[bound])
+            elif attr is not None and f"{name}.{attr}" in loaded:  # ``from xml import dom``: a submodule
+                fixed[bound] = loaded[f"{name}.{attr}"][0]
+                dict.__setitem__(ns, bound, fixed[bound])
+    _keep_setup_data(fixed)  # (a test reads its own copy of the setup's plain data)
+
+
+def _hold_names(ns: dict, names) -> None:
+    """Before the judge binds ``names`` in ``ns`` again: keeps what they are bound to (``_guardtools._HELD``), after
+    dropping every key that is not an exact str (:func:`_str_keys_only`: no lookup compares a key of the program's).
+    Dropped, an object of the program's would run its finalizer in the judge, after its checks: it rebound a function
+    of the setup that ``dict.update`` had already put back (``check = functools.partial(...)``, no Python frame)."""
+    _str_keys_only(ns)
+    get = dict.get
+    _HELD.append(tuple(get(ns, n) for n in names))  # noqa: F821
+
+
+def _str_keys_only(ns: dict) -> None:
+    """Drops every key of ``ns`` that is not an exact ``str``: a lookup of a name compares it with a key of the
+    same hash, and the program's key's ``__eq__`` would then decide what the name means (or hide and restore
+    a global of the program's while the guards look). Only exact strs are compared from then on: no code runs."""
+    if any(type(k) is not str for k in dict.keys(ns)):
+        kept = [(k, v) for k, v in dict.items(ns) if type(k) is str]
+        _HELD.append(list(dict.items(ns)))  # noqa: F821  (_guardtools.py: no finalizer of the program's runs here)
+        dict.clear(ns)
+        dict.update(ns, kept)

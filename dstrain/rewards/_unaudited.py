@@ -41,7 +41,7 @@ def _extension_roots() -> tuple:
     import sys
 
     global _ROOTS
-    if _ROOTS[0] is _SNAPSHOT and _SNAPSHOT is not None:  # noqa: F821  (_judge.py)
+    if _ROOTS[0] is _SNAPSHOT and _SNAPSHOT is not None:  # noqa: F821  (_snapshot.py)
         return _ROOTS[1]
     stdlib, suffixes = frozenset(getattr(sys, "stdlib_module_names", ())), (".py", ".pyc")
     base = getattr(sys, "_stdlib_dir", None) or os.path.dirname(getattr(os, "__file__", None) or "")
@@ -62,11 +62,11 @@ def _unaudited_holders() -> tuple:
     the modules it is removed from: a name of a module's namespace bound to it (``holder`` that dict), or a set, list
     or dict the module keeps that holds it (as an item, a key or a value). Found once per snapshot of the loaded
     modules, before the functions are removed (the fork server finds them before it forks, like
-    ``_guards._lru_clears``)."""
+    ``_guardtools._lru_clears``)."""
     import sys
 
     global _HOLDERS
-    if _HOLDERS[0] is _SNAPSHOT and _SNAPSHOT is not None:  # noqa: F821  (_judge.py)
+    if _HOLDERS[0] is _SNAPSHOT and _SNAPSHOT is not None:  # noqa: F821  (_snapshot.py)
         return _HOLDERS[1]
     dropped = {}
     for core, facade, names in _UNAUDITED:  # noqa: F821  (_child.py)
@@ -121,7 +121,7 @@ def _codec_cache():
         found = [d for d in gc.get_referrers(info) if type(d) is dict and d is not own
                  and all(type(k) is str and type(v) is codecs.CodecInfo for k, v in d.items())]
         fresh = [n for n in ("utf8", "u8", "utf", "utf8_ucs4") if all(n not in d for d in found)][:1]
-        for name in fresh:  # (UTF-8's aliases: nothing imported; a copy the judge keeps, ``_judge._held_state``'s,
+        for name in fresh:  # (UTF-8's aliases: nothing imported; a copy the judge keeps, ``_snapshot._held_state``'s,
             # gets no new name)
             codecs.lookup(name)
             found = [d for d in found if name in d]
@@ -129,43 +129,96 @@ def _codec_cache():
     return _CODEC_CACHE[0]
 
 
+def _codecs_back(dicts: tuple, bound: tuple):
+    """For :func:`_state_clears`: a function that puts the codec caches ``dicts`` back as they were (now, before the
+    program runs), and the names ``bound`` (``(namespace, name, value)``) that bind them, when the program changed them:
+    compared by identity, key by key and value by value (no key is hashed or compared, so no code of the program's
+    runs), and what they held then kept (``_guardtools._HELD``: its finalizers would run in the judge)."""
+    from itertools import repeat
+
+    is_, held, text = _ABC_CALLS[4], _HELD, str  # noqa: F821  (_HELD: _guardtools.py)
+    kept = tuple((d, dict(d), tuple(d), tuple(dict.values(d))) for d in dicts)
+
+    def codecs_back():
+        for d, was, keys, values in kept:
+            if dict.__len__(d) != len(keys) or not all(map(is_, d, keys)) or not all(map(is_, dict.values(d), values)):
+                held.append(dict.copy(d))
+                dict.clear(d)
+                dict.update(d, was)
+        for namespace, k, v in bound:
+            if not all(map(is_, map(type, namespace), repeat(text))):  # (a lookup would compare a program's key)
+                raise AssertionError("the program put a key that is no str into the namespace of a codec module")
+            if dict.get(namespace, k) is not v:
+                held.append(dict.get(namespace, k))
+                dict.__setitem__(namespace, k, v)
+    return codecs_back
+
+
+_ZONE_CACHE = []  # [the weak cache of zoneinfo's C class, or None] once found: see _zone_cache
+
+
+def _zone_cache():
+    """The ``data`` dict (key -> weak reference) of the cache of zones ``zoneinfo.ZoneInfo`` keeps in C, found among
+    the live weak-value dictionaries as the one that holds a zone made for it (UTC's, then dropped from the cache), or
+    None (no time zone files, no ``_zoneinfo``). Found before the program runs (the fork server: before ``gc.freeze``)."""
+    import gc
+    import sys
+    import weakref
+
+    c = getattr(sys.modules.get("_zoneinfo"), "ZoneInfo", None)
+    if not _ZONE_CACHE and type(c) is type:  # (not yet loaded: looked for again in the child that loads it)
+        found = []
+        try:
+            zone = c("UTC")
+        except Exception:
+            zone = None
+        if zone is not None:
+            found = [o.data for o in gc.get_objects() if type(o) is weakref.WeakValueDictionary
+                     and type(o.data) is dict and "UTC" in o.data and o.data["UTC"]() is zone]
+            c.clear_cache(only_keys=["UTC"])
+        _ZONE_CACHE.append(found[0] if len(found) == 1 else None)
+    return _ZONE_CACHE[0] if _ZONE_CACHE else None
+
+
 def _state_clears() -> tuple:
-    """Clears (for ``_guards._guard_tools``, called before each library call of a test) of what the library keeps
-    beyond a module's namespace and the caches ``_guards`` empties, where a program could leave an answer for later:
+    """``(clears, codecs)`` (for ``_guardtools._guard_tools``: ``clears`` called before and after each library call of
+    a test, ``codecs`` right before it) of what the library keeps beyond a module's namespace and the caches ``_guards``
+    empties, where a program could leave an answer for later (nothing they take out is dropped: ``_guardtools._HELD``):
 
     - codecs. A lookup's result is kept by the interpreter (:func:`_codec_cache`), from ``encodings.search_function``,
       which reads ``encodings._cache``, ``encodings.aliases.aliases`` and ``sys.modules``: a program that put UTF-8's
       entry there under ``cp1252`` had a test's ``'€'.encode('cp1252')`` give UTF-8's bytes (reward 1 for the wrong
       answer), also when it looked the name up once and then put everything back. All three caches are put back as
-      they were before the program ran;
+      they were before the program ran, when changed (:func:`_codecs_back`);
     - ``zoneinfo``: ``ZoneInfo`` keeps every zone it made, by key; a program that pointed ``zoneinfo.reset_tzpath``
       at a folder of its own, made ``ZoneInfo('Europe/Paris')`` from its own file there and reset the path had a
       test's ``ZoneInfo('Europe/Paris')`` get its zone (reward 1). Its caches are emptied, its search path put back."""
     import sys
 
-    clears, encodings, aliases = [], sys.modules.get("encodings"), sys.modules.get("encodings.aliases")
+    clears, codecs, encodings, aliases = [], (), sys.modules.get("encodings"), sys.modules.get("encodings.aliases")
     if type(encodings) is type(sys):
-        kept = [(d, dict(d)) for d in (_codec_cache(), vars(encodings).get("_cache"), vars(encodings).get("_aliases"),
-                                       getattr(aliases, "aliases", None)) if type(d) is dict]
+        dicts = {id(d): d for d in (_codec_cache(), vars(encodings).get("_cache"), vars(encodings).get("_aliases"),
+                                    getattr(aliases, "aliases", None)) if type(d) is dict}  # (_aliases: the same)
         bound = [(vars(encodings), k, vars(encodings).get(k)) for k in ("_cache", "_aliases")]
         if type(aliases) is type(sys):
             bound.append((vars(aliases), "aliases", vars(aliases).get("aliases")))
-
-        def codecs_back():
-            for d, was in kept:
-                dict.clear(d)
-                dict.update(d, was)
-            for namespace, k, v in bound:
-                dict.__setitem__(namespace, k, v)
-        clears.append(codecs_back)
+        codecs = (_codecs_back(tuple(dicts.values()), tuple(bound)),)
     tzpath, zoneinfo = sys.modules.get("zoneinfo._tzpath"), sys.modules.get("zoneinfo")
     if type(tzpath) is type(sys) and type(zoneinfo) is type(sys):
         path_was, classes = vars(tzpath).get("TZPATH"), [vars(zoneinfo).get("ZoneInfo")]
         classes += [vars(m).get("ZoneInfo") for m in (sys.modules.get("_zoneinfo"),) if type(m) is type(sys)]
         clear_caches = tuple(c.clear_cache for c in classes if type(c) is type and "clear_cache" in vars(c))
+        weak, held, namespace, text = _zone_cache(), _HELD, vars(tzpath), str  # noqa: F821  (_HELD: _guardtools.py)
+        from itertools import repeat
 
         def zones_back():
-            dict.__setitem__(vars(tzpath), "TZPATH", path_was)
+            if not all(map(_ABC_CALLS[4], map(type, namespace), repeat(text))):  # (the lookup below would compare)
+                raise AssertionError("the program put a key that is no str into the namespace of zoneinfo._tzpath")
+            if dict.get(namespace, "TZPATH") is not path_was:
+                held.append(dict.get(namespace, "TZPATH"))
+                dict.__setitem__(namespace, "TZPATH", path_was)
+            if weak is not None and dict.__len__(weak):  # (the zones, strong references: a weak reference's callback
+                held.append([r() for r in dict.values(weak)])  # of the program's would run when the cache drops one)
             for clear in clear_caches:
                 clear()
         clears.append(zones_back)
@@ -175,7 +228,7 @@ def _state_clears() -> tuple:
     abcs = _ABCS[1]
     if abcs:
         clears.append(_abc_check(abcs))
-    return tuple(clears)
+    return tuple(clears), codecs
 
 
 def _abc_calls() -> tuple:
@@ -184,7 +237,9 @@ def _abc_calls() -> tuple:
     import _abc
     import abc
 
-    return abc.ABCMeta, _abc.get_cache_token, _abc._get_dump, _abc._reset_caches
+    import operator
+
+    return abc.ABCMeta, _abc.get_cache_token, _abc._get_dump, _abc._reset_caches, operator.is_
 
 
 _ABC_CALLS = _abc_calls()
@@ -200,7 +255,7 @@ def _abc_check(abcs: list):
     ``issubclass`` asks those too) fails the test, and every abstract class of the library's forgets what its
     checks cached (a registration undone keeps its answer there). The registries cannot be emptied any more
     (``_abc._reset_registry`` is removed; ``_abc._abc_init``, which makes a class's data afresh, fails the test)."""
-    meta, token, dump, reset = _ABC_CALLS
+    meta, token, dump, reset, _ = _ABC_CALLS
     subclasses, snapshot = type.__dict__["__subclasses__"], _SNAPSHOT[0]  # noqa: F821
     was = {id(c): frozenset(id(r()) for r in dump(c)[0]) for c in abcs}
     import _operator

@@ -141,8 +141,9 @@ def compact_source(text: str) -> str:
 
 
 _CHILD_SOURCE = compact_source("".join((Path(_child.__file__).parent / name).read_text()
-                                       for name in ("_rewrite.py", "_judge.py", "_guards.py", "_frames.py",
-                                                    "_namespaces.py", "_setupdata.py", "_unaudited.py",
+                                       for name in ("_rewrite.py", "_judge.py", "_snapshot.py", "_guards.py",
+                                                    "_guardtools.py", "_frames.py", "_namespaces.py",
+                                                    "_setupdata.py", "_unaudited.py", "_launch.py",
                                                     "_child.py")))
 _RESULT_CAP = 1 << 16
 
