@@ -100,7 +100,10 @@ def parse_args(argv: list[str]) -> BenchOptions:
         if item.startswith("--local_rank"):
             continue
         if not (item.startswith("--") and "=" in item and "." in item.split("=", 1)[0]):
-            p.error(f"unrecognized argument {item!r} (overrides look like --section.key=value)")
+            from dstrain.cli_flags import close_flag
+            meant = close_flag(item, p)
+            p.error(f"unrecognized argument {item!r} " + (f"(did you mean {meant}?)" if meant else
+                                                          "(overrides look like --section.key=value)"))
         overrides.append(item)
     for name in ("steps", "nproc"):
         if getattr(args, name) < 1:

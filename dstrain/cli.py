@@ -332,10 +332,13 @@ def _output_problem(cfg, resume: bool = False) -> str | None:
 
 def cmd_bench(args, overrides) -> int:
     from dstrain import bench
-    return bench.main([args.recipe, *overrides, *args.bench_args])
+    return bench.main([*args.bench_args, *overrides])
 
 
 # ---------------------------------------------------------------- parser
+
+RECIPE_HELP = "run config JSON, e.g. models/gpt/recipes/tiny.json"
+
 
 def build_parser() -> argparse.ArgumentParser:
     from dstrain.cli_tools import cmd_check_config, cmd_export, cmd_hostfile, cmd_plan
@@ -345,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", allow_abbrev=False, help="run training (what each rank runs)",
                        description="--dotted.key=value overrides (e.g. --train.lr=3e-4) win over the recipe.")
-    t.add_argument("recipe")
+    t.add_argument("recipe", help=RECIPE_HELP)
     t.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
     t.set_defaults(func=cmd_train)
 
@@ -353,10 +356,11 @@ def build_parser() -> argparse.ArgumentParser:
     la = sub.add_parser("launch", allow_abbrev=False, help="build and run the deepspeed (or torchrun) command",
                         description="Options may come before or after RECIPE; --dotted.key=value overrides "
                                     "are passed to every rank in order.")
-    la.add_argument("recipe")
+    la.add_argument("recipe", help=RECIPE_HELP)
     launcher.add_launch_options(la)  # the options of `python -m dstrain.launcher`
     la.set_defaults(master_port=None)  # unset: a free port on one node, 29500 across nodes
-    la.add_argument("--launcher", choices=["deepspeed", "torchrun"], default="deepspeed")
+    la.add_argument("--launcher", choices=["deepspeed", "torchrun"], default="deepspeed",
+                    help="what starts the ranks (default: deepspeed)")
     la.add_argument("--resume", action="store_true", help="ranks continue from the latest complete checkpoint")
     la.add_argument("--dry-run", action="store_true", help="print the command, do not run it; show the master "
                     "address chosen and why, the ports and the environment ranks on other hosts receive")
@@ -377,11 +381,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plan", allow_abbrev=False, help="print the memory plan without training",
                         description="--dotted.key=value overrides (e.g. --model.size=xl) win over the recipe.")
-    pl.add_argument("recipe")
+    pl.add_argument("recipe", help=RECIPE_HELP)
     pl.add_argument("--world-size", type=int, help="data-parallel ranks to plan for")
     pl.add_argument("--device-memory", help='memory of one device, e.g. "80GB" (plans for GPUs)')
-    pl.add_argument("--gpus-per-node", type=int, default=8)
-    pl.add_argument("--device", choices=["cpu", "cuda"])
+    pl.add_argument("--gpus-per-node", type=int, default=8, help="ranks that share one node's host memory "
+                                                                 "(default 8)")
+    pl.add_argument("--device", choices=["cpu", "cuda"], help="device to plan for (default: this machine's; "
+                                                              "cuda with --device-memory)")
     pl.add_argument("--show-json", action="store_true", help="also print the resolved DeepSpeed JSON")
     pl.set_defaults(func=cmd_plan)
 
@@ -391,7 +397,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--device", choices=["cpu", "cuda"], help="device a DeepSpeed JSON is checked for "
                                                              "(default: this machine's)")
     c.add_argument("--world-size", type=int, help="data-parallel ranks for a DeepSpeed JSON's batch keys "
-                                                  "(default: inferred from them, else 1)")
+                                                  "(default: inferred from them, else 1); for a run config, "
+                                                  "the ranks it runs on (default: its tp x sp x pp)")
     c.set_defaults(func=cmd_check_config)
 
     e = sub.add_parser("export", allow_abbrev=False, help="consolidated fp32 safetensors from a checkpoint")
@@ -400,8 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=cmd_export)
 
     b = sub.add_parser("bench", allow_abbrev=False, help="throughput benchmark (see benchmarks/throughput.py)")
-    b.add_argument("recipe")
-    b.add_argument("bench_args", nargs=argparse.REMAINDER)
+    b.add_argument("bench_args", nargs=argparse.REMAINDER)  # (read by dstrain.bench's own parser: see main)
     b.set_defaults(func=cmd_bench)
     return p
 
@@ -415,15 +421,22 @@ def main(argv: list[str] | None = None) -> int:
     from dstrain.resilience import NonFiniteError
 
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # all of it for the benchmark's own parser: its --help, its flags in any order
+        args, extra = argparse.Namespace(command="bench", func=cmd_bench, bench_args=argv[1:]), []
+    else:
+        args, extra = parser.parse_known_args(argv)
     overrides, unknown = _split_overrides(extra)
+    from dstrain.cli_flags import flags_written_as_overrides, subcommand_parser, unknown_flags_problem
+    sub = subcommand_parser(parser, args.command)  # its usage, and the flag meant (--nprocs: --nproc)
+    unknown += flags_written_as_overrides(overrides, sub)  # --nprocs=2 is not a run config key
     if unknown:
         for i, item in enumerate(extra[:-1]):  # "--train.steps 5": an override written without its "="
             if item in overrides and "=" not in item and extra[i + 1] in unknown:
                 print(f"dstrain: error: command line: {item} {extra[i + 1]}: overrides look like "
                       f"--section.key=value ({item}={extra[i + 1]})", file=sys.stderr)
                 return EXIT_CONFIG
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        sub.error(unknown_flags_problem(unknown, sub))
     if args.command != "train":  # (a rank holds Ctrl-C for its trainer: dstrain.rank_exit.hold_stop_signals)
         from dstrain.cli_checks import catch_ctrl_c
         catch_ctrl_c()
@@ -463,15 +476,18 @@ def main(argv: list[str] | None = None) -> int:
 def _rank_failed() -> int:
     """A rank's unexpected error: its traceback if it is the first rank to fail, else nothing (exit 1).
     A collective that lost its peer (killed, out of memory) is one line, not gloo's or NCCL's traceback."""
+    from dstrain.rank_exit import PEER_LOST_EXIT_DELAY_S, peer_lost_line
+    from dstrain.resilience import Watchdog
+    line = peer_lost_line(sys.exc_info()[1], os.environ.get("RANK", "0"), Watchdog.last)
     if _reports_failure():
-        from dstrain.rank_exit import peer_lost_line
-        from dstrain.resilience import Watchdog
-        line = peer_lost_line(sys.exc_info()[1], os.environ.get("RANK", "0"), Watchdog.last)
         if line:
             print(line, file=sys.stderr, flush=True)
         else:
             import traceback
             traceback.print_exc()
+    if line:  # the peer is gone: let the launcher find its status (a signal, named) before this exit 1
+        import time
+        time.sleep(PEER_LOST_EXIT_DELAY_S)
     return 1
 
 if __name__ == "__main__":

@@ -72,8 +72,8 @@ def cmd_check_config(args, overrides) -> int:
     except (ConfigError, UnicodeDecodeError):
         data = None  # not plain JSON: a DeepSpeed file may still be (comments: DeepSpeed reads hjson), or named there
         from dstrain.cli_checks import loose_run_config
-        if loose_run_config(args.file):  # a run config with comments: said so, not checked as a DeepSpeed JSON
-            raise
+        if loose_run_config(args.file) or Path(args.file).is_dir():  # a run config with comments: said so, not
+            raise  # checked as a DeepSpeed JSON; a folder: named as one
     sections = {f for f in RunConfig.__dataclass_fields__}
     from dstrain.engine.ds_files import nests_ds_config
     if data and set(data) <= sections and not nests_ds_config(data):  # an empty {} is a DeepSpeed JSON that leaves everything to the run
@@ -81,7 +81,9 @@ def cmd_check_config(args, overrides) -> int:
         if cfg.deepspeed.profile != "auto":  # the DeepSpeed JSON it names, against it, as a launch checks it
             from dstrain.engine.ds_check import this_device
             from dstrain.engine.ds_preflight import adopt_file_values, check_run
-            world = 1 if args.world_size is None else args.world_size
+            par = cfg.parallel  # default: the fewest ranks the layout takes (pp 2: 2 ranks, not 1)
+            world = par.tp * par.sp * (par.pp if isinstance(par.pp, int) else 1) if args.world_size is None \
+                else args.world_size
             adopt_file_values(cfg, world)
             for note in check_run(cfg, world, args.device or this_device()):
                 print(f"dstrain: note: {note}", file=sys.stderr)

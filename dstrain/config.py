@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from dstrain.config_text import invalid_json_problem, section_error_key  # one-line messages
+from dstrain.config_text import folder_problem, invalid_json_problem, section_error_key  # one-line messages
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 """torch.compile modes ``train.compile_mode`` accepts."""
@@ -366,7 +366,13 @@ def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
         parts = key.split(".")
         top = _field_types(RunConfig)
         if len(parts) < 2 and (key not in top or dataclasses.is_dataclass(top[key])):
-            raise ConfigError("command line", key, "name a section and a key, e.g. --train.lr=3e-4")
+            plain = [k for k in top if not dataclasses.is_dataclass(top[k])]  # --tranier=lm: --trainer
+            if key not in top and difflib.get_close_matches(key, plain, n=1):
+                raise _unknown_key("command line", key, plain)
+            owners = [f"--{k}.{text.lstrip('-')}" for k, t in top.items()  # --steps=5: --train.steps=5
+                      if dataclasses.is_dataclass(t) and key in _field_types(t)]
+            raise ConfigError("command line", key, "name a section and a key, e.g. "
+                              + (" or ".join(owners) or "--train.lr=3e-4"))
         node = data
         cls: Any = RunConfig
         for i, part in enumerate(parts[:-1]):
@@ -389,6 +395,8 @@ def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
 def read_json(path: str | Path) -> dict:
     """Read a JSON object; errors name the file, line and column."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(str(path), "", folder_problem(path))
     try:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as err:  # UnicodeDecodeError: a binary file (a checkpoint's .pt)
@@ -413,10 +421,21 @@ def run_config_from_dict(data: Mapping[str, Any], source: str = "<dict>",
         cfg = _build(RunConfig, merged, source, "")
         validate(cfg, source)
     except ConfigError as err:
-        if err.key in override_keys:
+        if err.key in override_keys or (overrides and _file_alone_is_valid(data, source)):
+            # (an override that clashes with the file, --model.args.dilation_rates=[1,2] beside its three
+            # segment lengths, is the command line's doing too)
             raise ConfigError("command line", err.key, err.problem) from None
         raise
     return cfg
+
+
+def _file_alone_is_valid(data: Mapping[str, Any], source: str) -> bool:
+    from dstrain.config_checks import validate
+    try:
+        validate(_build(RunConfig, json.loads(json.dumps(data)), source, ""), source)
+    except Exception:  # noqa: BLE001 - the file has problems of its own: the error stays the file's
+        return False
+    return True
 
 
 def load_run_config(path: str | Path, overrides: Sequence[str] = ()) -> RunConfig:

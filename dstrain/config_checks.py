@@ -177,6 +177,10 @@ def _validate_model(cfg: RunConfig, source: str) -> None:
     except (ValueError, TypeError) as err:  # the key it names, so that a typo in an override names the command line
         bad = next((k for k in cfg.model.args if repr(k) in str(err) or str(err).startswith(f"{k} ")), None)
         raise ConfigError(source, "model.args" + (f".{bad}" if bad else ""), str(err)) from None
+    par = cfg.parallel
+    if spec.layout_problem is not None and (found := spec.layout_problem(mcfg, par.tp, par.sp, par.sp_mode,
+                                                                           cfg.data.seq_len)):
+        raise ConfigError(source, *found)  # (what each rank would raise at its first forward)
     block = getattr(mcfg, "block_size", None)
     if block is not None and cfg.data.seq_len > block:
         raise ConfigError(source, "data.seq_len",

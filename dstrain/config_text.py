@@ -31,3 +31,11 @@ def section_error_key(prefix: str, message: str) -> str:
     import re
     named = re.match(rf"{re.escape(prefix)}[A-Za-z_][A-Za-z0-9_]*(?=[\s:,]|$)", message) if prefix else None
     return named.group(0) if named else prefix.rstrip(".")
+
+
+def folder_problem(path) -> str:
+    """What to say when a folder is named where a JSON file goes (``dstrain launch models/gpt/recipes``)."""
+    from pathlib import Path
+    files = sorted(Path(path).glob("*.json")) or sorted(Path(path).glob("*/*.json"))
+    named = ", ".join(str(f) for f in files[:4]) + (", ..." if len(files) > 4 else "")
+    return "is a folder, not a JSON file: name a file" + (f", e.g. {named}" if named else "")

@@ -361,10 +361,12 @@ def add_launch_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hostfile", default=None, help="DeepSpeed hostfile: 'hostname slots=N' per line")
     parser.add_argument("--num-nodes", type=int, default=None, help="use the first N hosts")
     parser.add_argument("--master-addr", default=None, help="address of the first node (multi-node)")
-    parser.add_argument("--master-port", type=int, default=DEFAULT_MASTER_PORT)
+    parser.add_argument("--master-port", type=int, default=DEFAULT_MASTER_PORT,
+                        help="rendezvous port on the first node")
     parser.add_argument("--include", default=None, help="deepspeed --include, e.g. 'worker-0@worker-1:0,2'")
     parser.add_argument("--exclude", default=None, help="deepspeed --exclude, e.g. 'worker-1:0'")
-    parser.add_argument("--accelerator", choices=ACCELERATORS, default="auto")
+    parser.add_argument("--accelerator", choices=ACCELERATORS, default="auto",
+                        help="auto: $DS_ACCELERATOR if set, else cuda where a GPU is found, else cpu (gloo)")
     parser.add_argument("--local-addr", default=None,
                         help="torchrun, several nodes: this node's address as the others reach it "
                              "(default: this host's entry in the hostfile, else what its hostname resolves to)")
@@ -406,7 +408,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--nodes", type=int, default=1, help="nodes for --backend srun")
     parser.add_argument("--print", dest="dry_run", action="store_true", help="print the command, run nothing")
     add_launch_arguments(parser)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # (a typo of a launch flag: --nprocs 2)
+        from dstrain.cli_flags import unknown_flags_problem
+        parser.error(unknown_flags_problem(unknown, parser))
     try:
         spec = spec_from_args(args)
         if spec.hostfile and args.backend != "srun":

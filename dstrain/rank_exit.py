@@ -233,6 +233,13 @@ def peer_lost(err: BaseException) -> str | None:
     return None
 
 
+PEER_LOST_EXIT_DELAY_S = 2.5
+"""How long a rank that lost its peer waits before it exits 1. DeepSpeed's launcher polls its ranks once a second,
+in no fixed order, and returns the status of the first failed one it finds: a survivor that left at once could be
+found before the rank that was killed (SIGKILL, the out-of-memory killer), and ``dstrain launch`` then said nothing
+of the signal and returned 1. Waiting longer than one poll lets the dead rank's signal be found first (then named)."""
+
+
 def peer_lost_line(err: BaseException, rank: int | str, where: tuple[str | None, int] | None = None) -> str | None:
     """``dstrain: rank R lost contact with the job (a peer died or left) in PHASE of step S: WHAT``, or None."""
     what = peer_lost(err)

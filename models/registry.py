@@ -47,6 +47,8 @@ class ModelSpec:
         compile_regions: ``compile_regions(model) -> [nn.Module]``: the submodules
             ``train.compile_scope=regions`` (and ``auto``) compiles one by one instead of the whole
             model, for models that call the same module many times per forward; None otherwise.
+        layout_problem: ``layout_problem(config, tp, sp, sp_mode, seq_len) -> (key, why) | None``: why the model
+            cannot be split that way (checked when the run config loads, before any rank starts); None: no check.
     """
 
     name: str
@@ -58,6 +60,7 @@ class ModelSpec:
     rl: Any = None
     pipeline: Callable[..., Any] | None = None
     compile_regions: Callable[[torch.nn.Module], list] | None = None
+    layout_problem: Callable[..., tuple[str, str] | None] | None = None
 
     def inputs_for_trace(self, config: Any, micro_batch: int, seq_len: int) -> tuple:
         """Arguments of one loss-returning forward (see ``example_inputs``)."""

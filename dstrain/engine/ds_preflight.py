@@ -208,6 +208,13 @@ def check_run(cfg: RunConfig, world_size: int, device_type: str, strict: bool = 
                           "use --deepspeed.precision=bf16 or --deepspeed.precision=fp32")
     if template is None:
         return []
+    stage = (template.get("zero_optimization") or {}).get("stage", 0)
+    if cfg.parallel.pp not in (1, "auto") and isinstance(stage, int):  # as the factory checks it (check-config did
+        from dstrain.parallel.pipeline import check_profile  # not plan, and called pp 2 with zero3 valid)
+        try:
+            check_profile(template, source)
+        except ValueError as err:
+            raise ConfigError(source, "", str(err).removeprefix(f"{source}: ")) from None
     from dstrain.engine import ds_trainers
     dp = data_parallel_size(cfg, world_size)
     ds_trainers.hrm_file_problems(cfg, template, dp, source)

@@ -5,7 +5,7 @@ import torch
 from models.registry import ModelSpec
 
 from .model import DilatedLM, DilatedLMConfig
-from .parallelize import parallelize_dilated_lm
+from .parallelize import layout_problem, parallelize_dilated_lm
 from .sizes import SIZES
 
 
@@ -29,6 +29,7 @@ SPEC = ModelSpec(
     parallelize=parallelize_dilated_lm,
     example_inputs=example_inputs,
     pipeline=_pipeline_parts,
+    layout_problem=layout_problem,
 )
 
 __all__ = ["DilatedLM", "DilatedLMConfig", "SIZES", "SPEC", "parallelize_dilated_lm"]

@@ -52,6 +52,34 @@ def apply_sequence_parallel(model: DilatedLM, state: ParallelState, mode: str = 
     model.seq_shard = (state.sp_rank, state.dims.sp)
 
 
+def layout_problem(cfg, tp: int, sp: int, sp_mode: str, seq_len: int) -> tuple[str, str] | None:
+    """``(key, why)`` when ``cfg`` cannot train on tp x sp with ``sp_mode`` at ``seq_len`` tokens, else None: what
+    the layers would raise in every rank (the sequence-parallel mode at the first forward), asked at config load."""
+    if cfg.n_head % tp:
+        return "parallel.tp", f"n_head {cfg.n_head} is not divisible by tp = {tp}"
+    if cfg.padded_vocab % tp:
+        return "parallel.tp", f"padded vocabulary {cfg.padded_vocab} is not divisible by tp = {tp}"
+    if seq_len % sp:
+        return None  # (refused as data.seq_len)
+    from dstrain.ops.dilated import make_branches
+    from dstrain.parallel.sequence import choose_mode
+    branches = make_branches(cfg.segment_lengths, cfg.dilation_rates)
+    if sp > 1:
+        try:
+            mode = choose_mode(sp_mode, branches, seq_len, sp, cfg.n_head // tp, cfg.sparse_keep < 1.0)
+        except ValueError as err:
+            return "parallel.sp_mode", str(err)
+        refuses = mode == "ulysses" and (not cfg.causal or cfg.sparse_keep < 1.0)  # as the layer checks it
+    else:  # dstrain.ops.dilated.dilated_attention pads a length the segments do not tile only for these
+        refuses = not (cfg.causal and (cfg.sparse_block == 0 or cfg.sparse_keep >= 1.0))
+    try:
+        for br in branches if refuses else ():
+            br.effective(seq_len)
+    except ValueError as err:
+        return "data.seq_len", str(err)
+    return None
+
+
 def parallelize_dilated_lm(model: nn.Module, activation_checkpointing: bool = False,
                            state: ParallelState | None = None, sp_mode: str = "auto") -> nn.Module:
     """Prepare ``model`` for training on ``state``'s layout and return it (changed in place)."""
