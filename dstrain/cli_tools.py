@@ -52,9 +52,11 @@ def cmd_plan(args, overrides) -> int:
         print(f"dstrain: note: {note}", file=sys.stderr)
     plan = plan_engine(cfg, world, ranks_per_node=min(world, args.gpus_per_node), device_type=device)
     print(plan.explanation)
+    from dstrain.trainers import get_trainer
+    for note in getattr(get_trainer(cfg.trainer), "plan_notes", lambda c, p: [])(cfg, plan):
+        print(f"dstrain: note: {note}", file=sys.stderr)
     if args.show_json:
         print(json.dumps(plan.ds_config, indent=2))
-    from dstrain.trainers import get_trainer
     report = getattr(get_trainer(cfg.trainer), "plan_report", None)  # trainers with several models
     if report is not None:
         table, problem = report(cfg, plan, world, min(world, args.gpus_per_node), device, args.gpus_per_node)

@@ -60,12 +60,13 @@ def available() -> list[str]:
 
 
 def build_tokenizer(vocab: int = 300, *, pad: str | None = "<pad>", eos: str = "<|endoftext|>",
-                    bos: str | None = None, add_bos: bool = False, chat: bool = False,
+                    bos: str | None = None, add_bos: bool = False, add_eos: bool = False, chat: bool = False,
                     padding_side: str = "right", extra_special: tuple[str, ...] = ()):
     """A byte-level BPE trained on :data:`TEXT`, as a ``PreTrainedTokenizerFast``.
 
     ``pad`` None: no pad token; ``pad == eos``: pad is the EOS token. ``add_bos``:
-    a post-processor puts ``bos`` in front of every encoding (as Llama's tokenizers do).
+    a post-processor puts ``bos`` in front of every encoding (as Llama's tokenizers do); ``add_eos``:
+    it also appends ``eos`` (a Llama tokenizer saved with ``add_eos_token=True``).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
@@ -78,9 +79,12 @@ def build_tokenizer(vocab: int = 300, *, pad: str | None = "<pad>", eos: str = "
     trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=specials, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     core.train_from_iterator([TEXT], trainer=trainer)
-    if add_bos:
+    if add_bos or add_eos:
+        head, tail = (f"{bos} " if add_bos else ""), (f" {eos}" if add_eos else "")
+        used = [t for t, on in ((bos, add_bos), (eos, add_eos)) if on]
         core.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, core.token_to_id(bos))])
+            single=f"{head}$A{tail}", pair=f"{head}$A{tail} {head}$B{tail}",
+            special_tokens=[(t, core.token_to_id(t)) for t in dict.fromkeys(used)])
     kw = dict(eos_token=eos, padding_side=padding_side, clean_up_tokenization_spaces=False)
     if pad:
         kw["pad_token"] = pad
@@ -93,12 +97,19 @@ def build_tokenizer(vocab: int = 300, *, pad: str | None = "<pad>", eos: str = "
 
 
 def build_checkpoint(kind: str, out_dir: str, *, extra_vocab: int = 0, tie: bool | None = None,
-                     eos_list: bool = False, seed: int = 0, **tok_kw) -> str:
+                     eos_list: bool = False, seed: int = 0, config: dict | None = None,
+                     generation: dict | None = None, dtype: torch.dtype | None = None,
+                     shard: str | None = None, weights: str = "safetensors", **tok_kw) -> str:
     """Write a tiny random ``kind`` checkpoint with its tokenizer to ``out_dir``; returns it.
 
     ``extra_vocab``: embedding rows beyond the tokenizer's (a padded vocabulary).
     ``eos_list``: ``generation_config.eos_token_id`` is a list (EOS and ``<|im_end|>``,
     Llama-3/Qwen style; needs ``chat=True``). ``tie``: tie the output head.
+    ``config``: more ``config.json`` fields (``rope_scaling``, ``sliding_window``...);
+    ``generation``: more ``generation_config.json`` fields (``temperature``, ``repetition_penalty``...).
+    ``dtype``: the weights saved in it (``config.json`` then says so, as shipped bf16/fp16
+    checkpoints do). ``shard``: ``save_pretrained``'s ``max_shard_size`` (e.g. ``"20KB"``: an
+    index plus shards). ``weights="bin"``: only a ``pytorch_model.bin`` (older checkpoints).
     """
     import transformers
 
@@ -107,7 +118,7 @@ def build_checkpoint(kind: str, out_dir: str, *, extra_vocab: int = 0, tie: bool
     n = len(tok) + extra_vocab
     ids = dict(eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id if tok.bos_token_id
                is not None else tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    cfg = getattr(transformers, cfg_cls)(vocab_size=n, **arch, **ids)
+    cfg = getattr(transformers, cfg_cls)(vocab_size=n, **{**arch, **(config or {})}, **ids)
     if tie is not None:
         cfg.tie_word_embeddings = tie
     torch.manual_seed(seed)
@@ -118,9 +129,15 @@ def build_checkpoint(kind: str, out_dir: str, *, extra_vocab: int = 0, tie: bool
                 p.normal_(0.0, 0.2)
     gen = transformers.GenerationConfig(
         eos_token_id=[tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")] if eos_list
-        else tok.eos_token_id, bos_token_id=ids["bos_token_id"], pad_token_id=tok.pad_token_id)
+        else tok.eos_token_id, bos_token_id=ids["bos_token_id"], pad_token_id=tok.pad_token_id,
+        **(generation or {}))
     model.generation_config = gen
     os.makedirs(out_dir, exist_ok=True)
-    model.save_pretrained(out_dir)
+    if dtype is not None:
+        model.to(dtype)
+    model.save_pretrained(out_dir, **({"max_shard_size": shard} if shard else {}))
+    if weights == "bin":  # the older format: one pickled state dict, no safetensors
+        os.remove(os.path.join(out_dir, "model.safetensors"))
+        torch.save(model.state_dict(), os.path.join(out_dir, "pytorch_model.bin"))
     tok.save_pretrained(out_dir)
     return out_dir

@@ -138,6 +138,9 @@ class VLLMToolkit:
         from models.policy.tokenizer import encode_prompt, eos_token_ids
         encoded = [encode_prompt(tokenizer, p) for p in prompts]
         rows = [ids for ids in encoded for _ in range(num_samples)]
+        from models.policy.model import rope_length_problem
+        if (why := rope_length_problem(self.tr.policy.hf.config, max(map(len, rows)) + max_new_tokens)):
+            raise ValueError(why)
         base_seed = 0 if seed is None else int(seed)
         # the hf generator's suppressed ids (pad, BOS, a padded embedding's rows), left out here too
         vocab = policy_vocab_size(self.tr.policy)

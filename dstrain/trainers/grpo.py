@@ -69,6 +69,7 @@ class GRPOTrainer(RLLoop):
         self.train_tasks, self.eval_tasks = prl.load_task_sets(self.task, cfg.data.seed)
         if not self.train_tasks:
             raise ConfigError("run config", "task", "the task source gave no training tasks")
+        source_cfg = cfg  # the user's checkpoint, before a warm start replaces model.args.path
         warm = prl.warm_start(cfg, self.task, self.train_tasks, self.world, self.out, log=self._print)
         if warm is not None:
             cfg = prl.with_model_path(cfg, warm)
@@ -79,6 +80,8 @@ class GRPOTrainer(RLLoop):
             pin_plan(cfg, self.ckpt_root, resume_tag)
         self.plan = plan_and_record(cfg, self.world, self.out, resume=(self.ckpt_root, resume_tag),
                                     updates_per_step=self.task.num_iterations)
+        for note in prl.plan_notes(source_cfg, self.plan):
+            prl.append_plan_note(self.out, self.world, note)
 
         runtime.seed_everything(cfg.train.seed)
         stage3 = self.plan.zero["stage"] == 3
@@ -250,6 +253,9 @@ class GRPOTrainer(RLLoop):
 
     def summary_extras(self) -> dict:
         return {}
+
+
+plan_notes = prl.plan_notes  # ``dstrain plan``'s hook: notes on the checkpoint's weights
 
 
 def train(cfg: RunConfig) -> dict:

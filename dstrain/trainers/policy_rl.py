@@ -258,6 +258,29 @@ def frozen_model_note(role: str, ref, how: str) -> str:
             "choice and the precision (no optimizer, scheduler or other ZeRO keys)")
 
 
+def weights_note(cfg: RunConfig, precision: str) -> str | None:
+    """One plan line about a checkpoint saved in 16 bits (``config.json`` dtype bf16/fp16), else None: it is loaded
+    as fp32 master weights and trained in ``precision``; ``dstrain export`` writes it back in its own dtype. A bf16
+    checkpoint trained in fp16 gets a caution: activations a model learnt in bf16's range may overflow fp16's."""
+    _, mcfg, rl = policy_toolkit(cfg)
+    dtype = getattr(rl, "checkpoint_dtype", lambda _: None)(mcfg)
+    if dtype is None or dtype == torch.float32:
+        return None
+    name = str(dtype).replace("torch.", "")
+    line = (f"policy weights: {mcfg.path} holds {name} weights (config.json dtype); loaded as fp32 master weights "
+            f"and trained in {precision}; dstrain export: written back in {name}")
+    if precision == "fp16" and dtype == torch.bfloat16:
+        line += (". Caution: a model trained in bf16 may overflow fp16's range (65504) in its activations "
+                 "(inf/NaN loss): prefer --deepspeed.precision=bf16 or fp32")
+    return line
+
+
+def plan_notes(cfg: RunConfig, plan) -> list[str]:
+    """``dstrain plan``'s notes for a policy run (the trainers' ``plan_notes`` hook)."""
+    note = weights_note(cfg, plan.precision)
+    return [note] if note else []
+
+
 def append_plan_note(out: Path, world, line: str) -> None:
     """Rank 0: ``line`` printed and added to ``out/plan.txt``."""
     if world.is_main:

@@ -41,6 +41,7 @@ from dstrain.trainers.rl_loop import RLLoop, batch_layout, sandbox_pool
 from dstrain.trainers.score_config import ScoreTaskConfig
 from dstrain.trainers.score_step import ScoreModels, ScoreStep
 
+plan_notes = prl.plan_notes  # ``dstrain plan``'s notes on the checkpoint's weights
 plan_report = sc.plan_report  # ``dstrain plan``'s hook: the placement table, and why it does not fit
 
 
@@ -61,6 +62,7 @@ class ScoreTrainer(RLLoop):
         self.train_tasks, self.eval_tasks = prl.load_task_sets(self.task, cfg.data.seed)
         if not self.train_tasks:
             raise ConfigError("run config", "task", "the task source gave no training tasks")
+        source_cfg = cfg  # the user's checkpoint, before a warm start replaces model.args.path
         warm, guidance_warm = self._warm_start(cfg)
         if warm is not None:
             cfg = prl.with_model_path(cfg, warm)
@@ -85,6 +87,8 @@ class ScoreTrainer(RLLoop):
             (self.out / "ds_config.json").write_text(json.dumps(self.plan.ds_config, indent=2) + "\n")
             (self.out / "plan.txt").write_text(self.plan.explanation + "\n" + table + "\n")
             print(self.plan.explanation + "\n" + table, flush=True)
+        for note in prl.plan_notes(source_cfg, self.plan):
+            prl.append_plan_note(self.out, w, note)
 
         runtime.seed_everything(cfg.train.seed)
         self.models, self.devices, self.profiles = self._build_models()

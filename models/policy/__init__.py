@@ -14,6 +14,7 @@ from models.registry import ModelSpec
 from .config import SIZES, PolicyConfig
 from .generation import Completion, generate, pack
 from .heads import ValueHead
+from .hf_files import checkpoint_dtype
 from .model import PolicyModel, build_policy, is_partitioned, is_zero3, token_entropy, token_logprobs
 from .reference import (ReferencePolicy, export_pretrained, full_state_dict, load_full_state_dict,
                         reference_ds_config, save_pretrained)
@@ -53,6 +54,7 @@ RL = SimpleNamespace(
     save_pretrained=save_pretrained,                  # (model, directory, tokenizer=None): HF checkpoint
     export_pretrained=export_pretrained,              # (state with hf. names, config, directory): HF checkpoint
     value_head=ValueHead,                             # (backbone, hidden_size=None, init="normal"): critic / value
+    checkpoint_dtype=checkpoint_dtype,                # (config) -> dtype the checkpoint's weights were saved in, or None
 )
 """The toolkit dstrain's RL trainers use (``ModelSpec.rl``)."""
 

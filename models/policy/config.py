@@ -80,6 +80,10 @@ class PolicyConfig:
         if self.path and not os.path.isfile(os.path.join(self.path, "config.json")):
             raise ValueError(f"path {self.path!r} is not a Hugging Face checkpoint directory "
                              "(no config.json there)")
+        if self.path:
+            from .hf_files import checkpoint_problem
+            if (why := checkpoint_problem(self.path)):
+                raise ValueError(f"path {self.path!r} cannot be loaded as a policy: {why}")
 
 
 # Parameter counts measured with build_policy on the meta device (vocabulary 259).

@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from .model import PolicyModel, is_partitioned
+from .model import PolicyModel, is_partitioned, rope_length_problem
 from .tokenizer import encode_prompt, eos_token_ids
 
 
@@ -215,6 +215,8 @@ def _generate(policy, tok, prompts, num_samples, temperature, top_p, max_new_tok
     width = max(len(r) for r in rows)
     if width == 0:
         raise ValueError("all prompts are empty: give at least one token to condition on")
+    if (why := rope_length_problem(policy.hf.config, width + max_new_tokens)):
+        raise ValueError(why)
     vocab = policy_vocab_size(policy)
     if max(max(r, default=0) for r in rows) >= vocab:
         raise ValueError(f"a prompt holds token id {max(max(r, default=0) for r in rows)}, past the model's "

@@ -114,6 +114,45 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tenso
     return torch.stack([torch.cat(r) for r in rows])
 
 
+# --------------------------------------------------------------------- positions
+def _rope_sets(cfg) -> list[dict]:
+    """The rope parameter dicts of a transformers config (one per layer type where it has several)."""
+    rp = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None)
+    if not isinstance(rp, dict):
+        return []
+    if "rope_type" in rp or "type" in rp:
+        return [rp]
+    return [v for v in rp.values() if isinstance(v, dict)]
+
+
+def rope_length_problem(config, length: int) -> str | None:
+    """Why sequences of ``length`` tokens get other log-probs with a KV cache than without, else None.
+
+    Rotary scaling of type ``dynamic`` (NTK) recomputes its frequencies from the longest position
+    seen once a sequence passes ``max_position_embeddings``, and ``longrope`` switches to its long
+    factors past ``original_max_position_embeddings``: generation with a KV cache keeps the keys it
+    computed at shorter lengths, the training forward scores every token at the full length, so the
+    sampled distribution is not the one the log-probs (GRPO's ratio and KL) are taken under.
+    """
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for rp in _rope_sets(cfg):
+        kind = rp.get("rope_type", rp.get("type"))
+        if kind == "dynamic":
+            limit = int(getattr(cfg, "max_position_embeddings", 0) or 0)
+        elif kind in ("longrope", "su"):
+            limit = int(rp.get("original_max_position_embeddings")
+                        or getattr(cfg, "original_max_position_embeddings", 0) or 0)
+        else:
+            continue
+        if limit and length > limit:
+            return (f"the checkpoint's rotary scaling ({kind!r}, config.json rope_scaling) changes its frequencies "
+                    f"for sequences past {limit} tokens, and {length} (prompt + max_new_tokens) would pass it: "
+                    "tokens sampled with a KV cache and the same tokens scored without one would get different "
+                    "log-probabilities (GRPO's ratio and KL would be off from the first step). Shorten "
+                    f"task.max_new_tokens or the prompts to stay within {limit} tokens")
+    return None
+
+
 # --------------------------------------------------------------------- the module
 def _normal_(param: torch.Tensor, std: float) -> None:
     """N(0, std) drawn in fp32 from the CPU generator, whatever the device and dtype of ``param``.

@@ -89,14 +89,32 @@ def load_full_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor]) ->
 def save_pretrained(model: PolicyModel, directory: str, tokenizer=None) -> None:
     """Write a Hugging Face checkpoint of ``model`` (and ``tokenizer``) that ``path=`` loads.
 
-    Gathers first under ZeRO-3 (collective: every rank calls it); rank 0 writes.
+    Gathers first under ZeRO-3 (collective: every rank calls it); rank 0 writes. The weights are
+    written as the model holds them (fp32 when training); where that is not the dtype its checkpoint
+    came in (bf16, fp16), ``config.json`` keeps that one as ``dstrain_export_dtype``, so that a run that
+    starts from this folder (a warm start) still exports in the user's dtype.
     """
     import torch.distributed as dist
+
+    from .hf_files import EXPORT_DTYPE_KEY, declared_dtype
 
     state = full_state_dict(model)
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
         return
-    model.hf.save_pretrained(directory, state_dict={k[len("hf."):]: v for k, v in state.items()})
+    source = declared_dtype(model.config.path) if model.config.path else torch.float32
+    written = next(v.dtype for v in state.values() if v.is_floating_point())
+    before = model.hf.config.to_dict().get(EXPORT_DTYPE_KEY)  # read from a folder written like this one
+    if hasattr(model.hf.config, EXPORT_DTYPE_KEY):
+        delattr(model.hf.config, EXPORT_DTYPE_KEY)
+    if source != written:
+        setattr(model.hf.config, EXPORT_DTYPE_KEY, str(source).replace("torch.", ""))
+    try:
+        model.hf.save_pretrained(directory, state_dict={k[len("hf."):]: v for k, v in state.items()})
+    finally:
+        if hasattr(model.hf.config, EXPORT_DTYPE_KEY):
+            delattr(model.hf.config, EXPORT_DTYPE_KEY)
+        if before is not None:
+            setattr(model.hf.config, EXPORT_DTYPE_KEY, before)
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
 
@@ -107,8 +125,11 @@ def export_pretrained(state: Mapping[str, torch.Tensor], config, directory: str)
     The architecture, tokenizer and generation config come from ``config`` (its ``path``
     checkpoint, else the Llama-style build and the byte tokenizer); the folder loads
     with ``path=directory`` or ``AutoModelForCausalLM.from_pretrained``. An output head
-    tied to the embedding may be absent from ``state``.
+    tied to the embedding may be absent from ``state``. The weights are written in the dtype the
+    ``path`` checkpoint declares (``config.json`` ``dtype``/``torch_dtype``: a bf16 checkpoint comes
+    back bf16, not twice its size in the fp32 that training kept), fp32 without one.
     """
+    from .hf_files import declared_dtype
     from .model import build_policy
     from .tokenizer import load_tokenizer
 
@@ -120,6 +141,8 @@ def export_pretrained(state: Mapping[str, torch.Tensor], config, directory: str)
     if unexpected or set(missing) - tied:
         raise KeyError(f"weights do not fit the policy of {config.path or 'the config'}: missing "
                        f"{sorted(set(missing) - tied)[:5]}, unexpected {sorted(unexpected)[:5]}")
+    if config.path:
+        model.to(declared_dtype(config.path))
     save_pretrained(model, directory, load_tokenizer(config))
 
 

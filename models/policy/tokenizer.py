@@ -188,6 +188,33 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
     return head + plain
 
 
+def _embedding_rows(path: str, tok) -> int:
+    """The checkpoint's embedding rows (``config.json`` ``vocab_size``), checked against ``tok``.
+
+    A pad token past the embedding (one added to the tokenizer without resizing the model) is
+    replaced by the EOS token: padded positions are masked, but their ids are still looked up,
+    and an id past the embedding fails inside the model. Any other id past it is refused, naming
+    both sizes: text that encodes to it could never be embedded.
+    """
+    from .hf_files import read_config, text_config
+
+    rows = text_config(read_config(path)).get("vocab_size")
+    if not isinstance(rows, int) or isinstance(rows, bool):
+        return len(tok)
+    pad = tok.pad_token_id
+    if pad >= rows and tok.eos_token_id < rows:
+        tok.pad_token = tok.eos_token
+    over = [i for i in range(rows, len(tok)) if i != pad]
+    if over or tok.eos_token_id >= rows:
+        over = over or [tok.eos_token_id]
+        names = ", ".join(repr(t) for t in tok.convert_ids_to_tokens(over[:3]))
+        raise ValueError(f"the tokenizer in {path} has {len(tok)} ids but the checkpoint's embedding has "
+                         f"{rows} rows (config.json vocab_size): ids {over[0]}..{over[-1]} ({names}"
+                         f"{', ...' if len(over) > 3 else ''}) have no embedding; tokenizer and checkpoint "
+                         "do not belong together")
+    return rows
+
+
 def load_tokenizer(cfg: PolicyConfig):
     """The tokenizer that belongs to ``cfg``'s model, padding on the left.
 
@@ -196,7 +223,8 @@ def load_tokenizer(cfg: PolicyConfig):
     pad (the usual choice for Llama/Qwen checkpoints; padded positions are masked
     anyway), one without an EOS token the checkpoint's first generation EOS. The
     checkpoint's generation EOS ids (``generation_config.json``, possibly a list) are
-    kept on it for :func:`eos_token_ids`. Otherwise (built from config, or a checkpoint
+    kept on it for :func:`eos_token_ids`. A pad token past the model's embedding becomes
+    the EOS token; any other id past it is refused (:func:`_embedding_rows`). Otherwise (built from config, or a checkpoint
     saved without tokenizer) the embedded :func:`byte_tokenizer`.
     """
     if cfg.path and has_tokenizer_files(cfg.path):
@@ -212,7 +240,8 @@ def load_tokenizer(cfg: PolicyConfig):
                              "none (generation_config.json eos_token_id): completions could never end")
         if tok.pad_token_id is None:
             tok.pad_token = tok.eos_token
-        tok.dstrain_eos_ids = [t for t in extra if t < len(tok)]
+        rows = _embedding_rows(cfg.path, tok)
+        tok.dstrain_eos_ids = [t for t in extra if t < min(len(tok), rows)]
         return tok
     return byte_tokenizer(cfg.max_positions)
 

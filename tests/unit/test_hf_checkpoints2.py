@@ -122,6 +122,8 @@ def test_vllm_backend_receives_the_chat_rendered_prompt_ids():
 
     tk = object.__new__(VLLMToolkit)  # no engine here: only the prompt path is under test
     tk.sync, tk.own_tokenizer = (lambda: None), False
+    # the policy's output rows (generate reads its vocabulary size and rope settings): the tokenizer's, no padding
+    tk.tr = SimpleNamespace(policy=SimpleNamespace(hf=SimpleNamespace(config=SimpleNamespace(vocab_size=len(tok)))))
     tk.vllm = SimpleNamespace(SamplingParams=lambda **kw: kw)
     tk.llm = SimpleNamespace(generate=fake_generate)
     got = tk.generate(None, tok, ["def add(a", "x"], num_samples=2, seed=1)

@@ -1,0 +1,133 @@
+"""What a local Hugging Face checkpoint folder holds, read from its files before anything is built.
+
+:func:`checkpoint_problem` is called when the run config is checked (``PolicyConfig.validate``),
+so a folder that cannot load is refused in one line before any rank starts, instead of by
+transformers inside every rank (or, for custom code, by an interactive prompt).
+:func:`declared_dtype` is the dtype the checkpoint's weights were saved in.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+"""The single-file weight names ``from_pretrained`` looks for; each may instead be sharded
+(``<name>.index.json`` plus the shards its ``weight_map`` names)."""
+
+
+def read_config(path: str) -> dict:
+    """The checkpoint's ``config.json`` (``{}`` where it is missing or unreadable)."""
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def text_config(config: dict) -> dict:
+    """The language model's part of a ``config.json`` (a multimodal one nests it in ``text_config``)."""
+    inner = config.get("text_config")
+    return inner if isinstance(inner, dict) else config
+
+
+def _weights_problem(path: str) -> str | None:
+    for name in WEIGHT_FILES:
+        if os.path.isfile(os.path.join(path, name)):
+            return None
+        index = os.path.join(path, name + ".index.json")
+        if os.path.isfile(index):
+            try:
+                with open(index) as f:
+                    shards = sorted(set(json.load(f)["weight_map"].values()))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                return f"its shard index {name}.index.json is not readable (no weight_map)"
+            absent = [s for s in shards if not os.path.isfile(os.path.join(path, s))]
+            if absent:
+                return (f"{len(absent)} of the {len(shards)} weight shards that {name}.index.json names "
+                        f"are missing ({', '.join(absent[:3])}{', ...' if len(absent) > 3 else ''}): an "
+                        "incomplete copy")
+            return None
+    return ("it holds no weights (model.safetensors, pytorch_model.bin, or a sharded "
+            "model.safetensors.index.json with its shards)")
+
+
+def _custom_code_problem(config: dict) -> str | None:
+    """Why the architecture needs the checkpoint's own Python code, else None.
+
+    A config with ``auto_map`` whose ``model_type`` the installed transformers knows (with a causal-LM
+    class) loads with transformers' own code, as ``from_pretrained`` does without ``trust_remote_code``.
+    """
+    auto_map = config.get("auto_map")
+    if not auto_map:
+        return None
+    model_type = config.get("model_type")
+    try:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        native = model_type in CONFIG_MAPPING and model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:
+        native = False
+    if native:
+        return None
+    code = auto_map.get("AutoModelForCausalLM") if isinstance(auto_map, dict) else None
+    return (f"its architecture (model_type {model_type!r}{f', {code}' if code else ''}) is defined by Python "
+            "code shipped in the checkpoint (auto_map in config.json), which needs trust_remote_code: dstrain "
+            "never runs a checkpoint's own code and downloads nothing; use a checkpoint of an architecture the "
+            "installed transformers has")
+
+
+def _custom_tokenizer_problem(path: str) -> str | None:
+    """Why the tokenizer needs the checkpoint's own code (``auto_map`` in ``tokenizer_config.json`` and a
+    ``tokenizer_class`` the installed transformers lacks), else None."""
+    try:
+        with open(os.path.join(path, "tokenizer_config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return None
+    auto_map = cfg.get("auto_map") if isinstance(cfg, dict) else None
+    if not (isinstance(auto_map, dict) and auto_map.get("AutoTokenizer")):
+        return None
+    cls = str(cfg.get("tokenizer_class") or "")
+    import transformers
+    if cls and (hasattr(transformers, cls) or hasattr(transformers, cls.removesuffix("Fast"))):
+        return None
+    return (f"its tokenizer ({cls or 'no tokenizer_class'}) is defined by Python code shipped in the checkpoint "
+            "(auto_map in tokenizer_config.json), which needs trust_remote_code: dstrain never runs a checkpoint's "
+            "own code and downloads nothing; use a checkpoint whose tokenizer the installed transformers has")
+
+
+def checkpoint_problem(path: str) -> str | None:
+    """Why the folder ``path`` (which has a ``config.json``) cannot be loaded as a policy, else None:
+    no weights or an incomplete sharded copy, or an architecture or tokenizer that exists only as
+    custom code."""
+    return _weights_problem(path) or _custom_code_problem(read_config(path)) or _custom_tokenizer_problem(path)
+
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+EXPORT_DTYPE_KEY = "dstrain_export_dtype"
+"""``config.json`` key of a folder dstrain wrote in fp32 from a 16-bit checkpoint (a warm start): the
+dtype its weights came in, so that an export of what was trained from it writes that dtype again."""
+
+
+def declared_dtype(path: str) -> torch.dtype:
+    """The dtype ``config.json`` says the weights were saved in (:data:`EXPORT_DTYPE_KEY`, ``dtype``, or
+    the older ``torch_dtype``); float32 where it says none or one that is not a float type."""
+    cfg = read_config(path)
+    for source in (cfg, text_config(cfg)):
+        for key in (EXPORT_DTYPE_KEY, "dtype", "torch_dtype"):
+            value = source.get(key)
+            if isinstance(value, str) and value.replace("torch.", "") in _DTYPES:
+                return _DTYPES[value.replace("torch.", "")]
+    return torch.float32
+
+
+def checkpoint_dtype(cfg) -> torch.dtype | None:
+    """The dtype of the weights a policy config loads (``cfg.path``'s declared dtype); None when it
+    builds from its fields (no checkpoint)."""
+    return declared_dtype(cfg.path) if getattr(cfg, "path", "") else None
