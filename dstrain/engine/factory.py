@@ -315,9 +315,9 @@ def mixed_precision(resolved: dict, template: dict, mode: str, device_type: str)
         mode = "autocast" if bf16 and (file_autocast or (left_to_us and stage == 0 and device_type == "cuda")) \
             else "deepspeed"
     from dstrain.engine.ds_autocast import autocast_precision
-    if not bf16 and file_autocast and autocast_precision(template) == "bf16":  # the run's bf16 is that section
-        return resolved, "bf16 as torch.autocast over fp32 weights (the file's torch_autocast section)"
-    if not bf16 or mode == "deepspeed":
+    # the run's bf16 is that section (no bf16 section was filled in for it): written out as the autocast form
+    by_section = not bf16 and file_autocast and autocast_precision(template) == "bf16"
+    if not by_section and (not bf16 or mode == "deepspeed"):
         return resolved, ""
     out = dict(resolved)
     out["bf16"] = {"enabled": False}
