@@ -36,24 +36,46 @@ def _train(rank, world, mixed: str, clip: float, deepspeeds_clip: bool, steps: i
             "params": [p.detach().clone() for p in engine.module.parameters()]}
 
 
+def _train_each(rank, world, runs):
+    """``_train`` once per argument tuple of ``runs``, one after the other in this process (each run builds its
+    own engine from seed 0): one process start instead of one per run."""
+    return [_train(rank, world, *args) for args in runs]
+
+
+_one_process_runs = {}
+
+
+def _runs(mixed: str) -> dict:
+    """The one-process runs of ``mixed`` the tests below read, spawned together once per module:
+    clipped for 3 steps; 1 step clipped by dstrain, by DeepSpeed's own method, unclipped;
+    and (fp32) 3 steps unclipped."""
+    if mixed not in _one_process_runs:
+        runs = {"ours": (mixed, 0.05, False), "ours_1": (mixed, 0.05, False, 1), "theirs_1": (mixed, 0.05, True, 1),
+                "unclipped_1": (mixed, 0.0, False, 1)}
+        if mixed == "fp32":
+            runs["unclipped"] = (mixed, 0.0, False)
+        _one_process_runs[mixed] = dict(zip(runs, spawn.run(_train_each, 1, list(runs.values()))))
+    return _one_process_runs[mixed]
+
+
 @pytest.mark.parametrize("mixed", ["fp32", "autocast"])
 def test_clipping_trains_as_deepspeeds_and_keeps_the_norm(mixed):
     import torch
-    ours = spawn.run(_train, 1, mixed, 0.05, False)
+    ours = _runs(mixed)["ours"]
     assert ours["replaced"] and ours["precision"] == ("fp32" if mixed == "fp32" else "bf16")
     assert min(ours["refs"]) > 0.05 * 2  # the clipping acts at every step
     assert ours["norms"] == pytest.approx(ours["refs"], rel=1e-5)
     # The weights after one step equal those DeepSpeed's own clipping gives, and differ without clipping.
     # (One step: under bf16 autocast a 1e-10 difference can round a weight to the neighbouring bf16 value
     # at the next step, and Adam turns that into lr-sized differences.)
-    ours, theirs, unclipped = (spawn.run(_train, 1, mixed, clip, deepspeeds, 1)
-                               for clip, deepspeeds in ((0.05, False), (0.05, True), (0.0, False)))
+    ours, theirs, unclipped = (_runs(mixed)[name] for name in ("ours_1", "theirs_1", "unclipped_1"))
+    assert ours["replaced"] and theirs["replaced"]  # (theirs: replaced, then DeepSpeed's own method put back)
     assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(ours["params"], theirs["params"]))
     assert not all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(ours["params"], unclipped["params"]))
 
 
 def test_norm_is_kept_without_clipping_too():
-    out = spawn.run(_train, 1, "fp32", 0.0, False)
+    out = _runs("fp32")["unclipped"]
     assert not out["replaced"]  # DeepSpeed does not clip: nothing to replace
     assert out["norms"] == pytest.approx(out["refs"], rel=1e-5)
 
@@ -79,12 +101,18 @@ def _zero_step(rank, world, stage: int, precision: str, deepspeeds: bool):
     return {"replaced": replaced, "norms": norms, "params": [p.detach().float().clone() for p in engine.module.parameters()]}
 
 
+def _zero_steps(rank, world, stage: int, precision: str):
+    """``_zero_step`` with dstrain's norm, then with DeepSpeed's, in the same 2 processes (one start for both)."""
+    return [_zero_step(rank, world, stage, precision, deepspeeds) for deepspeeds in (False, True)]
+
+
 @pytest.mark.parametrize("stage, precision", [(1, "bf16"), (2, "fp32")])
 def test_zero_norm_is_deepspeeds(stage, precision):
     """ZeRO-1/2 on 2 ranks: dstrain's multi-tensor norm (fp32 accumulation) gives DeepSpeed's norm (fp64
     accumulation) and the same clipped first update (bf16: within one rounding of a bf16 weight)."""
     import torch
-    ours, theirs = (spawn.run(_zero_step, 2, stage, precision, deepspeeds) for deepspeeds in (False, True))
+    ours, theirs = spawn.run(_zero_steps, 2, stage, precision)
+    assert theirs["replaced"]  # (then DeepSpeed's own method put back)
     assert ours["replaced"] and all(n is not None and n > 0.05 * 2 for n in ours["norms"])
     assert ours["norms"][0] == pytest.approx(theirs["norms"][0], rel=1e-5)
     tol = dict(rtol=1e-5, atol=1e-7) if precision == "fp32" else dict(rtol=2 ** -7, atol=1e-3)

@@ -111,11 +111,28 @@ def plain_step(recipe, out, prompts, loss_type):
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
-def test_two_rank_step_with_split_groups_equals_plain_step(loss_type, tmp_path):
+LOSS_TYPES = ["grpo", "dapo"]
+
+
+def _train_one_step_each(rank, world, out, recipe):
+    """``_train_one_step`` for every loss type, one trainer after the other in the same 2 processes."""
+    return {t: _train_one_step(rank, world, f"{out}_{t}", t, recipe) for t in LOSS_TYPES}
+
+
+@pytest.fixture(scope="module")
+def two_rank_steps(tmp_path_factory):
+    """loss type -> what rank 0's ``_train_one_step`` returned: one spawn of 2 ranks for both loss types."""
     from tests.dist.harness import ROOT
     recipe = ROOT / "models" / "policy" / "recipes" / "grpo_debug.json"
-    got = spawn.run(_train_one_step, WORLD, str(tmp_path / "run"), loss_type, str(recipe), timeout=400)
+    return spawn.run(_train_one_step_each, WORLD, str(tmp_path_factory.mktemp("grpo_steps") / "run"), str(recipe),
+                     timeout=600)
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_two_rank_step_with_split_groups_equals_plain_step(loss_type, two_rank_steps, tmp_path):
+    from tests.dist.harness import ROOT
+    recipe = ROOT / "models" / "policy" / "recipes" / "grpo_debug.json"
+    got = two_rank_steps[loss_type]
     expect = plain_step(recipe, tmp_path / "plain", got["prompts"], loss_type)
     torch.manual_seed(0)
     from dstrain.config import load_run_config

@@ -49,10 +49,8 @@ def test_crash_inside_ranks_is_reported_once_and_releases_shared_memory(tmp_path
     assert shm_buffers(port) == []
 
 
-def test_killed_rank_releases_shared_memory(tmp_path):
-    port = find_free_port()
-    proc = launch([*overrides(tmp_path / "run", 3), "--master-port", str(port)],
-                  env={"DSTRAIN_FAULT_AFTER_STEP": "1"}, check=False, timeout=600)
+def test_killed_rank_releases_shared_memory(rank_killed_after_step_3):
+    port, proc = rank_killed_after_step_3  # (tests/dist/conftest.py: one job, also read by test_restart.py)
     assert proc.returncode != 0  # rank 0 died without any clean-up of its own (os._exit)
     text = proc.stdout + proc.stderr
     assert "deepspeed_shm_comm_op built successfully" in text

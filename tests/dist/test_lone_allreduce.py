@@ -20,10 +20,14 @@ def _train(rank, world, allreduce_on: bool):
     return default, [p.detach().clone() for p in engine.module.parameters()]
 
 
+def _off_then_on(rank, world):
+    """``_train`` with the all-reduce as the factory left it (off), then forced on, in one process."""
+    return _train(rank, world, False), _train(rank, world, True)
+
+
 def test_one_process_trains_identically_without_the_all_reduce():
-    default, off = spawn.run(_train, 1, False)
+    (default, off), (_, on) = spawn.run(_off_then_on, 1)
     assert default is False  # the factory turned it off
-    _, on = spawn.run(_train, 1, True)
     assert len(off) == len(on) and all(torch_equal(a, b) for a, b in zip(off, on))
 
 

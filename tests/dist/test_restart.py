@@ -6,7 +6,6 @@ the job is restarted the same way."""
 import random
 import re
 
-import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -44,9 +43,8 @@ def test_killed_rank_restarts_from_checkpoint_and_matches_uninterrupted(tmp_path
         torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-6, msg=name)
 
 
-def test_without_restarts_the_failure_is_the_exit_status(tmp_path):
-    proc = harness.launch(harness.overrides(tmp_path / "run", 4, "--checkpoint.every=2"),
-                          env={"DSTRAIN_FAULT_AFTER_STEP": "3"}, check=False)
+def test_without_restarts_the_failure_is_the_exit_status(rank_killed_after_step_3):
+    _, proc = rank_killed_after_step_3  # rank 0 killed after step 3, step 2's checkpoint on disk (conftest.py)
     assert proc.returncode != 0 and "job failed" not in proc.stdout + proc.stderr  # no restart attempted
 
 

@@ -12,6 +12,22 @@ from tests.reference import build_model, plain_training, token_streams
 
 STEPS, EVERY = 8, 4
 
+_full_runs = {}
+
+
+def _full_run(tmp_path_factory, profile):
+    """The uninterrupted run of ``profile`` (one launch per profile for this module: the zero3 one is both the
+    reference of the killed run and the checkpoint the export test loads)."""
+    if profile not in _full_runs:
+        out = tmp_path_factory.mktemp(f"full_{profile}") / "run"
+        harness.launch(harness.overrides(out, STEPS, *_extra(profile)))
+        _full_runs[profile] = out
+    return _full_runs[profile]
+
+
+def _extra(profile):
+    return (f"--deepspeed.profile={profile}", f"--checkpoint.every={EVERY}", "--checkpoint.keep=3")
+
 
 def _export(out, dest):
     """``dstrain export OUT DEST``; DEST is a .safetensors file or a folder that receives one."""
@@ -21,10 +37,9 @@ def _export(out, dest):
 
 
 @pytest.mark.parametrize("profile", [pytest.param("zero1", marks=pytest.mark.slow), "zero3"])  # (suite time: zero3 by default)
-def test_killed_during_save_then_resumed_equals_uninterrupted(profile, tmp_path):
-    extra = (f"--deepspeed.profile={profile}", f"--checkpoint.every={EVERY}", "--checkpoint.keep=3")
-    full, broken = tmp_path / "full", tmp_path / "broken"
-    harness.launch(harness.overrides(full, STEPS, *extra))
+def test_killed_during_save_then_resumed_equals_uninterrupted(profile, tmp_path_factory, tmp_path):
+    extra = _extra(profile)
+    full, broken = _full_run(tmp_path_factory, profile), tmp_path / "broken"
 
     # Rank 0 dies after DeepSpeed wrote step 8's files but before the COMPLETE marker.
     proc = harness.launch(harness.overrides(broken, STEPS, *extra),
@@ -49,16 +64,15 @@ def test_killed_during_save_then_resumed_equals_uninterrupted(profile, tmp_path)
         [la[s] for s in range(EVERY + 1, STEPS + 1)], rel=1e-6)
 
 
-def test_zero3_export_loads_into_plain_model(tmp_path):
-    out = tmp_path / "run"
-    harness.launch(harness.overrides(out, 4, "--deepspeed.profile=zero3", "--checkpoint.every=0"))
-    cfg = harness.run_config(out, 4, "--deepspeed.profile=zero3")
+def test_zero3_export_loads_into_plain_model(tmp_path_factory, tmp_path):
+    out = _full_run(tmp_path_factory, "zero3")  # 8 steps at ZeRO-3; its latest checkpoint is step 8's
+    cfg = harness.run_config(out, STEPS, *_extra("zero3"))
     state = _export(out, tmp_path / "export")
 
     model = build_model(cfg)
     model.load_state_dict(state, strict=True)
     # Same weights as plain PyTorch trained on the same data ...
-    _, reference = plain_training(cfg, world_size=2, steps=4)
+    _, reference = plain_training(cfg, world_size=2, steps=STEPS)
     x = torch.arange(64).remainder(250).view(1, 64)
     with torch.no_grad():
         torch.testing.assert_close(model(x), reference(x), rtol=1e-4, atol=1e-4)
