@@ -104,6 +104,33 @@ def files_problem(tag_dir: str | Path, world_size: int | None = None, zero_shard
         missing = [f"rng/rank_{r}.pt" for r in range(world_size) if not (tag_dir / "rng" / f"rank_{r}.pt").is_file()]
         if missing:
             return f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} missing"
+    return _kind_missing(tag_dir)
+
+
+def _kind_missing(tag_dir: Path) -> str | None:
+    """A whole kind of DeepSpeed file gone from a checkpoint that holds some (the optimizer states deleted to
+    save space, the model states lost in a copy): the shard count check above cannot see a kind with no file
+    left. Checkpoints without any DeepSpeed file are left to the loader."""
+    top = {path.name for path in tag_dir.glob("*.pt")}
+    if not top:
+        return None
+    kinds = {match.group(3) for match in map(_SHARD.match, top) if match}
+    try:
+        zero = json.loads((tag_dir / "ds_config.json").read_text()).get("zero_optimization") or {}
+        stage = int(zero.get("stage", 0) or 0)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None  # unreadable: the stage is not known here
+    pipeline = any(name.startswith("layer_") for name in top)
+    if stage == 3 and not pipeline:
+        has_model = "model_states" in kinds
+        model_file = "zero_pp_rank_*_mp_rank_00_model_states.pt"
+    else:
+        has_model = any(re.match(r"^mp_rank_\d+_model_states\.pt$", name) for name in top)
+        model_file = "mp_rank_00_model_states.pt"
+    if not has_model:
+        return f"{model_file} (the model's weights) missing"
+    if stage >= 1 and "optim_states" not in kinds:
+        return f"zero_pp_rank_*_mp_rank_00_optim_states.pt (the ZeRO-{stage} optimizer state) missing"
     return None
 
 

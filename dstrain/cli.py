@@ -183,6 +183,10 @@ def cmd_launch(args, overrides) -> int:
         return EXIT_CONFIG
     if hosts.remote and not args.master_addr:
         args.master_addr = hosts.master_addr  # the first host's address as resolved here (see launch_check)
+    port_problem = None if args.dry_run else launch_check.master_port_problem(args.master_addr, args.master_port)
+    if port_problem:  # rank 0's store could not listen there (and the other ranks would reach whoever does)
+        print(f"dstrain: error: {port_problem}", file=sys.stderr)
+        return EXIT_CONFIG
     if hosts.remote and args.launcher == "torchrun" and not args.local_addr:
         args.local_addr = hosts.local_addr  # this machine's hostfile entry, else torchrun's own guess
     extra = [*overrides, *(["--resume"] if args.resume else [])]
@@ -318,7 +322,8 @@ def _output_problem(cfg, resume: bool = False) -> str | None:
             try:
                 fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
             except BlockingIOError:
-                return (f"output.dir {out} is in use by another run (process {handle.read().strip() or '?'}); "
+                from dstrain.trainers.common import lock_holder
+                return (f"output.dir {out} is in use by another run ({lock_holder(handle.read())}); "
                         "wait for it or choose another output.dir")
     latest = ckpt.find_latest(out / "checkpoints")
     if latest is not None and not resume:
@@ -413,7 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dstrain.config import ConfigError, RunFolderError
+    from dstrain.config import ConfigError, LaunchError, RunFolderError
     from dstrain.engine.ds_config import DSConfigError
     from dstrain.engine.profiles import PlanError
     from dstrain import rank_exit
@@ -450,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
             " before any rank started"
         print(f"dstrain: {args.command} interrupted (Ctrl-C){when}", file=sys.stderr)
         return 128 + 2  # as a shell reports a command Ctrl-C ended
-    except (ConfigError, DSConfigError, PlanError, RunFolderError) as err:
+    except (ConfigError, DSConfigError, PlanError, RunFolderError, LaunchError) as err:
         if args.command != "train" or _reports_failure():
             print(f"dstrain: error: {err}", file=sys.stderr)
             rank_exit.note_failed(EXIT_CONFIG)  # (a refusal by one rank: not restarted either)

@@ -44,6 +44,10 @@ class RunFolderError(RuntimeError):
     """The output folder is in a state a run must not overwrite (or cannot resume from)."""
 
 
+class LaunchError(RuntimeError):
+    """The job cannot start as launched (its master port taken by another process); one line, exit 2."""
+
+
 @dataclass
 class ModelConfig:
     """Which model to build."""

@@ -148,7 +148,45 @@ def main(args: list[str]) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         _wait_for_others(max(1.0, GRACE_S - (time.monotonic() - orphaned[0])))
         _clean_up(port)
+    elif left := _ranks_in_group():
+        return _stop_ranks_left(left, argv, code)
     return 128 - code if code < 0 else code
+
+
+def _ranks_in_group() -> list[int]:
+    """Ranks of this process group still running (reparented to init when their launcher died)."""
+    import glob
+    me, group, found = os.getpid(), os.getpgrp(), []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = open(stat).read().rsplit(")", 1)[1].split()
+            pid = int(stat.split("/")[2])
+            if int(fields[2]) == group and pid != me and fields[0] != "Z" and _is_rank(pid):
+                found.append(pid)
+    return found
+
+
+def _stop_ranks_left(ranks: list[int], argv: list[str], code: int) -> int:
+    """The launcher ended under ranks still training (DeepSpeed's ``launch.py`` or torchrun's agent killed
+    outright: SIGKILL, the out-of-memory killer; DeepSpeed's runner then even exits 0). Nobody would wait for
+    them or pass them a stop: they save and leave on a SIGTERM from here, and the job counts as failed (not as
+    stopped by a user: ``--max-restarts`` restarts it), whatever status the launcher left."""
+    name = argv[argv.index("-m") + 1] if "-m" in argv[:3] else os.path.basename(argv[0])
+    sys.stderr.write(f"dstrain: the launcher ({name}) ended (status {code}) while "
+                     f"{len(ranks)} rank(s) on this host still ran (pids {' '.join(map(str, ranks))}): stopping "
+                     "them (SIGTERM: they save a checkpoint and leave); --resume continues from it\n")
+    sys.stderr.flush()
+    for pid in ranks:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _wait_for_others(GRACE_S)
+    folder = os.environ.get("DSTRAIN_FAILURE_DIR")
+    if folder:  # the ranks' "stopped by a signal" status: the signal was ours, not a user's
+        from dstrain.rank_exit import STOPPED_FILE
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(folder, STOPPED_FILE))
+    return 128 - code if code < 0 else code or 1
 
 
 def _wait_for_others(limit_s: float) -> None:

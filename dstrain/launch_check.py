@@ -169,3 +169,31 @@ def launch_summary(check: HostCheck, argv: Sequence[str], env: Mapping[str, str]
     else:
         lines.append("environment: the ranks run here and inherit this one (plus the variables printed above)")
     return lines
+
+
+def master_port_problem(master_addr: str | None, port: int) -> str | None:
+    """Why rank 0 could not open its store on ``port`` here: another process listens on it (a job still
+    running, an earlier one's agent, any server); None when it is free or the master is another machine.
+
+    Without this the ranks start, rank 0 dies in torch's TCPStore with EADDRINUSE, and the other ranks of a
+    launch connect to whatever listens there, another job's store included. A port left in TIME_WAIT by a job
+    that ended is free (the store reuses it, as this probe does)."""
+    import errno
+    import socket
+    addr = master_addr or "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((addr, 0))  # one of this machine's addresses? (else: EADDRNOTAVAIL, or not resolvable)
+    except OSError:
+        return None  # the master is another host: its port is its own
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(("", port))  # where torch's store listens: every address
+    except OSError as err:
+        if err.errno != errno.EADDRINUSE:
+            return None
+        return (f"master port {port} is in use on this machine ({addr}): another process listens there (a job "
+                "still running, or another server); pass --master-port with a free port (on one node, leave it "
+                "unset to get one)")
+    return None

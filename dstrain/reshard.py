@@ -43,12 +43,23 @@ class ReshardError(RuntimeError):
     """A checkpoint that cannot be resumed on this layout."""
 
 
-def check_layout(saved_run_config: dict, current: dict, tag: str) -> None:
+def saved_layout(saved_run_config: dict, tag_dir: str | Path | None = None) -> dict:
+    """The tp, sp and pp degrees a checkpoint was written with. ``parallel.pp = "auto"`` in its run config
+    is read from its files (``layer_XX`` files: one ``mp_rank_SS`` model-states file per stage)."""
+    par = (saved_run_config.get("parallel") if isinstance(saved_run_config, dict) else None) or {}
+    out = {k: par.get(k, 1) for k in ("tp", "sp", "pp")}
+    if not isinstance(out["pp"], int) and tag_dir is not None:
+        tag_dir = Path(tag_dir)
+        layers = any(tag_dir.glob("layer_*-model_states.pt"))
+        out["pp"] = len(list(tag_dir.glob("mp_rank_*_model_states.pt"))) if layers else 1
+    return out
+
+
+def check_layout(saved_run_config: dict, current: dict, tag: str, tag_dir: str | Path | None = None) -> None:
     """Only the data-parallel degree may change; tensor, sequence and pipeline degrees must match."""
-    par = saved_run_config.get("parallel", {})
     keys = ("tp", "sp", "pp")
-    old = {k: int(par.get(k, 1)) for k in keys}
-    new = {k: int(current.get(k, 1)) for k in keys}
+    old = saved_layout(saved_run_config, tag_dir)
+    new = {k: current.get(k, 1) for k in keys}
     if old != new:
         show = lambda d: " ".join(f"{k}={d[k]}" for k in keys)  # noqa: E731
         raise ReshardError(f"checkpoint {tag} was written with {show(old)}, this run has {show(new)}; "

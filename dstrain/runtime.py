@@ -75,7 +75,10 @@ def init_distributed(timeout_s: float | None = None) -> World:
         if timeout_s is not None:
             from datetime import timedelta
             kwargs["timeout"] = _TIMEOUT = timedelta(seconds=timeout_s)
-        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", auto_mpi_discovery=False, **kwargs)
+        try:
+            deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", auto_mpi_discovery=False, **kwargs)
+        except RuntimeError as err:  # (torch's DistNetworkError)
+            raise port_in_use_error(err) or err
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world)))
@@ -88,6 +91,19 @@ def init_distributed(timeout_s: float | None = None) -> World:
         threads = int(os.environ.get("OMP_NUM_THREADS", 0)) or max(1, (os.cpu_count() or 1) // local_world)
         torch.set_num_threads(threads)
     return World(rank, world, local_rank, local_world, device)
+
+
+def port_in_use_error(err: BaseException):
+    """A ``LaunchError`` naming MASTER_PORT when rank 0's store could not listen on it (EADDRINUSE), else None."""
+    text = str(err)
+    if "EADDRINUSE" not in text and "address already in use" not in text.lower():
+        return None
+    from dstrain.config import LaunchError
+    port, addr = os.environ.get("MASTER_PORT", "?"), os.environ.get("MASTER_ADDR", "?")
+    return LaunchError(f"MASTER_PORT {port} is in use on {addr} (another job's store, or another server, "
+                       "listens there): rank 0 cannot start the job's store on it; choose a free port "
+                       "(dstrain launch --master-port, or MASTER_PORT; on one node, dstrain launch picks one "
+                       "when --master-port is unset)")
 
 
 def seed_everything(seed: int) -> None:

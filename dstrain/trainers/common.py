@@ -104,15 +104,22 @@ def _lock_run_folder(out: Path) -> str | None:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         handle.seek(0)
-        holder = handle.read().strip() or "?"
+        holder = lock_holder(handle.read())
         handle.close()
-        return f"output.dir {out} is in use by another run (process {holder}); wait for it or choose another output.dir"
+        return f"output.dir {out} is in use by another run ({holder}); wait for it or choose another output.dir"
+    import socket
     handle.seek(0)
     handle.truncate()
-    handle.write(f"{os.getpid()}\n")
+    handle.write(f"{os.getpid()} {socket.gethostname()}\n")  # the host too: a folder on a shared file system
     handle.flush()
     _LOCK[:] = [(out.resolve(), handle)]
     return None
+
+
+def lock_holder(text: str) -> str:
+    """``process PID on HOST`` from a run folder's lock file (``PID`` alone: written by an older dstrain)."""
+    pid, _, host = text.strip().partition(" ")
+    return f"process {pid or '?'}" + (f" on {host}" if host else "")
 
 
 def _resume_problem(cfg: RunConfig, ckpt_root: Path, tag: str) -> str | None:
@@ -143,7 +150,24 @@ def _resume_problem(cfg: RunConfig, ckpt_root: Path, tag: str) -> str | None:
     if isinstance(saved, dict) and shape(saved.get("model", mine)) != shape(mine):
         return (f"checkpoint {where} holds model {json.dumps(saved.get('model'))}, this run builds "
                 f"{json.dumps(mine)}; resume with the checkpoint's model section or choose another output.dir")
-    return None
+    return _layout_problem(cfg, saved, where)
+
+
+def _layout_problem(cfg: RunConfig, saved, where: Path) -> str | None:
+    """A tensor- or pipeline-parallel degree other than the checkpoint's: its weights are cut another way
+    (only the data-parallel size may change, ``dstrain.reshard``), and DeepSpeed's load would fail on a
+    file or a shape, which reads as a damaged checkpoint. ``parallel.pp = auto`` takes the checkpoint's."""
+    from dstrain.reshard import saved_layout
+    old = saved_layout(saved, where)
+    now = cfg.to_dict().get("parallel") or {}
+    mine = {k: now.get(k, 1) for k in ("tp", "pp")}
+    changed = [f"parallel.{k}={old[k]}" for k in mine if isinstance(mine[k], int) and mine[k] != old[k]]
+    if not changed:
+        return None
+    return (f"checkpoint {where} was written with {', '.join(changed)}, this run has "
+            f"{', '.join(f'parallel.{k}={v}' for k, v in mine.items())}: only the "
+            f"data-parallel size may change on resume; resume with {' '.join('--' + c for c in changed)}, or "
+            f"export its weights (dstrain export) to start a new run with another layout")
 
 
 def stage_problem(ckpt_root: Path, tag: str, ds_config: dict) -> str | None:
@@ -355,7 +379,8 @@ def load_checkpoint(engine, ckpt_root: Path, tag: str, world: runtime.World) -> 
         saved_cfg = json.loads((ckpt_root / tag / "run_config.json").read_text())
         dims = getattr(getattr(engine, "parallel", None), "dims", None)
         try:
-            reshard.check_layout(saved_cfg, {k: getattr(dims, k, 1) for k in ("tp", "sp", "pp")}, tag)
+            reshard.check_layout(saved_cfg, {k: getattr(dims, k, 1) for k in ("tp", "sp", "pp")}, tag,
+                                 ckpt_root / tag)
             reshard.load_resharded(engine, ckpt_root, tag, saved_world, world,
                                    log=lambda msg: print(msg, flush=True))
         except reshard.ReshardError as err:

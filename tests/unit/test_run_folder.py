@@ -1,6 +1,7 @@
 """What a run checks about its output folder before it plans or writes anything: another run using it,
 a damaged or foreign checkpoint, a ZeRO stage the checkpoint cannot be loaded under, a folder that is a file."""
 import json
+import socket
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -19,8 +20,8 @@ def test_a_folder_in_use_by_another_process_is_refused(tmp_path):
     try:
         assert holder.stdout.readline().strip() == "locked"
         problem = common._lock_run_folder(tmp_path)
-        assert problem == (f"output.dir {tmp_path} is in use by another run (process {holder.pid}); wait for it "
-                           "or choose another output.dir")
+        assert problem == (f"output.dir {tmp_path} is in use by another run (process {holder.pid} on "
+                           f"{socket.gethostname()}); wait for it or choose another output.dir")
     finally:
         holder.kill()
         holder.wait()
@@ -100,7 +101,8 @@ def test_a_folder_in_use_is_refused_before_launch(tmp_path):
     try:
         assert holder.stdout.readline().strip() == "locked"
         assert _output_problem(cfg, resume=True) == (f"output.dir {tmp_path} is in use by another run (process "
-                                                     f"{holder.pid}); wait for it or choose another output.dir")
+                                                     f"{holder.pid} on {socket.gethostname()}); wait for it or "
+                                                     "choose another output.dir")
     finally:
         holder.kill()
         holder.wait()
