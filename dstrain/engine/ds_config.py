@@ -383,7 +383,8 @@ def _fill_precision(cfg: dict, v: RunValues, problems: list[str]) -> None:
             section["enabled"] = want
         elif not isinstance(current, bool):
             problems.append(f"{key}.enabled: must be true, false or \"auto\", file says {_fmt(current)}")
-        elif current != want:
+        elif current != want and not (current is False and kind == by_autocast):  # (False beside the section
+            # that gives the run its bf16: the autocast form over fp32 weights, as dstrain's own plan writes it)
             text = f"{key}.enabled: file says {_fmt(current)}, run precision is {v.precision}"
             if isinstance(problems, _Problems) and current:
                 problems.mismatch(text, "deepspeed.precision", kind)

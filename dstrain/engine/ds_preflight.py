@@ -208,7 +208,8 @@ def check_run(cfg: RunConfig, world_size: int, device_type: str, strict: bool = 
                           "use --deepspeed.precision=bf16 or --deepspeed.precision=fp32")
     if template is None:
         return []
-    stage = (template.get("zero_optimization") or {}).get("stage", 0)
+    zero = template.get("zero_optimization")  # (not an object: refused below with the file's other problems)
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else None
     if cfg.parallel.pp not in (1, "auto") and isinstance(stage, int):  # as the factory checks it (check-config did
         from dstrain.parallel.pipeline import check_profile  # not plan, and called pp 2 with zero3 valid)
         try:
