@@ -1,5 +1,5 @@
-"""Regressions a second review found in the rounds of one session (references 8, DeepSpeed configs 16, sandbox split and red team 21,
-newcomer audit 6, Hugging Face checkpoints 3): regressions they let through, each pinned here.
+"""Regressions a second review found in one session's rounds (references 8, DeepSpeed configs 16, sandbox split
+and red team 21, newcomer audit 6, Hugging Face checkpoints 3), each pinned here.
 
 - DeepSpeed configs 16 made an enabled ``torch_autocast`` section decide the run's precision (bf16), but a file that
   also writes ``"bf16": {"enabled": false}`` (the autocast form over fp32 weights, exactly what dstrain's own plan
