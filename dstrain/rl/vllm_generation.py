@@ -16,7 +16,8 @@ Sampling matches the ``hf`` generator's contract (``models/policy/generation.py`
 go in as token ids of the trainer's tokenizer; completions are cut by the same function
 (``cut_at_stop``), so ``completion_ids`` keep the stop string's tokens or the EOS and
 ``text`` ends where the stop string begins; temperature and top-p only (no top-k), over the same
-ids (``allowed_token_ids``: never pad, BOS or a padded embedding's rows); each
+ids (pad, BOS and a padded embedding's rows get a logit bias of :data:`BANNED_LOGIT_BIAS`, whose
+probability is exactly 0 in vLLM's fp32 sampler); each
 sample draws from its own seed derived from ``seed``.
 Not installed here: the config refuses ``vllm`` with one line (:func:`vllm_missing`).
 """
@@ -84,6 +85,13 @@ def to_completions(outputs, rows: list[list[int]], num_samples: int, tokenizer, 
     return results
 
 
+BANNED_LOGIT_BIAS = -1.0e4
+"""The logit bias of the ids the hf generator never samples (``models.policy.generation.never_generated``). vLLM
+adds it to the fp32 logits before temperature and top-p, and exp(-1e4) is 0 in fp32: those ids are never drawn,
+as under the hf generator's mask. ``logit_bias`` names the few banned ids, where ``allowed_token_ids`` would hand
+vLLM nearly the whole vocabulary per request (150k ids for Qwen2, each checked in Python for every request)."""
+
+
 class VLLMToolkit:
     """The model family's RL toolkit with ``generate`` served by a colocated vLLM engine."""
 
@@ -144,15 +152,14 @@ class VLLMToolkit:
         base_seed = 0 if seed is None else int(seed)
         # the hf generator's suppressed ids (pad, BOS, a padded embedding's rows), left out here too
         vocab = policy_vocab_size(self.tr.policy)
-        banned = set(never_generated(tokenizer, vocab))
-        allowed = [i for i in range(vocab) if i not in banned] if banned else None
+        bias = {i: BANNED_LOGIT_BIAS for i in never_generated(tokenizer, vocab)} or None
         params = [self.vllm.SamplingParams(n=1, temperature=0.0 if greedy else float(temperature),
                                            top_p=1.0 if greedy else float(top_p), top_k=-1,
                                            max_tokens=max_new_tokens,
                                            stop=(list(stop) or None) if self.own_tokenizer else None,
                                            stop_token_ids=eos_token_ids(tokenizer),
                                            include_stop_str_in_output=True, detokenize=self.own_tokenizer,
-                                           allowed_token_ids=allowed,
+                                           logit_bias=bias,
                                            seed=None if greedy else base_seed * 1_000_003 + i)
                   for i in range(len(rows))]
         outputs = self.llm.generate([{"prompt_token_ids": r} for r in rows], sampling_params=params, use_tqdm=False)

@@ -14,7 +14,8 @@ Compared here:
   ``softmax(logits / temperature)`` over the ids that may be generated (not pad, not BOS, not the rows of
   a padded embedding), restricted to the nucleus (the fewest most probable ids whose mass reaches
   ``top_p``) and renormalised, computed in float64 from the logits the model returned;
-* the ids the vLLM generator lets vLLM sample (``allowed_token_ids``) against the same set;
+* the ids the vLLM generator keeps vLLM from sampling (``logit_bias`` of -1e4, probability 0 in fp32) against
+  the complement of the same set;
 * greedy generation of left-padded prompts of different lengths in one batch with the KV cache against
   each prompt alone, recomputed from scratch at every token without a cache (argmax over the allowed
   ids), for the Llama-style policy (rotary) and a GPT-2 checkpoint (absolute positions);
@@ -37,8 +38,9 @@ Found and fixed:
 * The vLLM generator (``rollout.generator=vllm``) promised the hf generator's sampling but asked vLLM for
   every id of the model's embedding: the pad and BOS tokens and the rows of a padded vocabulary (Qwen2's
   151,936 rows for a 151,665-token tokenizer) could be sampled, and a padded row decodes to no text. It
-  now passes the ids the hf generator may produce as ``allowed_token_ids`` (one rule,
-  ``models.policy.generation.never_generated``, serves both).
+  now gives the ids the hf generator never produces a logit bias of -1e4 (probability 0 in vLLM's fp32
+  sampler; one rule, ``models.policy.generation.never_generated``, serves both). Not ``allowed_token_ids``:
+  vLLM checks that list id by id in Python for every request, nearly the whole vocabulary each time.
 
 Deliberate deviation, documented (models/hrm/README.md): HRM's reference decays every parameter with
 AdamATan2's weight decay, the Q-head's bias included; dstrain applies its one rule to every family, so
@@ -274,7 +276,7 @@ def test_the_vllm_generator_samples_over_the_same_ids(tmp_path, kind):
     must be asked for the ids the hf generator may produce, no more."""
     import types
 
-    from dstrain.rl.vllm_generation import VLLMToolkit
+    from dstrain.rl.vllm_generation import BANNED_LOGIT_BIAS, VLLMToolkit
     if kind == "byte":
         model, tok = _byte_policy(1.0)
     else:
@@ -293,10 +295,18 @@ def test_the_vllm_generator_samples_over_the_same_ids(tmp_path, kind):
     kit.llm = types.SimpleNamespace(generate=answer)
     kit.generate(model, tok, ["ab", "x"], num_samples=2, temperature=0.9, top_p=0.8, max_new_tokens=3, seed=1)
     kit.generate(model, tok, ["ab"], greedy=True, max_new_tokens=3)
-    want = _allowed(tok, model.hf.config.vocab_size)
+    vocab = model.hf.config.vocab_size
+    banned = sorted(set(range(vocab)) - set(_allowed(tok, vocab)))
+    assert banned  # pad and BOS at least
     assert len(requests) == 5
     for params in requests:
-        assert sorted(params.allowed_token_ids) == want
+        assert not getattr(params, "allowed_token_ids", None)
+        assert sorted(params.logit_bias) == banned
+        # a bias whose probability is exactly 0 in fp32, whatever the real logits (|x| < 100) and temperature
+        for temperature in (1.0, 0.05):
+            logits = torch.tensor([50.0, -50.0, BANNED_LOGIT_BIAS - 50.0]) / temperature
+            assert torch.softmax(logits, 0)[2].item() == 0.0
+        assert all(b == BANNED_LOGIT_BIAS for b in params.logit_bias.values())
 
 
 def _greedy_alone(model, tok, prompt_ids: list[int], steps: int) -> list[int]:
