@@ -73,8 +73,10 @@ class BenchOptions:
 def parse_args(argv: list[str]) -> BenchOptions:
     """Recipe, dotted ``--section.key=value`` overrides (passed to the run config) and bench options."""
     p = argparse.ArgumentParser(prog="dstrain bench", allow_abbrev=False,
-                                description="dstrain vs plain PyTorch step time, per DeepSpeed profile")
-    p.add_argument("recipe")
+                                description="dstrain vs plain PyTorch step time, per DeepSpeed profile. "
+                                            "--section.key=value overrides (e.g. --train.micro_batch=16 "
+                                            "--data.seq_len=256) change the run config of every job.")
+    p.add_argument("recipe", help="run config JSON, e.g. models/gpt/recipes/tiny.json")
     p.add_argument("--profiles", type=lambda s: [x for x in s.split(",") if x],
                    help="comma-separated ds_configs profiles (default: the recipe's, or the factory's pick)")
     p.add_argument("--steps", type=int, default=20, help="timed steps per job")

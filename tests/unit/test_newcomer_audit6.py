@@ -133,6 +133,7 @@ def test_bench_help_shows_the_benchmarks_options_and_takes_them_before_the_recip
     assert exit_.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: dstrain bench") and "--profiles" in out and "--steps" in out
+    assert "--section.key=value" in " ".join(out.split())  # the run-config overrides it also takes
     seen = []
     monkeypatch.setattr(bench, "main", lambda argv: seen.append(argv) or 0)
     assert cli.main(["bench", "--steps", "3", str(TINY), "--model.size=tiny"]) == 0
