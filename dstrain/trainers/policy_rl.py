@@ -267,7 +267,10 @@ def weights_note(cfg: RunConfig, precision: str) -> str | None:
     if dtype is None or dtype == torch.float32:
         return None
     name = str(dtype).replace("torch.", "")
-    line = (f"policy weights: {mcfg.path} holds {name} weights (config.json dtype); loaded as fp32 master weights "
+    from models.policy.hf_files import EXPORT_DTYPE_KEY, read_config
+    held = (f"holds the fp32 weights dstrain wrote from a {name} checkpoint (config.json {EXPORT_DTYPE_KEY})"
+            if read_config(mcfg.path).get(EXPORT_DTYPE_KEY) else f"holds {name} weights (config.json dtype)")
+    line = (f"policy weights: {mcfg.path} {held}; loaded as fp32 master weights "
             f"and trained in {precision}; dstrain export: written back in {name}")
     if precision == "fp16" and dtype == torch.bfloat16:
         line += (". Caution: a model trained in bf16 may overflow fp16's range (65504) in its activations "

@@ -128,6 +128,22 @@ def test_the_plan_says_what_a_16_bit_checkpoint_is_trained_and_exported_in(tmp_p
     assert "written back in bfloat16" in note and "Caution" not in note
     note, = get_trainer("score").plan_notes(cfg, SimpleNamespace(precision="fp16"))
     assert "may overflow fp16's range" in note and "--deepspeed.precision=bf16" in note
+
+
+def test_the_plan_note_of_a_warm_start_folder_says_it_holds_fp32(tmp_path):
+    # a folder dstrain wrote in fp32 from a bf16 checkpoint (its warm start), given as model.args.path itself
+    import json
+    from types import SimpleNamespace
+
+    from dstrain.trainers import get_trainer
+
+    path = build_checkpoint("llama", str(tmp_path / "warm"), **LLAMA)
+    config = json.load(open(f"{path}/config.json"))
+    json.dump({**config, "dstrain_export_dtype": "bfloat16"}, open(f"{path}/config.json", "w"))
+    cfg = load_run_config(RECIPE, [f"--model.args.path={path}"])
+    note, = get_trainer("grpo").plan_notes(cfg, SimpleNamespace(precision="bf16"))
+    assert "holds the fp32 weights dstrain wrote from a bfloat16 checkpoint" in note
+    assert "holds bfloat16 weights" not in note and "written back in bfloat16" in note
     fp32 = build_checkpoint("llama", str(tmp_path / "fp32"), **LLAMA)
     assert get_trainer("grpo").plan_notes(load_run_config(RECIPE, [f"--model.args.path={fp32}"]),
                                           SimpleNamespace(precision="bf16")) == []
