@@ -153,17 +153,22 @@ def main(args: list[str]) -> int:
     return 128 - code if code < 0 else code
 
 
-def _ranks_in_group() -> list[int]:
-    """Ranks of this process group still running (reparented to init when their launcher died)."""
+def _group_members() -> list[int]:
+    """The other live (not zombie) processes of this process group, read from ``/proc``."""
     import glob
     me, group, found = os.getpid(), os.getpgrp(), []
     for stat in glob.glob("/proc/[0-9]*/stat"):
         with contextlib.suppress(OSError, ValueError, IndexError):
             fields = open(stat).read().rsplit(")", 1)[1].split()
             pid = int(stat.split("/")[2])
-            if int(fields[2]) == group and pid != me and fields[0] != "Z" and _is_rank(pid):
+            if int(fields[2]) == group and pid != me and fields[0] != "Z":
                 found.append(pid)
     return found
+
+
+def _ranks_in_group() -> list[int]:
+    """Ranks of this process group still running (reparented to init when their launcher died)."""
+    return [pid for pid in _group_members() if _is_rank(pid)]
 
 
 def _stop_ranks_left(ranks: list[int], argv: list[str], code: int) -> int:
@@ -191,15 +196,9 @@ def _stop_ranks_left(ranks: list[int], argv: list[str], code: int) -> int:
 
 def _wait_for_others(limit_s: float) -> None:
     """Until this process is the last of its group (or SIGKILL to the others after ``limit_s``)."""
-    import glob
-    me, group, end = os.getpid(), os.getpgrp(), time.monotonic() + limit_s
+    end = time.monotonic() + limit_s
     while True:
-        others = []
-        for stat in glob.glob("/proc/[0-9]*/stat"):
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                fields = open(stat).read().rsplit(")", 1)[1].split()
-                if int(fields[2]) == group and int(stat.split("/")[2]) != me and fields[0] != "Z":
-                    others.append(int(stat.split("/")[2]))
+        others = _group_members()
         if not others:
             return
         if time.monotonic() > end:
