@@ -6,6 +6,7 @@
   signs, thousands separators, units, trailing full stops, a unicode minus, decimals
   or a fraction: ``"$1,000.00"`` and ``"1000"`` both give ``"1000"``, ``"3.50"`` gives
   ``"3.5"``, ``"1/2"`` and ``".5"`` give ``"0.5"``, ``"2/3"`` stays ``"2/3"``.
+* :func:`numbers_in` - the canonical form of every number in a text (a hint that states the answer).
 * :func:`maths_reward` - 1.0 when the completion's final answer equals the reference
   after normalisation, else 0.0.
 """
@@ -39,16 +40,23 @@ def extract_final_answer(text: str, fallback_last_number: bool = False) -> str |
 
 
 def _canonical(value: Fraction) -> str:
+    """The integer, the exact terminating decimal (every digit: no rounding to a context's precision),
+    or ``p/q`` in lowest terms."""
     if value.denominator == 1:
         return str(value.numerator)
     den = value.denominator
-    for p in (2, 5):
-        while den % p == 0:
-            den //= p
-    if den == 1:  # a terminating decimal
-        exact = Decimal(value.numerator) / Decimal(value.denominator)
-        return format(exact.normalize(), "f")
-    return f"{value.numerator}/{value.denominator}"
+    twos = (den & -den).bit_length() - 1
+    den >>= twos
+    fives = 0
+    while den % 5 == 0:
+        den //= 5
+        fives += 1
+    if den != 1:
+        return f"{value.numerator}/{value.denominator}"
+    places = max(twos, fives)  # value * 10**places is an integer, and no smaller power does it
+    digits = str(abs(value.numerator) * (10 ** places // value.denominator)).rjust(places + 1, "0")
+    sign = "-" if value.numerator < 0 else ""
+    return f"{sign}{digits[:-places]}.{digits[-places:]}"
 
 
 def normalize_number(s: str | None) -> str | None:
@@ -72,6 +80,14 @@ def normalize_number(s: str | None) -> str | None:
     if m.group("sign") == "-":
         value = -value
     return _canonical(value)
+
+
+def numbers_in(text: str) -> list[str]:
+    """The canonical form (:func:`normalize_number`) of every number in ``text``, read as the verifier reads
+    one: thousands separators, currency signs, a unicode minus, decimals and fractions included."""
+    clean = _THOUSANDS.sub("", text.replace("\u2212", "-"))
+    found = (normalize_number(m.group(0)) for m in _NUMBER.finditer(clean))
+    return [x for x in found if x is not None]
 
 
 def maths_reward(completion: str, answer: str) -> float:

@@ -48,13 +48,13 @@ def answer_key(task) -> str:
 
 
 def leaks_answer(task, hint: str) -> bool:
-    """True when ``hint`` states a maths task's final answer (some number in it equals the answer)."""
+    """True when ``hint`` states a maths task's final answer: some number in it, read as the verifier reads
+    numbers (``1,000``, ``$1000``, ``.5``, ``1/2``, a unicode minus), equals the answer."""
     if task.kind != "maths":
         return False
-    import re
-    from dstrain.rewards.maths import normalize_number
+    from dstrain.rewards.maths import normalize_number, numbers_in
     want = normalize_number(task.answer)
-    return any(normalize_number(x) == want for x in re.findall(r"-?\d+(?:\.\d+)?", hint))
+    return want is not None and want in numbers_in(hint)
 
 
 def corrupt(text: str, rng: random.Random) -> str:
