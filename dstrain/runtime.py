@@ -223,10 +223,33 @@ def prebuild_cpu_ops() -> list[str]:
     DeepSpeed builds them just in time on first use, which takes a minute or two per
     kernel on a small CPU and happens inside whichever rank first needs one; doing it
     here (tests, CI) keeps that out of timed runs. Returns the names built or loaded.
+
+    On a machine with a GPU (``DS_ACCELERATOR`` unset) they are built too, for the CPU ranks
+    (``DS_ACCELERATOR=cpu``) the tests start there, without fixing this process's accelerator:
+    the variable, DeepSpeed's choice of accelerator and its cache of loaded ops are put back
+    afterwards. Nothing is built where another accelerator is named (``DS_ACCELERATOR=cuda``).
     """
     use_cpu_accelerator_if_no_gpu()
-    if os.environ.get("DS_ACCELERATOR") != "cpu":
+    if os.environ.get("DS_ACCELERATOR", "cpu") != "cpu":
         return []
+    if "DS_ACCELERATOR" in os.environ:
+        return _build_cpu_ops()
+    import deepspeed  # noqa: F401 - imported (and its accelerator chosen) as this process would anyway
+    from deepspeed.accelerator import real_accelerator
+    from deepspeed.ops.op_builder.builder import OpBuilder
+    chosen, loaded = real_accelerator.ds_accelerator, dict(OpBuilder._loaded_ops)
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    real_accelerator.ds_accelerator = None  # chosen again, as a CPU rank chooses it, for the builds
+    try:
+        return _build_cpu_ops()
+    finally:
+        os.environ.pop("DS_ACCELERATOR", None)
+        real_accelerator.ds_accelerator = chosen
+        OpBuilder._loaded_ops.clear()  # (the CPU "fused_adam" must not stand in for the GPU's here)
+        OpBuilder._loaded_ops.update(loaded)
+
+
+def _build_cpu_ops() -> list[str]:
     from deepspeed.ops.op_builder.cpu import CPUAdamBuilder, FusedAdamBuilder, ShareMemCommBuilder
     built = []
     for builder in (ShareMemCommBuilder(), FusedAdamBuilder(), CPUAdamBuilder()):

@@ -7,7 +7,8 @@ never branch on the device (:func:`kernel_for` says which kernel runs):
 * CPU: ``aten::_scaled_dot_product_flash_attention_for_cpu`` (+ ``_backward``), any float
   dtype (fp64 included), optional additive mask.
 * CUDA, fp16/bf16, head dim <= 256 and a multiple of 8: FlashAttention-2 through
-  ``aten::_scaled_dot_product_flash_attention`` (+ ``_backward``).
+  ``aten::_scaled_dot_product_flash_attention`` (+ ``_backward``; a backward whose lse-gradient
+  columns take the head dim past 256 runs the memory-efficient kernel's).
 * CUDA, fp16/bf16, head dim <= 120 and a multiple of 8, inside ``sdpa_priority("cudnn")``: cuDNN's
   fused attention, ``aten::_scaled_dot_product_cudnn_attention`` (+ ``_backward``); its lse has a
   trailing unit dimension, dropped here and restored for the backward.
@@ -44,6 +45,8 @@ import torch.nn.functional as F
 
 _aten = torch.ops.aten
 _PAD = 8
+#: The largest head dimension FlashAttention-2 takes (forward and backward); cuDNN's here is 128.
+_FLASH_MAX_D = 256
 #: The fused CUDA kernel :func:`kernel_for` prefers for fp16/bf16 ("flash" or "cudnn"); set by :func:`sdpa_priority`.
 _preferred = ["flash"]
 
@@ -59,7 +62,7 @@ def kernel_for(q: torch.Tensor, fused: bool = True, masked: bool = False) -> str
     if q.device.type == "cpu":
         return "cpu"
     if q.device.type == "cuda" and not masked:
-        if q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0:
+        if q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= _FLASH_MAX_D and q.shape[-1] % 8 == 0:
             # + _PAD: the lse-gradient columns of lse_grad_columns must fit the same kernel
             return "cudnn" if _preferred[0] == "cudnn" and q.shape[-1] + _PAD <= 128 else "flash"
         return "efficient"
@@ -104,6 +107,10 @@ def flash_backward(dout, q, k, v, out, lse, causal: bool = False, scale: float |
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     q, k, v, out, dout = (_unit_last(t) for t in (q, k, v, out, dout.to(out.dtype)))
     kind = kind or kernel_for(q, fused, mask is not None)
+    if kind == "flash" and q.shape[-1] > _FLASH_MAX_D:
+        # head dim 256 and lse_grad_columns' 8 columns: past FlashAttention-2's limit ("FlashAttention backward
+        # only supports head dimension at most 256"); the memory-efficient kernel takes the same out and lse
+        kind = "efficient"
     if kind == "cpu":
         lse_t = torch.float64 if q.dtype == torch.float64 else torch.float32
         return _aten._scaled_dot_product_flash_attention_for_cpu_backward(

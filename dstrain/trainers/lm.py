@@ -64,6 +64,16 @@ def load_token_streams(cfg: RunConfig, world: runtime.World) -> tuple[torch.Tens
     return streams if world.is_main else read()
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device`` without the host waiting: from a CPU tensor to CUDA through pinned memory, non-blocking.
+    PyTorch's blocking copy of pageable memory to a GPU synchronises the stream first, so every micro-batch's
+    copy waited for the previous one's backward and optimizer step (the host wait the deferred non-finite check
+    exists to avoid); the pinned block is kept until its copy is done (PyTorch's caching host allocator)."""
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class LMTrainer:
     """Owns the engine, data and sinks of one supervised LM run."""
 
@@ -150,7 +160,7 @@ class LMTrainer:
             if k == 0:
                 self.guards.phase("forward", n)
                 fault_hang(n)
-            loss = self.engine(x.to(self.engine.device), y.to(self.engine.device))
+            loss = self.engine(to_device(x, self.engine.device), to_device(y, self.engine.device))
             losses.append(loss.detach())
             self.engine.backward(loss)
             taken = self.engine.step()  # the last micro-batch's may raise NonFiniteError (train.nonfinite)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dstrain.rl import vllm_generation as vg
+from tests.gpu import child_env
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -44,7 +45,7 @@ def test_grpo_runs_with_vllm_generation(tmp_path):
          "--rollout.generator=vllm", "--train.steps=4", "--train.log_every=1", "--train.eval_every=0",
          "--task.warm_start_steps=10", "--task.eval_k=0", "--task.n_eval=4", "--checkpoint.every=0",
          f"--output.dir={tmp_path}", "--output.progress=false"],
-        cwd=ROOT, capture_output=True, text=True, timeout=900)
+        cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert any("time/weight_sync" in x for x in lines)  # weights copied into vLLM after steps

@@ -52,6 +52,9 @@ def test_launch_returns_the_first_failing_ranks_status_and_does_not_restart_it(c
     attempts = []
     name = "build_torchrun_command" if launcher_name == "torchrun" else "build_deepspeed_command"
     monkeypatch.setattr(launcher, name, fake_build(script, attempts))
+    # CPU ranks, as the real builders' environment says (on a one-GPU machine 2 CUDA ranks are refused before the
+    # job starts); the fake builder hands this environment on
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     code = cli.main(["launch", "--launcher", launcher_name, "--nproc", "2", "--max-restarts", "2", RECIPE,
                      f"--output.dir={tmp_path / 'run'}"])
     assert code == rank_exit.EXIT_CHECKPOINT_WRITE
