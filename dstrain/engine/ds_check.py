@@ -7,6 +7,7 @@ strict mode, which reject unknown keys (DeepSpeed's default drops some silently)
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 from contextlib import contextmanager
@@ -46,7 +47,7 @@ def values_from_file(cfg: dict, hidden_size: int = 1024, world_size: int | None 
     size). Without ``world_size`` it is inferred from all three keys when the file has
     them, else 1. Numbers of the wrong kind raise DSConfigError naming their key.
     """
-    from dstrain.engine.ds_config import implied_batch
+    from dstrain.engine.ds_config import file_data_parallel, implied_batch
     t = TrainConfig()
     problems = []
     found = {}
@@ -70,6 +71,7 @@ def values_from_file(cfg: dict, hidden_size: int = 1024, world_size: int | None 
     world = world_size
     if world is None:
         world = max(1, tb // (mb * ga)) if tb and mb and ga else 1
+    world = file_data_parallel(cfg, world) if world_size is not None else world  # a file's own sequence parallelism
     micro, accum, _ = implied_batch(cfg, world, mb or t.micro_batch, ga or t.grad_accum)
     params = cfg.get("optimizer", {}).get("params", {}) if isinstance(cfg.get("optimizer"), dict) else {}
     params = params if isinstance(params, dict) else {}
@@ -129,8 +131,6 @@ def _numeric_text(value) -> bool:
 
 def _pydantic_problems(section: str, model, err: Exception, block: dict | None = None) -> list[str]:
     """One line per error of a pydantic ValidationError, named by dotted key (unknown keys with a hint)."""
-    import difflib
-
     from dstrain.engine.ds_classes import deprecated_pair_problem
     errors = getattr(err, "errors", None)
     if errors is None:
@@ -141,10 +141,11 @@ def _pydantic_problems(section: str, model, err: Exception, block: dict | None =
     out = []
     for item in errors():
         loc = ".".join(str(x) for x in (section, *item.get("loc", ())))
+        value = item.get("input")
         if item.get("type") == "extra_forbidden":
             name = str(item.get("loc", ("",))[-1])
-            close = difflib.get_close_matches(name, known, n=1) if len(item.get("loc", ())) == 1 else []
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            close = _close_key(name, known) if len(item.get("loc", ())) == 1 else None
+            hint = f" (did you mean {close!r}?)" if close else ""
             out.append(f"{loc}: unknown key{hint}; DeepSpeed rejects it")
         elif not item.get("loc"):  # a check of the whole section: its input is the parsed section, not the file's
             msg = str(item.get("msg", "invalid")).removeprefix("Assertion failed, ").removeprefix("Value error, ")
@@ -156,9 +157,29 @@ def _pydantic_problems(section: str, model, err: Exception, block: dict | None =
             text = item["input"].strip()
             out.append(f"{loc}: file says {item['input']!r}, a number in quotes, which DeepSpeed's parser does not "
                        f"read as a number (it rejects it); write it without the quotes: {text}")
+        elif isinstance(value, list):  # the autotuner's way of listing the values to try
+            out.append(f"{loc}: file says {json.dumps(value)}, a list where DeepSpeed's parser takes one value (it "
+                       "rejects it; a list of values to try is how DeepSpeed's autotuner writes its tuning space, and "
+                       "dstrain does not run the autotuner); write one value")
+        elif item.get("type") == "int_from_float":
+            default = getattr(fields.get(str(item["loc"][-1])), "default", None) if len(item["loc"]) == 1 else None
+            such = f", such as {default} (DeepSpeed's default)" if type(default) is int else ""
+            out.append(f"{loc}: file says {json.dumps(value)}, a fraction where DeepSpeed's parser takes a whole "
+                       f"number (it rejects it); write a whole number{such}")
         else:
-            out.append(f"{loc}: {item.get('msg', 'invalid')}, file says {item.get('input')!r}")
+            out.append(f"{loc}: {item.get('msg', 'invalid')}, file says {value!r}")
     return out
+
+
+def _close_key(name: str, known: list[str]) -> str | None:
+    """The key ``name`` most likely meant: a close spelling, else the same words in another order
+    (``comm_overlap`` for ``overlap_comm``, which difflib does not find)."""
+    import difflib
+    close = difflib.get_close_matches(name, known, n=1)
+    if close:
+        return close[0]
+    words = sorted(name.lower().split("_"))
+    return next((key for key in known if sorted(key.split("_")) == words), None)
 
 
 def deepspeed_problems(cfg: dict, full_parse: bool = True) -> list[str]:

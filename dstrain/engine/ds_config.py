@@ -229,6 +229,15 @@ def _is_number_like(file_value, run_value) -> bool:
     return isinstance(file_value, (int, float)) and not isinstance(file_value, bool)
 
 
+def file_data_parallel(cfg: dict, dp: int) -> int:
+    """The data-parallel ranks DeepSpeed divides the file's batch keys among: a file's own ``sequence_parallel_size``
+    (refused by the section checks: dstrain splits sequences with --parallel.sp) takes its ranks out of data
+    parallelism (DeepSpeedConfig's world size is the ranks / sequence_parallel_size), so keys that agree there are
+    not called a disagreement beside that refusal."""
+    sp = cfg.get("sequence_parallel_size") if isinstance(cfg, dict) else None
+    return dp // sp if isinstance(sp, int) and not isinstance(sp, bool) and sp > 1 and dp % sp == 0 else dp
+
+
 def implied_batch(cfg: dict, dp: int, micro_batch: int, grad_accum: int) -> tuple[int | None, int | None, list[str]]:
     """The micro-batch and gradient accumulation a file's explicit batch keys imply on ``dp`` ranks.
 
@@ -270,7 +279,9 @@ def implied_batch(cfg: dict, dp: int, micro_batch: int, grad_accum: int) -> tupl
         return tb // (ga * dp), ga, problems
     if tb is not None:
         if tb % dp:
-            problems.append(f"train_batch_size {tb} is not a multiple of the {ranks}")
+            problems.append(f"train_batch_size {tb} is not a multiple of the {ranks} (DeepSpeed splits it evenly "
+                            f"over them and stops at start-up); set it to a multiple of {dp} or \"auto\", or run on "
+                            f"a number of data-parallel ranks that divides {tb}")
             return None, None, problems
         per_rank = tb // dp
         if per_rank == micro_batch * grad_accum:
@@ -427,15 +438,19 @@ def _check_param_dtype(cfg: dict, v: RunValues, problems: list[str], fixed: str 
 
 
 @functools.cache
-def zero_defaults() -> dict[str, object]:
-    """DeepSpeed's default of each ``zero_optimization`` key with a plain (number / bool) default, by
-    name and alias: what its parser uses for a key set to "auto" (it drops "auto" values). Read once
-    (the section check and the filling both ask); callers only read it."""
+def zero_defaults(block: str = "") -> dict[str, object]:
+    """DeepSpeed's default of each ``zero_optimization`` key (``block``: of its ``offload_param`` or
+    ``offload_optimizer`` block) with a plain (number / bool) default, by name and alias: what its parser
+    uses for a key set to "auto" (it drops "auto" values). Callers only read it."""
     from dstrain.engine.ds_check import accelerator_untouched
     with accelerator_untouched():
         from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+        from deepspeed.runtime.zero.offload_config import (DeepSpeedZeroOffloadOptimizerConfig,
+                                                           DeepSpeedZeroOffloadParamConfig)
+    model = {"": DeepSpeedZeroConfig, "offload_param": DeepSpeedZeroOffloadParamConfig,
+             "offload_optimizer": DeepSpeedZeroOffloadOptimizerConfig}[block]
     out = {}
-    for name, field in DeepSpeedZeroConfig.model_fields.items():
+    for name, field in model.model_fields.items():
         default = field.get_default(call_default_factory=True)
         if isinstance(default, (bool, int, float)) and name != "stage":
             out.update({key: default for key in (name, field.alias) if key})
@@ -461,6 +476,11 @@ def _fill_zero(cfg: dict, v: RunValues, problems: list[str]) -> None:
     for key in autos:  # DeepSpeed's parser drops "auto": its default applies (OpenRLHF writes these)
         if key in defaults:
             zo[key] = defaults[key]
+    for name in ("offload_param", "offload_optimizer"):  # so do its offload blocks' (buffer_size "auto": 1e8)
+        block = zo.get(name)
+        if isinstance(block, dict) and any(map(_is_auto, block.values())):
+            plain = zero_defaults(name)
+            block.update({key: plain[key] for key, value in block.items() if _is_auto(value) and key in plain})
     stage = zo.get("stage", 0)
     if _is_auto(stage):  # a file's stage is its own choice; dstrain chooses only with its own profiles
         zo["stage"] = None  # reported here, not again as a leftover "auto"
@@ -539,6 +559,8 @@ def fill_ds_config(template: dict, values: RunValues, source: str) -> dict:
     leftovers = [p for p in leftovers if not beside_type(p)]  # named by ds_unread
     problems += [f"{p}: \"auto\" is not a type dstrain chooses; name one, or remove the {p[:-5]} block (the run's "
                  "own is used then)" if p in ("optimizer.type", "scheduler.type") else
+                 f"{p}: \"auto\" is read by DeepSpeed as its default, \"none\" (no offload), without a word; write "
+                 "\"cpu\" or \"none\"" if p.endswith((".offload_param.device", ".offload_optimizer.device")) else
                  f"{p}: \"auto\" is not a value dstrain can fill (DeepSpeed itself keeps the text \"auto\"); set it explicitly"
                  for p in leftovers]
     if problems:

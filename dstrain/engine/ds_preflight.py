@@ -91,7 +91,8 @@ def adopt_file_values(cfg: RunConfig, world_size: int) -> list[tuple[str, object
     from dstrain.engine import ds_trainers
     dp = data_parallel_size(cfg, world_size)
     t = ds_trainers.trainer_train(cfg, world_size)
-    micro, accum, problems = dsc.implied_batch(template, dp, t.micro_batch, t.grad_accum)
+    file_dp = dsc.file_data_parallel(template, dp) if cfg.parallel.sp == 1 else dp
+    micro, accum, problems = dsc.implied_batch(template, file_dp, t.micro_batch, t.grad_accum)
     if problems:
         raise dsc.DSConfigError(source, problems)
     ds_trainers.hrm_file_problems(cfg, template, dp, source)
@@ -228,7 +229,8 @@ def check_run(cfg: RunConfig, world_size: int, device_type: str, strict: bool = 
     t = ds_trainers.trainer_train(cfg, world_size)  # the batch the trainer will feed DeepSpeed
     try:
         values = dsc.RunValues(
-            micro_batch=t.micro_batch, grad_accum=t.grad_accum, dp_world_size=dp, lr=t.lr, betas=tuple(t.betas),
+            micro_batch=t.micro_batch, grad_accum=t.grad_accum, lr=t.lr, betas=tuple(t.betas),
+            dp_world_size=dsc.file_data_parallel(template, dp) if cfg.parallel.sp == 1 else dp,
             eps=t.eps, weight_decay=t.weight_decay, grad_clip=t.grad_clip, precision=precision,
             hidden_size=_hidden_size(cfg), total_steps=t.steps, warmup_steps=t.warmup_steps,
             min_lr_ratio=t.min_lr_ratio)

@@ -112,16 +112,18 @@ def _zero_problems(cfg: dict, device_type: str, problems: list[str], notes: list
         keys = sorted(k for k in zo if k in STAGE3_ONLY and k not in ("offload_param", "cpu_offload_param"))
         if keys:
             notes.append(f"zero_optimization: stage {stage} does not use {', '.join(keys)} (stage-3 keys)")
-    autos = sorted(k for k, v in zo.items() if isinstance(v, str) and v.strip().lower() == "auto"
-                   and k not in FILLED_ZERO_KEYS and k != "stage")
-    if autos:
-        from dstrain.engine.ds_config import zero_defaults
-        defaults = zero_defaults()
-        known = [f"{k} {defaults[k]:g}" if not isinstance(defaults[k], bool) else f"{k} {defaults[k]}"
-                 for k in autos if k in defaults]
-        if known:
-            notes.append("zero_optimization: \"auto\" is DeepSpeed's default there (its parser drops \"auto\"): "
-                         + ", ".join(known))
+    for name in ("", "offload_param", "offload_optimizer"):  # the section, then its offload blocks
+        block = zo.get(name) if name else zo
+        autos = sorted(k for k, v in block.items() if isinstance(v, str) and v.strip().lower() == "auto"
+                       and (name or (k not in FILLED_ZERO_KEYS and k != "stage"))) if isinstance(block, dict) else []
+        if autos:
+            from dstrain.engine.ds_config import zero_defaults
+            defaults = zero_defaults(name)
+            known = [f"{k} {defaults[k]:g}" if not isinstance(defaults[k], bool) else f"{k} {defaults[k]}"
+                     for k in autos if k in defaults]
+            if known:
+                notes.append(f"zero_optimization{'.' + name if name else ''}: \"auto\" is DeepSpeed's default there "
+                             "(its parser drops \"auto\"): " + ", ".join(known))
     if stage == 0:
         off = zo.get("offload_optimizer")
         if (isinstance(off, dict) and str(off.get("device", "none")).lower() not in ("none", "auto")) \
@@ -322,6 +324,14 @@ def _monitor_problems(cfg: dict, problems: list[str], notes: list[str]) -> None:
         if lr != peak:
             notes.append(f"optimizer.params.lr: unused ({lr:g}): {cfg['scheduler']['type']} sets the learning rate "
                          f"from the first step, warming up to warmup_max_lr {peak:g}, the run's lr")
+    sched = cfg.get("scheduler") if isinstance(cfg.get("scheduler"), dict) else {}
+    kind = sched.get("type")  # these two overwrite the optimizer's lr when DeepSpeed builds them (lr_schedules.py)
+    first = {"OneCycle": ("cycle_min_lr", None), "LRRangeTest": ("lr_range_test_min_lr", 1e-3)}.get(str(kind))
+    if first and isinstance(lr, (int, float)) and not isinstance(lr, bool) and isinstance(sched.get("params"), dict):
+        start = sched["params"].get(first[0], first[1])
+        if isinstance(start, (int, float)) and not isinstance(start, bool) and start != lr:
+            notes.append(f"optimizer.params.lr: unused ({lr:g}): {kind} sets the learning rate from the first step, "
+                         f"starting at {first[0]} {start:g}")
     if "disable_allgather" in cfg:
         notes.append("disable_allgather: unused: DeepSpeed parses it and nothing reads it")
     aio = cfg.get("aio")

@@ -204,10 +204,13 @@ def test_onecycle_momentum_asked_of_an_optimizer_without_betas_is_a_note():
                "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 1e-3, "cycle_max_lr": 1e-2,
                                                             "cycle_min_mom": 0.8}}}
     problems, notes = section_problems(adagrad, "cpu")
-    assert problems == [] and notes[0].startswith("scheduler.params.cycle_min_mom: OneCycle cycles momentum through "
-                                                  "the optimizer's betas, and Adagrad")
+    lr_note = ("optimizer.params.lr: unused (0.01): OneCycle sets the learning rate from the first step, starting at "
+               "cycle_min_lr 0.001")  # round 17: OneCycle overwrites the optimizer's lr
+    assert problems == [] and notes[0] == lr_note
+    assert notes[1].startswith("scheduler.params.cycle_min_mom: OneCycle cycles momentum through the optimizer's "
+                               "betas, and Adagrad")
     unasked = {**adagrad, "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 1e-3, "cycle_max_lr": 1e-2}}}
-    assert section_problems(unasked, "cpu") == ([], [])  # DeepSpeed's default, not the file's wish
+    assert section_problems(unasked, "cpu") == ([], [lr_note])  # no momentum note: DeepSpeed's default, not the file's
 
 
 def test_a_torch_scheduler_is_tried_on_the_files_optimizer_class():
