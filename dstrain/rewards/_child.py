@@ -292,6 +292,9 @@ def _worker(job: dict, prepared: list, box: list, judge: tuple, done) -> None:
         except BaseException as e:
             box[1:] = ["program", _describe(e)]  # noqa: F821  (_guards.py)
             return
+        if job["setup"].strip() and tools[0]() != 1:  # (a thread of the program's that ran alongside the setup, or
+            box[1:] = ["setup", "a thread of the program was running when the setup began"]  # ran after the builtins
+            return  # were put back, changed what the setup bound before it was copied: see _setupdata._run_setup)
         if not kept():
             return
         clear(bdict)
@@ -305,8 +308,9 @@ def _worker(job: dict, prepared: list, box: list, judge: tuple, done) -> None:
         passed, detail = 0, ""
         for i, prep in enumerate(prepared):
             gc_off()  # (no finalizer of the program's in the judge's code until the test runs)
-            if not kept() or tools[0]() != 1:  # (before the judge's code looks up methods by name again; no thread
-                break  # of the program's left to change a namespace meanwhile)
+            if tools[0]() != 1 or not kept():  # (before the judge's code looks up methods by name again; no thread
+                detail = detail or f"test {i + 1}: a thread of the program was running"  # of the program's left, nor
+                break  # one still ending, to change a namespace meanwhile; a changed one is the run's violation)
             clear(bdict)
             update(bdict, saved)
             ok, why, bad = False, "failed", []
@@ -422,7 +426,7 @@ def _execute(job: dict, result_fd: int, isolation: str, max_processes: int) -> N
         if count() == 0:
             break
         sleep(0.0005)
-    else:
+    if tools[0]():  # (also one whose count dropped but whose finalizers still run: see _guardtools._thread_counter)
         violations[len(violations):] = ["threads left running"]
     if not tools[-1]():  # a built-in class's namespace changed, ever: the program's method would write this line
         violations[:0] = ["the program changed the namespace of a built-in class"]

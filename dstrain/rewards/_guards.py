@@ -114,19 +114,36 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
             bad[len(bad):] = [f"the program changed the namespace of a built-in class {when}"]
             raise AssertionError(bad[-1])
 
-    def value(v, fresh=False):
+    def value(v, fresh=False, settle=None, woke=None):
         gc_disable()  # no finalizer or gc callback of the program between this check and the operation
-        if not fresh:  # (``fresh``: checked just before, and only the judge's code ran since)
+        # ``settle`` (default: ``not fresh``): a thread still ending is waited for, 50 ms at most, and ``woke`` told
+        # (its code ran meanwhile: ``_guardtools._thread_counter``); otherwise a thread still ending fails the test
+        waited = [] if (not fresh if settle is None else settle) else None
+        alone = count(waited) == 1
+        if waited and woke is not None:
+            woke[len(woke):] = [True]
+        if not fresh or waited:  # (``fresh``: checked just before, and only the judge's code ran since)
             types_intact("before a value was judged")
         kept.extend(gc_callbacks)
         del gc_callbacks[:]
-        if count() != 1:
+        if not alone:
             bad[len(bad):] = ["a thread of the program was running while a result was judged"]
         elif not trusted(v):
             bad[len(bad):] = [f"untrusted value of type {type(v).__name__}"]
         else:
             return v
         raise AssertionError(bad[-1])
+
+    def checked(vs, fresh=False) -> None:
+        """``value`` of each of ``vs``, a thread still ending waited for; one waited for after the first check may
+        have changed a value checked before: then all again, with none ending now."""
+        woke, first = [], True
+        for v in vs:
+            value(v, fresh, True, None if first else woke)
+            first = False
+        if woke:
+            for v in vs:
+                value(v, True, False)
 
     def own(fn) -> bool:
         """The program's function or method, or a class it made (calling it runs the program's code,
@@ -286,10 +303,7 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
         if name_of is not None and not module_intact(name_of, caches=True):
             bad[len(bad):] = [f"module {name_of} was changed by the program"]
             raise AssertionError(bad[-1])
-        for a in args:  # (checked at this call's start, and only the judge's code ran since)
-            value(a, True)
-        for a in kw.values():
-            value(a, True)
+        checked((*args, *kw.values()), True)  # (checked at this call's start, and only the judge's code ran since)
         # ``map`` and ``filter`` as generators of this function: the items they hand to a library callable are
         # checked like any call's arguments (``all(map(operator.eq, gen, ys))``), and a ``StopIteration`` the
         # program's function raises cannot end the iteration early for ``all`` (PEP 479: a RuntimeError).
@@ -309,8 +323,7 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
                 # program's it is handed runs first, as the program's own code
                 args = [materialized(a) for a in args]
                 kw = {k: materialized(a) for k, a in kw.items()}
-                for a in (*args, *kw.values()):
-                    value(a)
+                checked((*args, *kw.values()))
                 fresh_guard[:] = [True]
                 return guarded("the test's call of " + str(getattr(fn, "__name__", "a library function")), fn, *args, **kw)
             fresh_guard[:] = [True]
@@ -328,8 +341,7 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
         # and the value itself is checked like an operand, before and after (``[E()].count(3)``: a list of the
         # program's objects whose ``__eq__`` is a C callable, run by no Python frame for the profile guard to see)
         args = [materialized(a) for a in args]
-        for a in (receiver, *args, *kw.values()):
-            value(a)
+        checked((receiver, *args, *kw.values()))
         fresh_guard[:] = [True]
         result = guarded("the test's call of " + getattr(fn, "__name__", "a method"), fn, *args, **kw)
         value(receiver)
@@ -354,8 +366,7 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
             if n in builtins and n not in fixed and dict.__contains__(ns, n):
                 bad[len(bad):] = [f"the program's {n} hides the builtin a function of the setup reads"]
                 raise AssertionError(bad[-1])
-        for a in (*args, *kw.values()):
-            value(a)
+        checked((*args, *kw.values()))
         _setup_state()  # noqa: F821  (its functions' defaults and cells, its classes' data, as the setup left them)
         try:
             return guarded("the setup's " + code.co_name, fn, *args, **kw)
@@ -413,7 +424,7 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
         if op == "getitem":  # ``d[k]``: a key of the program's must not decide a lookup in a library container
             if not library_class(type(a)):  # (hash and ``__eq__`` of an always-equal key); the program's own
                 return a[b]  # container answers as the program's code, and what it gives is judged where used
-            value(b, True)
+            value(b, True, True)
             fresh_guard[:] = [True]
             result = guarded("the test's subscript", operators[op], a, b)
             value(b, True)
@@ -421,7 +432,7 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
         fresh = op not in ("in_", "not_in")
         if not fresh:  # ``3 in gen``: the program's generator runs first, as its own code
             b = materialized(b)
-        value(a, fresh)
+        value(a, fresh, True)
         value(b, True)
         fresh_guard[:] = [True]
         result = value(guarded(f"the test's {op}", operators[op], a, b), True)  # (``guarded`` checks, at its end)

@@ -43,9 +43,52 @@ def _guard_tools(quiet: set, setup: str = "") -> tuple:
     def zone():
         return tuple((tuple(local(t)), strftime("%Z", local(t))) for t in (0, 1_700_000_000, 1_715_000_000))
     # the interpreter's own table of modules (the C code's imports read it, whatever ``sys.modules`` is bound to later)
-    return (_thread._count, gc.disable, gc.callbacks, sys.setprofile, _thread.get_ident, quiet, context, vars(builtins),
+    return (_thread_counter(), gc.disable, gc.callbacks, sys.setprofile, _thread.get_ident, quiet, context, vars(builtins),
             builtins, re_cache, _prepare_setup(setup), {}, sys.modules, (zone, zone()), _library_cells(),  # noqa: F821
             _frame_readers(), _namespaces_check([]))  # noqa: F821  (_namespaces.py: see there)
+
+
+def _thread_counter():
+    """``count(woke=True) -> int``: the threads ``_thread`` started that have not ended, as ``_thread._count`` says,
+    plus those still ending. A thread's count drops before the interpreter clears what the thread keeps (its
+    ``threading.local`` data, its context variables, its async generator hooks), and a finalizer there runs the
+    program's code in that thread, for as long as it likes, while the judge, which counted it gone, checks a value and
+    then uses it (a list's item set to an always-equal object of C callables in between: a third to a half of the
+    tests of a setup's ``check(f(1))`` passed; red-team round 22). The kernel counts a thread until it has left:
+    ``/proc/self/task`` has two links more than the process has threads, measured now, before the program runs,
+    against ``_thread``'s count (``os.stat``: no audit event). A joined thread leaves microseconds after its count
+    dropped, so an excess is waited for, 50 ms at most (``woke``: a list is told when the program's code may have run
+    meanwhile; None: no wait).
+    Without ``/proc``, ``_thread._count``."""
+    import _thread
+    import os
+    import time
+
+    count, stat, sleep, now, task = _thread._count, os.stat, time.sleep, time.monotonic, "/proc/self/task"
+    try:
+        others = stat(task).st_nlink - count()  # (the main thread and the two links of a folder)
+    except OSError:
+        return lambda woke=True: count()
+
+    def threads(woke=True) -> int:
+        n, until = count(), None
+        while True:
+            try:
+                ending = stat(task).st_nlink - others - n
+            except OSError:  # (it worked before the program ran)
+                return n + 1
+            if ending <= 0:
+                return n
+            if woke is None or until is not None and now() > until:
+                return n + ending
+            if until is None:
+                until = now() + 0.05
+            if woke is not True:
+                woke[len(woke):] = [True]
+            sleep(0.0005)
+            n = count()
+
+    return threads
 
 
 _HELD = []

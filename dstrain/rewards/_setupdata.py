@@ -171,7 +171,10 @@ def _run_setup(ns: dict, tools: tuple) -> None:
     its own ``__builtins__``, whose ``__import__`` would hand ``from math import isclose`` a fake), one
     top-level statement at a time, and keeps (``tools[11]``) what each bound: a test reads those names as
     the setup left them, not as the program's code rebinds them later (``isclose = max`` in the tested
-    function, or in a class the setup instantiates)."""
+    function, or in a class the setup instantiates). No thread of the program's may run alongside it (``_worker``
+    checks before it begins, this after each statement): one started at the program's top level waited for the setup's
+    ``expected = [1, 2, 3]`` to appear in its globals and emptied it before the copy was taken, or put its own
+    ``sorted`` back into the builtins for ``expected = sorted(...)``, then left before the first test."""
     module, steps, fixed = tools[8], tools[10], tools[11]
     if type(steps) is not list:
         raise steps  # (its SyntaxError, reported as the setup's)
@@ -181,6 +184,8 @@ def _run_setup(ns: dict, tools: tuple) -> None:
         dict.__setitem__(ns, "__builtins__", module)
         exec(code, ns)
         tools[1]()  # (gc off: a finalizer of the program's would run in the judge's code below, and then)
+        if tools[0]() != 1:  # (one the program's code in this statement started: it must have left by now)
+            raise AssertionError("a thread of the program was running while the setup ran")
         if not tools[-1]():  # no built-in class's namespace changed by the program's code the setup ran
             raise AssertionError("the program changed the namespace of a built-in class in the setup")
         _str_keys_only(ns)
