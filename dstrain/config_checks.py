@@ -6,6 +6,7 @@ model's own part is checked by the model's registry, a trainer's ``task`` sectio
 from __future__ import annotations
 
 import json
+import os
 
 from dstrain.config import (ATTENTION_BACKENDS, COMPILE_MODES, COMPILE_SCOPES, ConfigError, RunConfig,
                             build_section)
@@ -172,6 +173,9 @@ def _validate_model(cfg: RunConfig, source: str) -> None:
         raise ConfigError(source, "model.size",
                           f"unknown size {cfg.model.size!r} of {cfg.model.name}; "
                           f"sizes: {', '.join(spec.sizes)}")
+    path = cfg.model.args.get("path") if isinstance(cfg.model.args, dict) else None
+    if isinstance(path, str) and path:  # absolute: export and --resume read it back from another directory
+        cfg.model.args["path"] = os.path.abspath(os.path.expanduser(path))
     try:
         mcfg = registry.make_model_config(cfg.model.name, cfg.model.size, cfg.model.args)
     except (ValueError, TypeError) as err:  # the key it names, so that a typo in an override names the command line

@@ -2,7 +2,8 @@
 
 ``build_checkpoint(kind, out_dir, **tokenizer_options)`` writes a ``save_pretrained``
 directory (model + tokenizer + generation config) that ``--model.args.path`` loads.
-Nothing is downloaded: the tokenizer is a byte-level BPE trained here on a small text.
+Nothing is downloaded: the tokenizer is a byte-level BPE trained here on a small text (or a
+SentencePiece-style Unigram / BPE with byte fallback, :func:`build_sp_tokenizer`).
 Each build takes well under a second.
 """
 
@@ -46,6 +47,44 @@ _ARCHS = {
               dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                    max_position_embeddings=256)),
+    # round 4: soft-capped Gemma-2 (no SDPA path), Gemma-3 text, Qwen3 (q/k norms), StableLM (partial rotary),
+    # Falcon (new decoder, GQA), GPT-J (rotary_dim), Bloom and MPT (ALiBi, no SDPA), Cohere (logit_scale),
+    # OLMo-2, Granite (its multipliers), SmolLM3 (layers without rotary), GPT-BigCode (MQA, learned positions)
+    "gemma2": ("Gemma2ForCausalLM", "Gemma2Config",
+               dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8, max_position_embeddings=256,
+                    sliding_window=4, attn_logit_softcapping=5.0, final_logit_softcapping=3.0)),
+    "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig",
+               dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8, max_position_embeddings=256,
+                    sliding_window=4, final_logit_softcapping=3.0)),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config",
+              dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=8, max_position_embeddings=256)),
+    "stablelm": ("StableLmForCausalLM", "StableLmConfig",
+                 dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256)),
+    "falcon": ("FalconForCausalLM", "FalconConfig",
+               dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, new_decoder_architecture=True,
+                    num_kv_heads=2)),
+    "gptj": ("GPTJForCausalLM", "GPTJConfig", dict(n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=256)),
+    "bloom": ("BloomForCausalLM", "BloomConfig", dict(hidden_size=32, n_layer=2, n_head=4)),
+    "mpt": ("MptForCausalLM", "MptConfig", dict(d_model=32, n_layers=2, n_heads=4, max_seq_len=256)),
+    "cohere": ("CohereForCausalLM", "CohereConfig",
+               dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=256, logit_scale=0.5)),
+    "olmo2": ("Olmo2ForCausalLM", "Olmo2Config",
+              dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=256)),
+    "granite": ("GraniteForCausalLM", "GraniteConfig",
+                dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=256, embedding_multiplier=2.0,
+                     logits_scaling=4.0, residual_multiplier=0.5, attention_multiplier=0.3)),
+    "smollm3": ("SmolLM3ForCausalLM", "SmolLM3Config",
+                dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=256, no_rope_layer_interval=2)),
+    "gpt_bigcode": ("GPTBigCodeForCausalLM", "GPTBigCodeConfig",
+                    dict(n_embd=32, n_layer=2, n_head=4, n_positions=256, multi_query=True)),
 }
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -96,10 +135,64 @@ def build_tokenizer(vocab: int = 300, *, pad: str | None = "<pad>", eos: str = "
     return tok
 
 
+def build_sp_tokenizer(model: str = "unigram", *, bos: str = "<s>", eos: str = "</s>", add_bos: bool = True,
+                       pad: str | None = None, chat: bool = False, padding_side: str = "right"):
+    """A SentencePiece-style tokenizer (Llama-2 / Mistral / Gemma shape) trained on :data:`TEXT` with ``tokenizers``.
+
+    ``model``: ``"unigram"`` or ``"bpe"``; both with byte fallback (``<0x00>``..``<0xFF>`` are ordinary
+    vocabulary entries, so any text encodes), a ``Metaspace`` pre-tokenizer (spaces as ``▁``, one put in
+    front of the text) and the SentencePiece decoder (``▁`` back to spaces, bytes fused, the first space
+    stripped). ``add_bos``: a post-processor puts ``bos`` in front. ``<unk>`` is id 0.
+    """
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = [t for t in dict.fromkeys(["<unk>", bos, eos, pad, *(("<|im_start|>", "<|im_end|>") if chat else ())])
+                if t]
+    byte_pieces = [f"<0x{b:02X}>" for b in range(256)]
+    meta = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    core = Tokenizer(models.Unigram() if model == "unigram" else models.BPE(unk_token="<unk>"))
+    core.pre_tokenizer = meta
+    trainer = (trainers.UnigramTrainer(vocab_size=200, special_tokens=specials, unk_token="<unk>", show_progress=False)
+               if model == "unigram" else
+               trainers.BpeTrainer(vocab_size=200, special_tokens=specials, show_progress=False))
+    core.train_from_iterator([TEXT], trainer=trainer)
+    learnt = json.loads(core.to_str())["model"]
+    if model == "unigram":  # the byte pieces after the learnt ones, least likely
+        vocab = [tuple(v) for v in learnt["vocab"]]
+        have = {p for p, _ in vocab}
+        vocab += [(p, -20.0) for p in byte_pieces if p not in have]
+        core = Tokenizer(models.Unigram(vocab, unk_id=0, byte_fallback=True))
+    else:
+        vocab = dict(learnt["vocab"])
+        for p in byte_pieces:
+            vocab.setdefault(p, len(vocab))
+        merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in learnt["merges"]]
+        core = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    core.pre_tokenizer = meta
+    core.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                      decoders.Strip(" ", 1, 0)])
+    core.add_special_tokens(specials)
+    if add_bos:
+        core.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, core.token_to_id(bos))])
+    kw = dict(bos_token=bos, eos_token=eos, unk_token="<unk>", padding_side=padding_side,
+              clean_up_tokenization_spaces=False)
+    if pad:
+        kw["pad_token"] = pad
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, **kw)
+    if chat:
+        tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
 def build_checkpoint(kind: str, out_dir: str, *, extra_vocab: int = 0, tie: bool | None = None,
                      eos_list: bool = False, seed: int = 0, config: dict | None = None,
                      generation: dict | None = None, dtype: torch.dtype | None = None,
-                     shard: str | None = None, weights: str = "safetensors", **tok_kw) -> str:
+                     shard: str | None = None, weights: str = "safetensors", sp: str | None = None,
+                     **tok_kw) -> str:
     """Write a tiny random ``kind`` checkpoint with its tokenizer to ``out_dir``; returns it.
 
     ``extra_vocab``: embedding rows beyond the tokenizer's (a padded vocabulary).
@@ -110,11 +203,13 @@ def build_checkpoint(kind: str, out_dir: str, *, extra_vocab: int = 0, tie: bool
     ``dtype``: the weights saved in it (``config.json`` then says so, as shipped bf16/fp16
     checkpoints do). ``shard``: ``save_pretrained``'s ``max_shard_size`` (e.g. ``"20KB"``: an
     index plus shards). ``weights="bin"``: only a ``pytorch_model.bin`` (older checkpoints).
+    ``sp``: a SentencePiece-style tokenizer (:func:`build_sp_tokenizer`, ``"unigram"`` or ``"bpe"``)
+    instead of the byte-level BPE; ``tok_kw`` then go to it.
     """
     import transformers
 
     model_cls, cfg_cls, arch = _ARCHS[kind]
-    tok = build_tokenizer(**tok_kw)
+    tok = build_sp_tokenizer(sp, **tok_kw) if sp else build_tokenizer(**tok_kw)
     n = len(tok) + extra_vocab
     ids = dict(eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id if tok.bos_token_id
                is not None else tok.eos_token_id, pad_token_id=tok.pad_token_id)

@@ -63,7 +63,7 @@ def to_completions(outputs, rows: list[list[int]], num_samples: int, tokenizer, 
     exactly as the hf generator cuts (``models/policy/generation.py``): at the first EOS (kept), else
     right after the first stop string's tokens (kept; ``text`` ends where it begins)."""
     from models.policy.generation import Completion, cut_at_stop
-    from models.policy.tokenizer import eos_token_ids
+    from models.policy.tokenizer import decode_continuation, eos_token_ids
     ends = eos_token_ids(tokenizer)
     results = []
     for i, out in enumerate(outputs):
@@ -75,11 +75,11 @@ def to_completions(outputs, rows: list[list[int]], num_samples: int, tokenizer, 
         elif o.finish_reason == "stop" and not isinstance(o.stop_reason, str) and ends:
             # vLLM ended it on an EOS without listing it: keep that EOS (stopping is learnt)
             ids, finished = ids + [o.stop_reason if o.stop_reason in ends else ends[0]], True
-        cut = cut_at_stop([t for t in ids if t not in ends], tokenizer, stops) if stops else None
+        cut = cut_at_stop([t for t in ids if t not in ends], tokenizer, stops, rows[i]) if stops else None
         if cut is not None:
             ids, text, hit, finished = ids[:cut[0]], cut[1], cut[2], True
         else:
-            text = tokenizer.decode(ids, skip_special_tokens=True)
+            text = decode_continuation(tokenizer, rows[i], ids)
         results.append(Completion(index=i // num_samples, sample=i % num_samples, prompt_ids=list(rows[i]),
                                   completion_ids=ids, text=text, finished=finished, stop=hit))
     return results

@@ -8,6 +8,8 @@ is all a trainer uses, so any causal-LM family that provides one plugs in.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -39,7 +41,6 @@ def export_policy_checkpoint(ckpt: str | Path, out: str | Path) -> Path | None:
     """``dstrain export`` of a policy run into a folder: a Hugging Face checkpoint (config, weights under
     transformers' names, tokenizer, generation config) that ``--model.args.path`` loads; None (nothing
     written) when the run's model is no policy."""
-    import json
 
     from dstrain.checkpoint import consolidated_state_dict, resolve_checkpoint
     from models import registry
@@ -103,12 +104,12 @@ def completion_target(task) -> str:
 
 def supervised_batch(tokenizer, prompts: list[str], targets: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids, labels): prompt + target, right-padded; labels are -100 except on target tokens."""
-    from models.policy.tokenizer import encode_prompt
+    from models.policy.tokenizer import encode_continuation, encode_prompt
 
     rows = []
     for p, t in zip(prompts, targets):
         pi = encode_prompt(tokenizer, p)
-        ti = tokenizer(t, add_special_tokens=False)["input_ids"]
+        ti = encode_continuation(tokenizer, t)
         rows.append((pi + ti, [-100] * len(pi) + ti))
     width = max(len(ids) for ids, _ in rows)
     pad = tokenizer.pad_token_id
@@ -164,8 +165,9 @@ def warm_start(cfg: RunConfig, task: PolicyTaskConfig, tasks: list, world: runti
 
 
 def with_model_path(cfg: RunConfig, path: str) -> RunConfig:
-    """``cfg`` with the policy loaded from ``path`` (the warm-started weights)."""
-    model = dataclasses.replace(cfg.model, args={**cfg.model.args, "path": path})
+    """``cfg`` with the policy loaded from ``path`` (the warm-started weights), made absolute: the run's saved
+    config names it for ``dstrain export`` and ``--resume``, which may run from another directory."""
+    model = dataclasses.replace(cfg.model, args={**cfg.model.args, "path": os.path.abspath(path)})
     return dataclasses.replace(cfg, model=model)
 
 
@@ -278,10 +280,26 @@ def weights_note(cfg: RunConfig, precision: str) -> str | None:
     return line
 
 
+def generation_note(cfg: RunConfig) -> str | None:
+    """One plan line naming the checkpoint's own ``generation_config.json`` settings that dstrain does not apply
+    (its sampling settings, ``suppress_tokens``, ``bad_words_ids``, forced tokens...), else None."""
+    _, mcfg, _ = policy_toolkit(cfg)
+    from models.policy.hf_files import ignored_generation_settings
+    found = ignored_generation_settings(getattr(mcfg, "path", "") or "")
+    if not found:
+        return None
+    listed = ", ".join(f"{k}={json.dumps(v) if isinstance(v, (list, dict)) else v}" for k, v in found.items())
+    line = (f"generation: {mcfg.path}/generation_config.json sets {listed}; dstrain does not apply them: completions "
+            "are sampled from softmax(logits / task.temperature) within task.top_p for task.max_new_tokens (no "
+            "top-k, no repetition penalty), and only its eos_token_id is used")
+    if any(k in found for k in ("suppress_tokens", "begin_suppress_tokens", "bad_words_ids")):
+        line += "; the ids it suppresses or bans can be sampled"
+    return line
+
+
 def plan_notes(cfg: RunConfig, plan) -> list[str]:
     """``dstrain plan``'s notes for a policy run (the trainers' ``plan_notes`` hook)."""
-    note = weights_note(cfg, plan.precision)
-    return [note] if note else []
+    return [n for n in (weights_note(cfg, plan.precision), generation_note(cfg)) if n]
 
 
 def append_plan_note(out: Path, world, line: str) -> None:

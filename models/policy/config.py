@@ -77,6 +77,11 @@ class PolicyConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_kv_heads ({self.num_kv_heads}) must divide "
                              f"num_heads ({self.num_heads})")
+        if self.path and not os.path.isfile(os.path.join(self.path, "config.json")) and \
+                os.path.isfile(os.path.join(self.path, "adapter_config.json")):
+            raise ValueError(f"path {self.path!r} holds a PEFT (LoRA) adapter (adapter_config.json), not a "
+                             "checkpoint: dstrain loads full weights only; merge the adapter into its base model "
+                             "(peft's merge_and_unload, then save_pretrained) and give that folder")
         if self.path and not os.path.isfile(os.path.join(self.path, "config.json")):
             raise ValueError(f"path {self.path!r} is not a Hugging Face checkpoint directory "
                              "(no config.json there)")

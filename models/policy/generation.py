@@ -15,8 +15,9 @@ from typing import Sequence
 
 import torch
 
-from .model import PolicyModel, is_partitioned, rope_length_problem
-from .tokenizer import encode_prompt, eos_token_ids
+from .model import (PolicyModel, is_partitioned, learned_position_limit, position_limit_problem,
+                    rope_length_problem)
+from .tokenizer import decode_continuation, encode_prompt, eos_token_ids
 
 
 @dataclass
@@ -57,14 +58,16 @@ class StopOnStrings:
                             dtype=torch.bool, device=input_ids.device)
 
 
-def cut_at_stop(ids: list[int], tokenizer, stops: Sequence[str]) -> tuple[int, str, str] | None:
+def cut_at_stop(ids: list[int], tokenizer, stops: Sequence[str], prompt_ids: Sequence[int] = ()
+                ) -> tuple[int, str, str] | None:
     """Find the shortest prefix ``ids[:k]`` whose text contains a stop string.
 
     Returns ``(k, text before the stop string, the stop string)`` or None. The
     prefix keeps the stop string's tokens; if several stop strings are present,
-    the one that appears first in that prefix wins.
+    the one that appears first in that prefix wins. The text is read as it follows
+    ``prompt_ids`` (:func:`~models.policy.tokenizer.decode_continuation`).
     """
-    decode = lambda n: tokenizer.decode(ids[:n], skip_special_tokens=True)  # noqa: E731
+    decode = lambda n: decode_continuation(tokenizer, prompt_ids, ids[:n])  # noqa: E731
     hit = lambda text: any(s in text for s in stops)  # noqa: E731
     if not stops or not hit(decode(len(ids))):
         return None
@@ -215,7 +218,8 @@ def _generate(policy, tok, prompts, num_samples, temperature, top_p, max_new_tok
     width = max(len(r) for r in rows)
     if width == 0:
         raise ValueError("all prompts are empty: give at least one token to condition on")
-    if (why := rope_length_problem(policy.hf.config, width + max_new_tokens)):
+    if (why := rope_length_problem(policy.hf.config, width + max_new_tokens) or position_limit_problem(
+            learned_position_limit(policy.hf), width + max_new_tokens, "the longest prompt + max_new_tokens")):
         raise ValueError(why)
     vocab = policy_vocab_size(policy)
     if max(max(r, default=0) for r in rows) >= vocab:
@@ -256,12 +260,12 @@ def _generate(policy, tok, prompts, num_samples, temperature, top_p, max_new_tok
         end = next((j for j, t in enumerate(ids) if t in ends), None)
         if end is not None:
             ids, finished = ids[:end + 1], True
-        cut = cut_at_stop([t for t in ids if t not in ends], tok, stops) if stops else None
+        cut = cut_at_stop([t for t in ids if t not in ends], tok, stops, rows[i]) if stops else None
         if cut is not None:
             ids, text, hit = ids[:cut[0]], cut[1], cut[2]
             finished = True
         else:
-            text = tok.decode(ids, skip_special_tokens=True)
+            text = decode_continuation(tok, rows[i], ids)
         results.append(Completion(index=i // num_samples, sample=i % num_samples,
                                   prompt_ids=list(rows[i]), completion_ids=ids, text=text,
                                   finished=finished, stop=hit))

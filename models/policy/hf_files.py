@@ -131,3 +131,24 @@ def checkpoint_dtype(cfg) -> torch.dtype | None:
     """The dtype of the weights a policy config loads (``cfg.path``'s declared dtype); None when it
     builds from its fields (no checkpoint)."""
     return declared_dtype(cfg.path) if getattr(cfg, "path", "") else None
+
+
+IGNORED_GENERATION_KEYS = (
+    "do_sample", "temperature", "top_p", "top_k", "min_p", "typical_p", "repetition_penalty", "no_repeat_ngram_size",
+    "num_beams", "max_new_tokens", "max_length", "min_new_tokens", "min_length", "length_penalty",
+    "forced_bos_token_id", "forced_eos_token_id", "suppress_tokens", "begin_suppress_tokens", "bad_words_ids")
+"""``generation_config.json`` settings dstrain's generators never apply: sampling is ``softmax(logits /
+task.temperature)`` within ``task.top_p``, for ``task.max_new_tokens``; of that file only ``eos_token_id`` is used."""
+
+
+def ignored_generation_settings(path: str) -> dict:
+    """The settings of ``path``'s ``generation_config.json`` that dstrain ignores (:data:`IGNORED_GENERATION_KEYS`,
+    those set to something), in the file's order; ``{}`` where there are none or no such file."""
+    try:
+        with open(os.path.join(path, "generation_config.json")) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {k: v for k, v in data.items() if k in IGNORED_GENERATION_KEYS and v is not None and v != []}

@@ -153,6 +153,29 @@ def rope_length_problem(config, length: int) -> str | None:
     return None
 
 
+_POSITION_TABLES = ("wpe", "embed_positions", "position_embeddings")
+"""Names transformers gives a learned absolute position table (GPT-2, GPT-BigCode, GPT-Neo: ``wpe``; OPT:
+``embed_positions``, its rows offset by 2)."""
+
+
+def learned_position_limit(hf: nn.Module) -> int | None:
+    """The longest sequence a model with learned absolute positions can embed (its position table's rows less
+    the table's ``offset``), or None for rotary / ALiBi models (no table, no hard limit)."""
+    for name, module in hf.named_modules():
+        if isinstance(module, nn.Embedding) and name.rsplit(".", 1)[-1] in _POSITION_TABLES:
+            return int(module.num_embeddings) - int(getattr(module, "offset", 0) or 0)
+    return None
+
+
+def position_limit_problem(limit: int | None, length: int, what: str) -> str | None:
+    """Why ``length`` tokens cannot go through a model whose position table holds ``limit`` rows, else None."""
+    if limit is None or length <= limit:
+        return None
+    return (f"{what} is {length} tokens, past the {limit} positions the checkpoint has learnt embeddings for "
+            "(config.json n_positions / max_position_embeddings: absolute positions, as in GPT-2 or OPT, have "
+            f"none past them): keep prompt + task.max_new_tokens, or data.seq_len, within {limit}")
+
+
 # --------------------------------------------------------------------- the module
 def _normal_(param: torch.Tensor, std: float) -> None:
     """N(0, std) drawn in fp32 from the CPU generator, whatever the device and dtype of ``param``.
@@ -211,11 +234,16 @@ class PolicyModel(nn.Module):
         """True when the weights came from a checkpoint (then init_module does nothing)."""
         self.hf_ds_config = hf_ds_config
         """transformers' HfDeepSpeedConfig used at load (kept alive: transformers holds a weakref)."""
+        self._position_limit: int | None = -1
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+        if self._position_limit == -1:  # read once: the position table never changes
+            self._position_limit = learned_position_limit(self.hf)
+        if (why := position_limit_problem(self._position_limit, input_ids.shape[1], "the sequence")):
+            raise ValueError(why)
         extra = positions_from_mask(self.hf, attention_mask)
         logits = self.hf(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra).logits
         if targets is None:
@@ -419,6 +447,19 @@ def set_dropout(hf: nn.Module, p: float) -> int:
     return changed
 
 
+def attention_implementation(hf_config) -> str:
+    """The attention transformers runs for ``hf_config``: ``"sdpa"`` (PyTorch's fused kernels), or
+    ``"eager"`` where the architecture has no SDPA path (Gemma-2, whose attention logits are soft-capped,
+    Bloom, MPT: ``from_pretrained`` refuses ``sdpa`` for them)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]
+    except KeyError:
+        return "sdpa"
+    return "sdpa" if getattr(cls, "_supports_sdpa", True) is not False else "eager"
+
+
 # A stage-3 config for transformers when an outer zero.Init (the factory's) already partitions.
 _NESTED_ZERO3 = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
 
@@ -441,7 +482,8 @@ def build_policy(cfg: PolicyConfig, ds_config: Mapping | None = None) -> PolicyM
 
     abstract, outer = _abstract_device(), _inside_zero_init()
     zero3 = is_zero3(ds_config) and not abstract
-    kw = dict(dtype=torch.float32, attn_implementation="sdpa")
+    hf_cfg = AutoConfig.from_pretrained(cfg.path, local_files_only=True) if cfg.path else llama_config(cfg)
+    kw = dict(dtype=torch.float32, attn_implementation=attention_implementation(hf_cfg))
     if cfg.path and not abstract:
         if outer and not zero3:
             ds_config, zero3 = _NESTED_ZERO3, True
@@ -450,8 +492,6 @@ def build_policy(cfg: PolicyConfig, ds_config: Mapping | None = None) -> PolicyM
         set_dropout(hf, cfg.dropout)  # RL needs the same log-probs in train and eval mode
         model = PolicyModel(hf, cfg, weights_loaded=True, hf_ds_config=hf_ds)
     else:
-        hf_cfg = (AutoConfig.from_pretrained(cfg.path, local_files_only=True) if cfg.path
-                  else llama_config(cfg))
         # fork_rng: under ZeRO-3 transformers initialises on rank 0 only; init_module draws next
         with _hf_deepspeed(ds_config if zero3 else None) as hf_ds, no_init_weights(), \
                 torch.random.fork_rng(devices=[]):

@@ -188,6 +188,47 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
     return head + plain
 
 
+_ANCHOR = "\n"
+"""Text put before a continuation when it is encoded or decoded on its own: it ends a word for every
+pre-tokenizer (no merge across it, no prefix space after it) and decodes to itself."""
+
+
+def encode_continuation(tokenizer, text: str) -> list[int]:
+    """Ids of ``text`` as it follows other text (a completion after its prompt), without special tokens.
+
+    A tokenizer that puts a space in front of the text it encodes (``add_prefix_space``, a byte-level
+    pre-tokenizer's or a SentencePiece ``▁``) would otherwise teach a completion that starts with a space
+    that is not in ``text``: here ``text`` is encoded after :data:`_ANCHOR` and the anchor's ids dropped,
+    where that gives ids that decode to ``text`` and the plain encoding does not.
+    """
+    plain = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if not text or not hasattr(tokenizer, "decode") or tokenizer.decode(plain) == text:
+        return plain
+    anchor = tokenizer(_ANCHOR, add_special_tokens=False)["input_ids"]
+    both = tokenizer(_ANCHOR + text, add_special_tokens=False)["input_ids"]
+    if both[:len(anchor)] == anchor and tokenizer.decode(both[len(anchor):]) == text:
+        return both[len(anchor):]
+    return plain
+
+
+def decode_continuation(tokenizer, prefix_ids, ids) -> str:
+    """The text ``ids`` add after ``prefix_ids`` (a completion after its prompt), special tokens dropped.
+
+    A SentencePiece-style decoder strips the space of the first ``▁`` it decodes (Llama-2, Mistral,
+    Gemma: ``Strip`` in ``tokenizer.json``), so a completion decoded alone loses its first space (an
+    indented code line loses a column). Decoded after the prompt's last tokens it keeps it; a byte-level
+    tokenizer gives the same text either way. Plain ``decode(ids)`` where the prompt's text does not
+    decode to a prefix of the whole (a character split between prompt and completion).
+    """
+    plain = tokenizer.decode(list(ids), skip_special_tokens=True)
+    if not ids or not prefix_ids:
+        return plain
+    tail = list(prefix_ids[-8:])
+    head = tokenizer.decode(tail, skip_special_tokens=True)
+    whole = tokenizer.decode(tail + list(ids), skip_special_tokens=True)
+    return whole[len(head):] if whole.startswith(head) and "\ufffd" not in head else plain
+
+
 def _embedding_rows(path: str, tok) -> int:
     """The checkpoint's embedding rows (``config.json`` ``vocab_size``), checked against ``tok``.
 
