@@ -17,6 +17,7 @@ taken as the latest: :func:`find_latest` skips it even if ``latest`` names it.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -143,6 +144,40 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _sync_dir(path: Path) -> None:
+    """Make the names in folder ``path`` durable (a file system that cannot sync a folder is left as it is)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as err:
+        if err.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def sync_tree(tag_dir: Path) -> None:
+    """Every file under ``tag_dir`` on disk, and its folders' entries, before ``COMPLETE`` is written.
+
+    DeepSpeed's ``torch.save`` leaves its files in the page cache; only ``COMPLETE`` was synced. After a crash of
+    the machine (power, kernel, a node the scheduler reboots) the marker could be on disk while the shards written
+    before it were empty or cut short: a "complete" checkpoint that cannot be loaded, taken as the latest. A
+    write error the file system reports only now (NFS: a full disk at flush) is raised here, before the marker."""
+    for path in sorted(Path(tag_dir).rglob("*")):
+        if path.is_file() and not path.is_symlink():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    for folder in sorted((p for p in Path(tag_dir).rglob("*") if p.is_dir()), reverse=True):
+        _sync_dir(folder)
+    _sync_dir(Path(tag_dir))
+
+
 def prepare_tag_dir(root: str | Path, tag: str) -> None:
     """Remove a leftover incomplete folder of the same tag (rank 0, before saving)."""
     path = Path(root) / tag
@@ -164,8 +199,11 @@ def mark_complete(root: str | Path, tag: str, run_config: dict, ds_config: dict,
     (tag_dir / "run_config.json").write_text(json.dumps(run_config, indent=2) + "\n")
     (tag_dir / "ds_config.json").write_text(json.dumps(ds_config, indent=2) + "\n")
     (tag_dir / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2) + "\n")
+    sync_tree(tag_dir)
     _atomic_write(tag_dir / COMPLETE, json.dumps({"step": trainer_state.get("step")}) + "\n")
+    _sync_dir(tag_dir)
     _atomic_write(root / LATEST, tag + "\n")
+    _sync_dir(root)
     for old in complete_tags(root)[:-keep]:
         (root / old / COMPLETE).unlink(missing_ok=True)  # a kill during the removal leaves no half "complete" tag
         shutil.rmtree(root / old, ignore_errors=True)

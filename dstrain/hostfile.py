@@ -228,12 +228,27 @@ def check_hosts(hosts: Hosts, path: str, reach: bool, resolve: Callable[[str], R
             if found[name] is None:
                 raise HostfileError(f"hostfile {path}: host {name!r} does not resolve "
                                     "(not in DNS or the hosts file, and no ssh config HostName for it)")
+        _one_entry_per_machine(names, found, path)
         if reach:
             for name, why in zip(names, pool.map(probe, names)):
                 if why is not None:
                     raise HostfileError(f"hostfile {path}: host {name!r} is unreachable by passwordless ssh "
                                         f"({why}); --no-ssh-check skips this check")
     return found
+
+
+def _one_entry_per_machine(names: Sequence[str], found: Mapping[str, Resolved], path: str) -> None:
+    """Two entries that reach one machine (the same address and ssh port: a name and its alias or IP, ``node1``
+    and ``node1.cluster``) would each start ranks there with local ranks 0..slots-1, two on every GPU, and the
+    names check (``host already listed``) cannot see it."""
+    seen: dict[tuple[str, int], str] = {}
+    for name in names:
+        key = (found[name].address, found[name].ssh_port or 22)
+        if key in seen:
+            raise HostfileError(f"hostfile {path}: hosts {seen[key]!r} and {name!r} are one machine ({key[0]}, ssh "
+                                f"port {key[1]}): each would start its ranks there, on the same GPUs; list it once, "
+                                "with the slots it has")
+        seen[key] = name
 
 
 def choose_master(hosts: Hosts, path: str, found: Mapping[str, Resolved],

@@ -49,6 +49,39 @@ def hold_stop_signals() -> None:
         signal.signal(sig, keep)
 
 
+class _Joining:
+    """:func:`stop_ends_joining`'s context manager."""
+
+    def __enter__(self):
+        import sys
+        if PENDING_STOP[0]:  # stopped before it joined: no peer can be training without it, nothing to save
+            name = signal.Signals(PENDING_STOP[0]).name
+            print(f"dstrain: rank {os.environ.get('RANK', '0')} stopped by {name} before it joined the job "
+                  f"(exit {128 + PENDING_STOP[0]})", file=sys.stderr, flush=True)
+            os._exit(128 + PENDING_STOP[0])
+        self.before = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_DFL)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self.before.items():
+            signal.signal(sig, handler)
+        return False
+
+
+def stop_ends_joining() -> _Joining:
+    """``with stop_ends_joining():`` around the start of the process group: a stop signal ends the rank at once.
+
+    The wait for the peers (torch's store, gloo's or NCCL's connections) is native code, where the handler that
+    :func:`hold_stop_signals` installs never runs: a rank waiting for a peer that never comes (a wrong
+    MASTER_ADDR, a rank that failed to start, more ranks asked than started) kept SIGTERM and Ctrl-C and
+    waited out the collective timeout (30 minutes by default). No peer trains before every rank has joined,
+    so there is no step to save: the signal's default action ends the rank (status 128 + N). A stop that came
+    earlier ends it before it joins, in one line."""
+    return _Joining()
+
+
 # ---------------------------------------------------------------- stopped by a signal
 
 def stop_exit_code(summary: dict, steps: int) -> int:

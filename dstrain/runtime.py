@@ -75,8 +75,16 @@ def init_distributed(timeout_s: float | None = None) -> World:
         if timeout_s is not None:
             from datetime import timedelta
             kwargs["timeout"] = _TIMEOUT = timedelta(seconds=timeout_s)
+        from dstrain.rank_exit import stop_ends_joining
+        check_rank_env()
         try:
-            deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", auto_mpi_discovery=False, **kwargs)
+            with stop_ends_joining():  # a wait for peers that never come ends on SIGTERM / Ctrl-C
+                store = _restart_store(kwargs.get("timeout"))
+                if store is not None:  # DeepSpeed's init then takes the group as it is
+                    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=int(os.environ["RANK"]),
+                                            world_size=int(os.environ["WORLD_SIZE"]), **kwargs)
+                deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", auto_mpi_discovery=False,
+                                           **kwargs)
         except RuntimeError as err:  # (torch's DistNetworkError)
             raise port_in_use_error(err) or err
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -91,6 +99,60 @@ def init_distributed(timeout_s: float | None = None) -> World:
         threads = int(os.environ.get("OMP_NUM_THREADS", 0)) or max(1, (os.cpu_count() or 1) // local_world)
         torch.set_num_threads(threads)
     return World(rank, world, local_rank, local_world, device)
+
+
+def check_rank_env(environ=os.environ) -> None:
+    """A ``LaunchError`` naming the variable when this rank's RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR /
+    MASTER_PORT cannot start a job (set by hand, by a script, or left in the shell from another job): torch
+    raised a bare ``ValueError`` traceback for a port that is not a number or out of range, and a MASTER_ADDR
+    no resolver knows kept the ranks other than 0 retrying until the collective timeout (30 minutes)."""
+    from dstrain.config import LaunchError
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        value = environ.get(name, "")
+        if not value.strip().isdigit():
+            raise LaunchError(f"{name}={value!r} in this rank's environment is not a whole number; unset it (a "
+                              "launcher sets it) or set it to one")
+    rank, world, port = int(environ["RANK"]), int(environ["WORLD_SIZE"]), int(environ["MASTER_PORT"])
+    if world < 1 or rank >= world:
+        raise LaunchError(f"RANK={rank} with WORLD_SIZE={world}: a rank must be below the number of ranks; "
+                          "check the launcher's variables (or unset them to run one process)")
+    if not 0 < port < 65536:
+        raise LaunchError(f"MASTER_PORT={port} is not a TCP port (1-65535); unset it (dstrain launch picks a free "
+                          "one) or choose another")
+    addr = environ.get("MASTER_ADDR", "").strip()
+    if not addr:
+        raise LaunchError("MASTER_ADDR is empty in this rank's environment; set it to rank 0's host or unset it")
+    if rank != 0 and world > 1:  # rank 0 listens; the others must find it
+        import socket
+        try:
+            socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
+        except socket.gaierror as err:
+            if err.errno == socket.EAI_NONAME:  # no such name (a temporary DNS failure is left to torch's retries)
+                raise LaunchError(f"MASTER_ADDR={addr!r} does not resolve here (not in DNS or the hosts file): rank "
+                                  f"{rank} cannot reach rank 0's store; set it to rank 0's host name or address") \
+                    from None
+        except UnicodeError:
+            raise LaunchError(f"MASTER_ADDR={addr!r} is not a host name") from None
+
+
+def _restart_store(timeout=None):
+    """The process group's store for ranks of torchrun's agent, keyed by the agent's restart count; None elsewhere.
+
+    torchrun's ranks share the store its agent holds (``TORCHELASTIC_USE_AGENT_STORE``); under its static
+    rendezvous (one node, ``--master-addr``/``--master-port``) the agent keeps that one store across
+    ``--max-restarts``, and torch's env:// start reads it without a prefix per attempt: a restarted rank 0
+    read the addresses its killed peers had published there and failed to connect (gloo: ``Connection
+    refused``), so every restart failed. Each attempt gets keys of its own here."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or restart is None:
+        return None
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]), is_master=False,
+                          timeout=timeout or timedelta(minutes=30))
+    return dist.PrefixStore(f"dstrain/attempt_{restart}", store)
 
 
 def port_in_use_error(err: BaseException):

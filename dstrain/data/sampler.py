@@ -62,18 +62,23 @@ class WindowSampler:
             self._perms.move_to_end(epoch)
         return perm
 
-    def global_indices(self, step: int, global_batch: int) -> torch.Tensor:
+    def global_indices(self, step: int, global_batch: int, first_sample: int | None = None) -> torch.Tensor:
         """Window indices of the ``global_batch`` samples of optimizer step ``step``.
 
         Returns a ``LongTensor[global_batch]``: sample ``g`` in
         ``[step * global_batch, (step + 1) * global_batch)`` is window
-        ``perm_e[g % num_windows]`` with ``e = g // num_windows``.
+        ``perm_e[g % num_windows]`` with ``e = g // num_windows``. ``first_sample``, when given, is
+        where the step starts instead of ``step * global_batch`` (a run resumed with another global batch
+        continues at the sample its checkpoint reached).
         """
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         if global_batch <= 0:
             raise ValueError(f"global_batch must be positive, got {global_batch}")
-        g = torch.arange(step * global_batch, (step + 1) * global_batch, dtype=torch.long)
+        start = step * global_batch if first_sample is None else int(first_sample)
+        if start < 0:
+            raise ValueError(f"first_sample must be >= 0, got {start}")
+        g = torch.arange(start, start + global_batch, dtype=torch.long)
         epochs = g // self.num_windows
         offsets = g % self.num_windows
         out = torch.empty_like(g)
@@ -83,7 +88,8 @@ class WindowSampler:
         return out
 
     def local_batch_indices(
-        self, step: int, micro_batch: int, grad_accum: int, rank: int, world_size: int
+        self, step: int, micro_batch: int, grad_accum: int, rank: int, world_size: int,
+        first_sample: int | None = None,
     ) -> torch.Tensor:
         """This rank's window indices for ``step`` as ``LongTensor[grad_accum, micro_batch]``.
 
@@ -98,7 +104,7 @@ class WindowSampler:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
         gb = micro_batch * grad_accum * world_size
-        view = self.global_indices(step, gb).view(grad_accum, world_size, micro_batch)
+        view = self.global_indices(step, gb, first_sample).view(grad_accum, world_size, micro_batch)
         return view[:, rank, :].clone()
 
 

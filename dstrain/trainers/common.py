@@ -21,13 +21,19 @@ def decide_resume(cfg: RunConfig, world: runtime.World, out: Path, ckpt_root: Pa
     the ``summary.json`` an earlier run left (it writes its own when it ends); a resume whose run config differs
     from the checkpoint's says what changed (:func:`changed_settings_note`).
     """
-    decision = None
+    from dstrain import elastic
+    decision, job_agents = None, elastic.gather_agents()
     if world.is_main:
         latest = ckpt.find_latest(ckpt_root)
         busy = _lock_run_folder(out)
+        restarted = (latest is not None and not cfg.checkpoint.resume and elastic.restart_count() > 0
+                     and elastic.written_by_this_job(ckpt_root / latest, job_agents))
         if busy:
             decision = ("error", busy)
-        elif cfg.checkpoint.resume:
+        elif cfg.checkpoint.resume or restarted:  # restarted: torchrun --max-restarts, this job's own checkpoint
+            if restarted:
+                print(f"dstrain: torchrun restart {elastic.restart_count()}: continuing this job's checkpoint "
+                      f"{latest}", flush=True)
             decision = ("resume", latest)
             problem = _resume_problem(cfg, ckpt_root, latest) if latest is not None else None
             if problem:
@@ -280,8 +286,10 @@ def writing(ckpt_root: Path, tag: str):
 
 
 def _trainer_state(step: int, world: runtime.World, plan, state: dict | None) -> dict:
+    from dstrain import elastic
+    launched = {"torchrun_agents": elastic.agents()} if elastic.agents() else {}  # dstrain.elastic: whose it is
     return {"step": step, "world_size": world.world_size, "profile": plan.profile, "precision": plan.precision,
-            "activation_checkpointing": plan.activation_checkpointing, **(state or {})}
+            "activation_checkpointing": plan.activation_checkpointing, **launched, **(state or {})}
 
 
 class CheckpointSaver:
@@ -404,28 +412,34 @@ def load_checkpoint(engine, ckpt_root: Path, tag: str, world: runtime.World) -> 
     return state
 
 
-def batch_change_message(where: Path, step: int, steps: int, old: int, new: int) -> str | None:
+def batch_change_message(where: Path, step: int, steps: int, old: int, new: int,
+                         data_at: int | None = None) -> str | None:
     """What resuming checkpoint ``where`` (taken at ``step``, ``old`` samples per step) with ``new`` samples
     per step changes (the data position, the schedule's meaning); None when the global batch is kept.
 
-    Every trainer's data order is indexed by step x global batch (``WindowSampler``, the task samplers), so
-    the samples the checkpoint's run would have taken next are not the ones this run takes next."""
+    The task samplers (GRPO, SCoRe) index their data order by step x global batch, so the samples the
+    checkpoint's run would have taken next are not the ones this run takes next. The LM trainer continues at
+    the sample the checkpoint reached (``data_at``), so only the schedule's meaning changes."""
     if not old or not new or int(old) == int(new):
         return None
     reached, starts = step * old, step * new
     jump = (f"samples {reached}..{starts - 1} of the order are skipped" if starts > reached
             else f"samples {starts}..{reached - 1} are trained on again")
+    data = (f"the data order is indexed by step x global batch, so step {step + 1} starts at sample {starts}, "
+            f"not {reached} ({jump})" if data_at is None else
+            f"the data continues at sample {data_at}, where the checkpoint's run stopped (none skipped or "
+            "repeated)")
     return (f"resuming {where} with a global batch of {new} samples per step where it was trained with {old} "
-            f"(micro_batch x grad_accum x data-parallel ranks): the data order is indexed by step x global batch, "
-            f"so step {step + 1} starts at sample {starts}, not {reached} ({jump}); the learning-rate schedule "
+            f"(micro_batch x grad_accum x data-parallel ranks): {data}; the learning-rate schedule "
             f"counts steps (warm-up, decay to train.steps={steps}), so its remaining {max(steps - step, 0)} steps "
             f"now take {new / old:.3g}x the samples each, and train.lr is not rescaled. To continue the same "
             f"run, keep micro_batch x grad_accum x data-parallel ranks = {old}")
 
 
-def warn_batch_change(world: runtime.World, where: Path, step: int, steps: int, old, new) -> None:
+def warn_batch_change(world: runtime.World, where: Path, step: int, steps: int, old, new,
+                      data_at: int | None = None) -> None:
     """Rank 0 prints :func:`batch_change_message` as a warning, when there is one."""
-    message = batch_change_message(where, step, steps, int(old or 0), int(new or 0))
+    message = batch_change_message(where, step, steps, int(old or 0), int(new or 0), data_at)
     if message and world.is_main:
         import sys
         print(f"dstrain: warning: {message}", file=sys.stderr, flush=True)

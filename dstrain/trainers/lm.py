@@ -1,8 +1,9 @@
 """Supervised language-model training: the loop every rank runs for ``dstrain train``.
 
-Data order is a pure function of (data seed, step) (see ``WindowSampler``), so a
-resumed run only needs the step number from the checkpoint; each rank's random
-state is saved and restored beside it. Metrics are averaged over ranks before
+Data order is a pure function of (data seed, sample) (see ``WindowSampler``), so a
+resumed run only needs the step number and the samples taken (``samples`` in the
+trainer state: another global batch continues where the checkpoint's run stopped);
+each rank's random state is saved and restored beside it. Metrics are averaged over ranks before
 rank 0 logs them.
 
 Test hooks (environment; ``DSTRAIN_FAULT_RANK`` picks the rank, default 0):
@@ -108,6 +109,7 @@ class LMTrainer:
         # Per-rank dropout; tensor-parallel ranks share a seed (their replicated activations must agree).
         runtime.seed_everything(cfg.train.seed + 7919 * (self.world.rank // cfg.parallel.tp + 1))
         self.start_step = 0
+        self.data_start = (0, 0)  # (step, sample): the data order continues from the checkpoint's position
         self.saver = CheckpointSaver(self.engine, self.ckpt_root, self.world, cfg, self.plan)
         self.guards = RunGuards(cfg, self.world, {"": self.engine}, deferrable=True)  # no updates of its own
         if resume_tag is not None:
@@ -122,13 +124,26 @@ class LMTrainer:
         state = load_checkpoint(self.engine, self.ckpt_root, tag, self.world)
         self.start_step = int(state["step"])
         saved = json.loads((self.ckpt_root / tag / "ds_config.json").read_text())  # micro x accum x dp, resolved
+        old = int(saved.get("train_batch_size") or 0) or self.global_batch
+        # Where the data order stands: the samples the checkpoint's run took (older checkpoints: step x its batch).
+        self.data_start = (self.start_step, int(state.get("samples", self.start_step * old)))
         warn_batch_change(self.world, self.ckpt_root / tag, self.start_step, self.cfg.train.steps,
-                          saved.get("train_batch_size"), self.plan.ds_config.get("train_batch_size"))
+                          saved.get("train_batch_size"), self.plan.ds_config.get("train_batch_size"),
+                          data_at=self.data_start[1])
         self.guards.skipped = int(state.get("skipped_steps", 0))
+
+    @property
+    def global_batch(self) -> int:
+        t = self.cfg.train
+        return t.micro_batch * t.grad_accum * self.dp_world
+
+    def first_sample(self, step: int) -> int:
+        """Where (0-based) step ``step`` starts in the data order."""
+        return self.data_start[1] + (step - self.data_start[0]) * self.global_batch
 
     def save(self, step: int) -> None:
         self.guards.phase("save", step)
-        self.saver.save(step, state={"skipped_steps": self.guards.skipped})
+        self.saver.save(step, state={"skipped_steps": self.guards.skipped, "samples": self.first_sample(step)})
 
     # ---------------------------------------------------------------- steps
     def _local(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,7 +163,7 @@ class LMTrainer:
         t, n = self.cfg.train, step + 1
         self.guards.begin(n)
         indices = self.sampler.local_batch_indices(step, t.micro_batch, t.grad_accum,
-                                                   self.dp_rank, self.dp_world)
+                                                   self.dp_rank, self.dp_world, self.first_sample(step))
         if self.pipelined:  # DeepSpeed's 1F1B over the grad_accum micro-batches; the loss is the dp mean
             self.guards.phase("pipeline step", n)
             loss = self.engine.train_batch(

@@ -1,0 +1,62 @@
+"""Ranks restarted by torchrun's own agent (``torchrun --max-restarts N``) continue their job's checkpoint.
+
+torchrun restarts every rank of a failed attempt with the same command line. A run started without
+``--resume`` in an empty folder has, by its first restart, written checkpoints there itself; the command
+line still says "a fresh run", and the folder-holds-a-checkpoint refusal (exit 2) ended every restart.
+
+A restart (``TORCHELASTIC_RESTART_COUNT`` > 0) therefore resumes the latest checkpoint when this same
+torchrun job wrote it: each checkpoint's ``trainer_state.json`` records the job's agents (``host:pid`` of
+the torchrun process each rank runs under, which outlives its ranks' restarts). A checkpoint written by
+another job (the first attempt was refused for it, and torchrun restarted that refusal) is refused as
+before. ``dstrain launch --max-restarts`` restarts the whole launch with ``--resume`` itself and does not
+take this path (its torchrun starts at restart count 0).
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+_AGENTS: list[str] = []
+"""This job's torchrun agents, gathered from every rank by :func:`gather_agents` (empty outside torchrun)."""
+
+
+def restart_count(environ=os.environ) -> int:
+    """How many times torchrun's agent has restarted this rank's job (0 outside torchrun)."""
+    text = environ.get("TORCHELASTIC_RESTART_COUNT", "0") or "0"
+    return int(text) if text.isdigit() else 0
+
+
+def agent_id(environ=os.environ) -> str | None:
+    """``host:pid`` of the torchrun agent that started this rank, or None when no torchrun agent did."""
+    if "TORCHELASTIC_RESTART_COUNT" not in environ:
+        return None
+    return f"{socket.gethostname()}:{os.getppid()}"
+
+
+def gather_agents() -> list[str]:
+    """Every rank's agent (collective: every rank calls it), kept for :func:`agents` and returned."""
+    mine = agent_id()
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        box: list = [None] * dist.get_world_size()
+        dist.all_gather_object(box, mine)
+    else:
+        box = [mine]
+    _AGENTS[:] = sorted({a for a in box if a})
+    return list(_AGENTS)
+
+
+def agents() -> list[str]:
+    return list(_AGENTS)
+
+
+def written_by_this_job(tag_dir: Path, job_agents: list[str]) -> bool:
+    """Whether checkpoint ``tag_dir`` was written by the torchrun job whose agents are ``job_agents``."""
+    try:
+        state = json.loads((Path(tag_dir) / "trainer_state.json").read_text())
+    except (OSError, ValueError):
+        return False
+    saved = state.get("torchrun_agents") if isinstance(state, dict) else None
+    return bool(job_agents) and isinstance(saved, list) and bool(set(saved) & set(job_agents))
