@@ -261,7 +261,9 @@ def main(argv=None) -> int:
     p.add_argument("--dense-max", type=int, help="skip dense above this N (default per device)")
     p.add_argument("--slow-dense", type=int, default=1 << 62, help="time dense once (no repeats) above this N")
     p.add_argument("--slope-from", type=int, help="fit the slope from this N up (default: second length)")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"),
+                   help="folder of attention_<cpu|gpu>.json and .png (default: benchmarks/results, over the "
+                        "committed figures)")
     p.add_argument("--profile", type=int, metavar="N", help="profile one dilated step at N and exit")
     p.add_argument("--point", nargs=2, metavar=("METHOD", "N"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)

@@ -189,7 +189,8 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--step-window", type=float, default=15.0,
                    help="a step kill comes at a random moment of this many seconds after training resumed")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "checkpoint_stall_cpu.json"))
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "checkpoint_stall_cpu.json"),
+                   help="result JSON file (default: the committed benchmarks/results/checkpoint_stall_cpu.json)")
     args = p.parse_args()
     import deepspeed
     import torch

@@ -74,7 +74,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--profile", default="zero2")
     p.add_argument("--dtypes", default="fp32,bf16")
-    p.add_argument("--out", default="benchmarks/results/comm_dtype_cpu.json")
+    p.add_argument("--out", default="benchmarks/results/comm_dtype_cpu.json",
+                   help="result JSON file, its PNG beside it (default: the committed benchmarks/results/"
+                        "comm_dtype_cpu.json)")
     args, extra = p.parse_known_args(argv)
     load_before = os.getloadavg()
     runs = []

@@ -55,6 +55,24 @@ def run(recipe: str, out: Path, lr: float | None, steps: int, nproc: int, extra:
     return time.perf_counter() - start
 
 
+def clear_out(out: Path) -> None:
+    """Empty ``--out`` for a new check: only a folder that holds nothing but what this script writes (its run
+    folders and result files) is removed; anything else (``--out runs``, ``--out benchmarks/results``) is refused
+    in one line, before a run starts."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise SystemExit(f"grpo_learning: --out {out} is a file: name a folder for the runs and results")
+    ours = {"grpo", "lr0", "dynamic", "dynamic_rest", "dynamic_carry"}
+    ours |= {f"grpo_learning_{tag}.{ext}" for tag in ("cpu", "gpu") for ext in ("json", "png")}
+    other = sorted(p.name for p in out.iterdir() if p.name not in ours)
+    if other:
+        raise SystemExit(f"grpo_learning: --out {out} holds what this benchmark did not write "
+                         f"({', '.join(other[:3])}{', ...' if len(other) > 3 else ''}), and is emptied first: "
+                         f"name a new folder, or one an earlier grpo_learning.py wrote")
+    shutil.rmtree(out)
+
+
 def rewards(out: Path, key: str = "train/reward_mean") -> dict[int, float]:
     values = {}
     for line in (out / "metrics.jsonl").read_text().splitlines():
@@ -110,7 +128,9 @@ def main(argv=None) -> int:
     ap.add_argument("--recipe", default="models/policy/recipes/grpo_debug.json")
     ap.add_argument("--steps", type=int, default=None, help="default: the recipe's train.steps")
     ap.add_argument("--nproc", type=int, default=2)
-    ap.add_argument("--out", default="runs/grpo_learning")
+    ap.add_argument("--out", default="runs/grpo_learning",
+                    help="folder of the runs and of grpo_learning_<device>.json / .png (emptied first: a new "
+                         "folder, or one this script wrote)")
     ap.add_argument("--extra", action="append", default=[], help="override passed to every run (repeatable)")
     ap.add_argument("--dynamic", action="store_true", help="a third run with task.dynamic_sampling on")
     ap.add_argument("--max-rounds", type=int, default=4, help="task.dynamic_sampling_max_rounds of that run")
@@ -130,9 +150,8 @@ def main(argv=None) -> int:
     from dstrain.config import load_run_config
     cfg = load_run_config(ROOT / args.recipe, args.extra)
     steps = args.steps or cfg.train.steps
-    out = Path(args.out)
-    if out.exists():
-        shutil.rmtree(out)
+    out = Path(args.out).expanduser().absolute()  # the runs start in the repository: the same folder there
+    clear_out(out)
     if args.warm_start:
         shutil.copytree(args.warm_start, out / "grpo" / "warm_start")
     seconds = {"grpo": run(args.recipe, out / "grpo", None, steps, args.nproc, args.extra)}

@@ -140,6 +140,12 @@ def machine(device: torch.device) -> dict:
     return info
 
 
+def rate(per_s: float) -> str:
+    """Segments/s as printed: whole numbers where they are large, three figures below 100 (a CPU run of the
+    Sudoku size does under one: "0 segments/s" read as nothing done)."""
+    return f"{per_s:,.0f}" if per_s >= 100 else f"{per_s:.3g}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="debug,sudoku")
@@ -161,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grid", type=int, default=9, choices=(4, 6, 9), help="side of the generated puzzles")
     parser.add_argument("--model-args", default="{}",
                         help="JSON object of HRM config overrides, e.g. seq_len/vocab_size for --grid, act, halt_rule")
-    parser.add_argument("--out", default="")
+    parser.add_argument("--out", default="", help="result JSON file (default: none, printed only)")
     args = parser.parse_args(argv)
     try:
         args.model_args = json.loads(args.model_args)
@@ -182,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         r = time_size(size, args, device)
         results.append(r)
         print(f"{size}: {r['dense_params']:,} params, batch {r['batch']}: {r['s_per_step'] * 1000:.1f} ms/step, "
-              f"{r['segments_per_s']:.0f} segments/s, recipe ({r['recipe_segments']:,} segments) "
+              f"{rate(r['segments_per_s'])} segments/s, recipe ({r['recipe_segments']:,} segments) "
               f"~{r['projected_recipe_hours']:.2f} h; first {args.warmup} steps {r['warmup_seconds']:.1f} s", flush=True)
     from dstrain.bench import _portable  # no paths of this machine in a results file
     args_given = argv if argv is not None else sys.argv[1:]

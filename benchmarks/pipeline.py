@@ -51,7 +51,8 @@ def _parse_args(argv=None):
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--partition", default="parameters", choices=("parameters", "uniform", "cost"))
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "pipeline_cpu.json"))
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "pipeline_cpu.json"),
+                   help="result JSON file (default: benchmarks/results/pipeline_cpu.json)")
     return p.parse_args(argv)
 
 

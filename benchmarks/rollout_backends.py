@@ -45,7 +45,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--out", default="benchmarks/results/rollout_backends_cpu.json")
+    p.add_argument("--out", default="benchmarks/results/rollout_backends_cpu.json",
+                   help="result JSON file, its PNG beside it (default: the committed benchmarks/results/"
+                        "rollout_backends_cpu.json)")
     args, extra = p.parse_known_args(argv)
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="dstrain-rollout-") as tmp:

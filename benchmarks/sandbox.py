@@ -194,7 +194,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--limit", type=int, default=0, help="MBPP programs to run (0: all)")
     p.add_argument("--repeats", type=int, default=3, help="times the adversarial set is run")
     p.add_argument("--trivial", type=int, default=500, help="trivial programs timed (p99 is their 1%% tail)")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"),
+                   help="folder of sandbox_<device>[_TAG].json and .png (default: benchmarks/results, over the "
+                        "committed figures)")
     p.add_argument("--tag", default="", help="suffix of the result file names")
     args = p.parse_args(argv)
     mbpp = mbpp_jobs(data_dir(args.data), args.limit)

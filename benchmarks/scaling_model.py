@@ -70,7 +70,8 @@ def main(argv=None) -> int:
                    help="fraction of the backward pass gradient communication may hide behind (0: none)")
     p.add_argument("--global-batch-tokens", type=int, default=1024 * 1024,
                    help="strong scaling keeps this many tokens per step (default 1M: 1024 sequences of 1024)")
-    p.add_argument("--out", default=str(ROOT / "benchmarks/results/scaling_model.json"))
+    p.add_argument("--out", default=str(ROOT / "benchmarks/results/scaling_model.json"),
+                   help="result JSON file (default: benchmarks/results/scaling_model.json)")
     args = p.parse_args(argv)
     measured = json.loads(Path(args.measured).read_text())
     links = Links(gpus_per_node=args.gpus_per_node, intra_bw=args.intra_gbs * 1e9,

@@ -170,7 +170,9 @@ def plot(result: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="runs/score_selfcorrect", help="folder of the three runs")
-    ap.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--results", default=str(ROOT / "benchmarks" / "results"),
+                    help="folder of score_selfcorrect_<device><NAME>.json and .png (default: benchmarks/results, "
+                         "over the committed figures)")
     ap.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {', '.join(RUNS)}")
     ap.add_argument("--parallel", type=int, default=2, help="runs at once (1: one after the other)")
     ap.add_argument("--report-only", action="store_true", help="read existing run folders, start nothing")

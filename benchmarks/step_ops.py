@@ -110,7 +110,8 @@ def main(argv=None) -> int:
     p.add_argument("--model-args", default='{"n_embd": 64, "n_head": 4}')
     p.add_argument("--deepspeed-norms", action="store_true",
                    help="also measure with DeepSpeed's own norm code and bf16 overflow check")
-    p.add_argument("--out", default="benchmarks/results/step_ops_cpu.json")
+    p.add_argument("--out", default="benchmarks/results/step_ops_cpu.json",
+                   help="result JSON file (default: the committed benchmarks/results/step_ops_cpu.json)")
     args, overrides = p.parse_known_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")

@@ -115,8 +115,21 @@ def save_pretrained(model: PolicyModel, directory: str, tokenizer=None) -> None:
             delattr(model.hf.config, EXPORT_DTYPE_KEY)
         if before is not None:
             setattr(model.hf.config, EXPORT_DTYPE_KEY, before)
+    _usual_file_mode(directory)
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
+
+
+def _usual_file_mode(directory: str) -> None:
+    """Give the weight files ``save_pretrained`` wrote the mode any new file gets here: safetensors creates
+    them 0600, and a checkpoint folder is for others to load (a warm start, ``dstrain export``)."""
+    import os
+    from pathlib import Path
+
+    mask = os.umask(0)
+    os.umask(mask)
+    for f in Path(directory).glob("*.safetensors"):
+        os.chmod(f, 0o666 & ~mask)
 
 
 def export_pretrained(state: Mapping[str, torch.Tensor], config, directory: str) -> None:
