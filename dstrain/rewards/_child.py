@@ -292,6 +292,7 @@ def _worker(job: dict, prepared: list, box: list, judge: tuple, done) -> None:
         except BaseException as e:
             box[1:] = ["program", _describe(e)]  # noqa: F821  (_guards.py)
             return
+        _LIFT()  # noqa: F821  (_guardtools.py: the judge's code runs under the recursion limit it had, not a lower one)
         if job["setup"].strip() and tools[0]() != 1:  # (a thread of the program's that ran alongside the setup, or
             box[1:] = ["setup", "a thread of the program was running when the setup began"]  # ran after the builtins
             return  # were put back, changed what the setup bound before it was copied: see _setupdata._run_setup)
@@ -308,6 +309,7 @@ def _worker(job: dict, prepared: list, box: list, judge: tuple, done) -> None:
         passed, detail = 0, ""
         for i, prep in enumerate(prepared):
             gc_off()  # (no finalizer of the program's in the judge's code until the test runs)
+            _LIFT()  # noqa: F821
             if tools[0]() != 1 or not kept():  # (before the judge's code looks up methods by name again; no thread
                 detail = detail or f"test {i + 1}: a thread of the program was running"  # of the program's left, nor
                 break  # one still ending, to change a namespace meanwhile; a changed one is the run's violation)
@@ -332,6 +334,7 @@ def _worker(job: dict, prepared: list, box: list, judge: tuple, done) -> None:
                 detail = f"test {i + 1}: {why}"
         box[:] = [passed, "ok", detail]
     finally:
+        _LIFT()  # noqa: F821  (before the main thread's code: the last test's may have lowered the limit)
         gc_on()
         if saved is not None and kept():
             clear(bdict)
@@ -422,6 +425,7 @@ def _execute(job: dict, result_fd: int, isolation: str, max_processes: int) -> N
     except (ValueError, OSError):
         pass
     acquire()
+    _LIFT()  # noqa: F821  (the program's lowered recursion limit left this thread no verdict)
     for _ in range(1000):  # let the worker thread end (0.5 s at most); any other thread is a violation
         if count() == 0:
             break

@@ -7,11 +7,15 @@ private globals (see ``sandbox.py``). Importing it in the trainer defines functi
 """
 
 
+_TYPE_NAME = type.__dict__["__name__"].__get__  # (a class's own name: a metaclass's ``__name__`` property may raise)
+
+
 def _describe(exc: BaseException) -> str:
+    name = _TYPE_NAME(type(exc))
     try:
-        text = f"{type(exc).__name__}: {exc}"
+        text = f"{name}: {exc}"
     except BaseException:
-        text = type(exc).__name__
+        text = name
     return str.__str__(text) if isinstance(text, str) else "error"
 
 

@@ -19,6 +19,8 @@ def _guard_tools(quiet: set, setup: str = "") -> tuple:
     import sys
     import time
 
+    global _LIFT
+    _LIFT = _recursion_floor()
     # (decimal's context as it was: an operation on a ``Decimal`` runs in it, not in one the program set, where
     # ``Emin=0`` would round a wrong answer's difference to zero)
     context = (decimal.getcontext, decimal.setcontext, decimal.Context())
@@ -46,6 +48,28 @@ def _guard_tools(quiet: set, setup: str = "") -> tuple:
     return (_thread_counter(), gc.disable, gc.callbacks, sys.setprofile, _thread.get_ident, quiet, context, vars(builtins),
             builtins, re_cache, _prepare_setup(setup), {}, sys.modules, (zone, zone()), _library_cells(),  # noqa: F821
             _frame_readers(), _namespaces_check([]))  # noqa: F821  (_namespaces.py: see there)
+
+
+_LIFT = None  # the run's ``_recursion_floor()``, set by :func:`_guard_tools`
+
+
+def _recursion_floor():
+    """``lift()``: puts the recursion limit back up to what it was before the program ran, if the program lowered it
+    (a higher limit it set stays). The limit is the interpreter's, so the judge's own code ran under the program's
+    (red-team round 23): the copy of the setup's data stopped half-way through a list two of the setup's names shared,
+    and the second name was kept as that half-made copy (``data = [[[5]]]`` then ``expected = data[0]``, kept as
+    ``[]``: ``return []`` passed), or a default of a setup's function, too deep to copy, was put back as the program
+    could change it (``check(v, ref=[[3]])``: reward 1); lower still, the judge's thread or the main thread failed
+    with no verdict. The judge calls it after the program's top level, after each statement of the setup, before each
+    test and before the verdict."""
+    import sys
+
+    get, put, floor = sys.getrecursionlimit, sys.setrecursionlimit, sys.getrecursionlimit()
+
+    def lift() -> None:
+        if get() < floor:
+            put(floor)
+    return lift
 
 
 def _thread_counter():

@@ -70,11 +70,14 @@ def _keep_setup_data(fixed: dict) -> None:
     clear(_SETUP_DATA)
     for name, value in list(items(fixed)):
         if any(type(value) is t for t in (list, dict, set, bytearray, tuple, frozenset)):
+            known = len(memo)
             try:
                 kept = _plain_copy(value, memo)
-            except RecursionError:
-                setitem(memo, 0, False)
-                kept = None
+            except RecursionError:  # (what this copy began is half-made: no other name may share it)
+                for k in list(memo)[known:]:  # (a dict keeps its keys in order: the last ones are this copy's)
+                    pop(memo, k)
+                setitem(_SETUP_DATA, name, None)
+                continue
             if pop(memo, 0, False):
                 continue  # (a container that holds other objects stays as it was: what it holds is judged)
             setitem(_SETUP_DATA, name, kept)
@@ -99,8 +102,9 @@ def _keep_setup_data(fixed: dict) -> None:
             copy_memo = {}
             try:
                 kept = _plain_copy(v, copy_memo)
-            except RecursionError:
-                setitem(copy_memo, 0, True)
+            except RecursionError:  # too deep to copy: a call of the function (a read of the class) fails, rather
+                _SETUP_STATE.append((kind, holder, key, None, None))  # than get back what the program can change
+                continue
             plain = not pop(copy_memo, 0, False)
             _SETUP_STATE.append((kind, holder, key, kept if plain else v, plain))
 
@@ -131,6 +135,8 @@ def _setup_state(memo=None, cls=None, name=None):
             return _setup_state
     held = _HELD  # noqa: F821  (_guardtools.py: what is replaced is kept, or the program's finalizer in it would run
     for kind, holder, key, kept, plain in _SETUP_STATE:  # now, after the checks, and put its own value back)
+        if plain is None:
+            raise RecursionError("the setup's data is too deep to copy")
         fresh = _plain_copy(kept, {}) if plain else kept
         if kind == "defaults":
             held.append(holder.__defaults__)
@@ -184,6 +190,7 @@ def _run_setup(ns: dict, tools: tuple) -> None:
         dict.__setitem__(ns, "__builtins__", module)
         exec(code, ns)
         tools[1]()  # (gc off: a finalizer of the program's would run in the judge's code below, and then)
+        _LIFT()  # noqa: F821  (_guardtools.py: not the recursion limit the program's code may have set)
         if tools[0]() != 1:  # (one the program's code in this statement started: it must have left by now)
             raise AssertionError("a thread of the program was running while the setup ran")
         if not tools[-1]():  # no built-in class's namespace changed by the program's code the setup ran
