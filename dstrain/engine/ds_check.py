@@ -129,6 +129,20 @@ def _numeric_text(value) -> bool:
         return False
 
 
+def _neox_precision_type(section: str, loc: tuple, value) -> str | None:
+    """GPT-NeoX's ``"fp16": {"type": "bfloat16"}`` (its DeeperSpeed fork trains bf16 from the fp16 section): the
+    refusal with the section DeepSpeed reads instead; None for any other unknown key."""
+    if section != "fp16" or tuple(loc) != ("type",) or not isinstance(value, str):
+        return None
+    from dstrain.engine.ds_foreign import neox_dtype
+    dtype = neox_dtype(value)
+    fix = ('write "bf16": {"enabled": true} in place of the fp16 section' if dtype == "bf16"
+           else "remove it (the fp16 section alone trains in fp16)" if dtype == "fp16"
+           else "remove it (the bf16 / fp16 sections set the precision)")
+    return (f"fp16.type: file says {value!r}, GPT-NeoX's way of choosing the precision in the fp16 section (its "
+            f"DeepSpeed fork, DeeperSpeed, reads it); DeepSpeed rejects the key; {fix}")
+
+
 def _pydantic_problems(section: str, model, err: Exception, block: dict | None = None) -> list[str]:
     """One line per error of a pydantic ValidationError, named by dotted key (unknown keys with a hint)."""
     from dstrain.engine.ds_classes import deprecated_pair_problem
@@ -146,7 +160,8 @@ def _pydantic_problems(section: str, model, err: Exception, block: dict | None =
             name = str(item.get("loc", ("",))[-1])
             close = _close_key(name, known) if len(item.get("loc", ())) == 1 else None
             hint = f" (did you mean {close!r}?)" if close else ""
-            out.append(f"{loc}: unknown key{hint}; DeepSpeed rejects it")
+            neox = _neox_precision_type(section, item.get("loc", ()), value)
+            out.append(neox or f"{loc}: unknown key{hint}; DeepSpeed rejects it")
         elif not item.get("loc"):  # a check of the whole section: its input is the parsed section, not the file's
             msg = str(item.get("msg", "invalid")).removeprefix("Assertion failed, ").removeprefix("Value error, ")
             out.append(f"{loc}: {msg.rstrip('.')}; DeepSpeed rejects it")

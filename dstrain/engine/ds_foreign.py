@@ -2,8 +2,9 @@
 / MII: ``dtype``, ``replace_with_kernel_inject``, ``enable_cuda_graph``, ``tensor_parallel.tp_size``, a ``checkpoint``
 path), SageMaker model parallelism's (smp) parameters and its string ``"pipeline"`` mode, Determined's
 ``overwrite_deepspeed_args`` and its ``deepspeed_config`` file name, and a DeepSpeed config nested two levels down
-(verl's / RL trainers' per-model ``actor.deepspeed_config``). DeepSpeed's training engine ignores the top-level ones
-silently and stops its parser on the section ones; each is refused with the key and what to do.
+(verl's / RL trainers' per-model ``actor.deepspeed_config``), GPT-NeoX's ``precision`` / ``fp32_allreduce``.
+DeepSpeed's training engine ignores the top-level ones silently and stops its parser on the section ones; each is
+refused with the key and what to do (or noted, by :func:`ignored_key`, where it changes nothing).
 """
 from __future__ import annotations
 
@@ -141,6 +142,8 @@ def ignored_key(key: str, cfg: dict) -> tuple[str, bool] | None:
                 "Engine or torchao, set up by the trainer, as LLaMA-Factory's and Accelerate's fp8 options do) and "
                 "would silently train without it, in the precision of the bf16 / fp16 sections; remove it (dstrain "
                 "trains in bf16 or fp32: --deepspeed.precision)"), True
+    if key in ("precision", "fp32_allreduce"):
+        return _neox_key(key, cfg)
     if key == "sequence_parallel" and isinstance(value, dict):
         if not _on(value):
             return "sequence_parallel: LLaMA-Factory's sequence-parallel section, which DeepSpeed ignores; off here", \
@@ -151,6 +154,45 @@ def ignored_key(key: str, cfg: dict) -> tuple[str, bool] | None:
         return ("unknown top-level key 'sequence_parallel': LLaMA-Factory's sequence-parallel (ALST / Ulysses) section, "
                 "which its own trainer sets up and DeepSpeed would silently ignore (each rank would train on whole "
                 f"sequences); remove it and use dstrain's sequence parallelism, {fix}"), True
+    return None
+
+
+def neox_dtype(value) -> str | None:
+    """"bf16", "fp16" or "fp32" for a precision as GPT-NeoX writes it ("bfloat16", "fp16", "float32"); None else."""
+    return _DTYPES.get(str(value).strip().lower()) if isinstance(value, str) else None
+
+
+def _enabled(cfg: dict, section: str) -> bool:
+    node = cfg.get(section, cfg.get("bfloat16")) if section == "bf16" else cfg.get(section)
+    return _on(node)
+
+
+def _neox_key(key: str, cfg: dict) -> tuple[str, bool] | None:
+    """GPT-NeoX's ``precision`` and ``fp32_allreduce``, pasted with the DeepSpeed parts of a NeoX YAML: NeoX turns
+    them into DeepSpeed settings itself; DeepSpeed ignores them. Refused where the file's own sections do not do the
+    same (the run would silently differ), a note where they do."""
+    value = cfg[key]
+    if key == "precision" and (dtype := neox_dtype(value)) is not None:
+        where = ("precision: GPT-NeoX's precision setting (NeoX writes DeepSpeed's bf16 / fp16 section from it), "
+                 "which DeepSpeed ignores")
+        on = [s for s in ("bf16", "fp16") if _enabled(cfg, s)]
+        if on == ([] if dtype == "fp32" else [dtype]):
+            return f"{where}; the file's own sections train in {dtype} already, so nothing is lost", False
+        fix = ("enable neither bf16 nor fp16" if dtype == "fp32"
+               else f'write "{dtype}": {{"enabled": true}}' + (" (and turn the other section off)" if on else ""))
+        now = " and ".join(on) or "fp32"
+        return (f"unknown top-level key {key!r}: file says {value!r}, {where.split(': ', 1)[1]}: the run would "
+                f"silently train in {now}; {fix} and remove it"), True
+    if key == "fp32_allreduce" and isinstance(value, bool):
+        where = ("fp32_allreduce: GPT-NeoX's switch to all-reduce bf16 gradients in fp32, which DeepSpeed ignores "
+                 "(its own key is communication_data_type)")
+        fp16 = cfg.get("fp16") if isinstance(cfg.get("fp16"), dict) else {}
+        bf16 = _enabled(cfg, "bf16") or "bf16" in (neox_dtype(cfg.get("precision")), neox_dtype(fp16.get("type")))
+        if not value or not bf16 or cfg.get("communication_data_type") not in (None, "auto"):
+            return f"{where}; nothing is lost here", False
+        return (f"unknown top-level key {key!r}: {where.split(': ', 1)[1]}; with bf16 the gradients would silently be "
+                "reduced in bf16 (DeepSpeed's default with bf16); write \"communication_data_type\": \"fp32\" and "
+                "remove it"), True
     return None
 
 

@@ -12,6 +12,9 @@ name (:mod:`dstrain.engine.ds_sections`), and DeepSpeed's own strict parsing
 """
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 from dstrain.config import ConfigError, RunConfig
 from dstrain.engine import ds_config as dsc
 
@@ -23,6 +26,18 @@ def _template(cfg: RunConfig) -> tuple[dict | None, str]:
         return None, "auto"
     path = dsc.resolve_profile_path(cfg.deepspeed.profile)
     return dsc.load_ds_json(path), str(path)
+
+
+def _section_as_written(source: str, section: str) -> str:
+    """``section`` as the file spells it: DeepSpeed-Chat's legacy ``"bfloat16"`` section (read as ``"bf16"``,
+    which the file does not have) keeps its own name in what dstrain says it adopted from it."""
+    if section != "bf16":
+        return section
+    try:
+        text = Path(source).read_text(encoding="utf-8")
+    except OSError:
+        return section
+    return "bfloat16" if re.search(r'"bfloat16"\s*:', text) and not re.search(r'"bf16"\s*:', text) else section
 
 
 def data_parallel_size(cfg: RunConfig, world_size: int) -> int:
@@ -125,7 +140,7 @@ def adopt_file_values(cfg: RunConfig, world_size: int) -> list[tuple[str, object
     from dstrain.engine.ds_autocast import autocast_precision
     enabled = [kind for kind in ("bf16", "fp16") if _explicit(template, f"{kind}.enabled") is True]
     if len(enabled) == 1:  # both: refused by the checks that follow (DeepSpeed allows only one)
-        wanted.append(("deepspeed.precision", enabled[0], f"{enabled[0]}.enabled"))
+        wanted.append(("deepspeed.precision", enabled[0], f"{_section_as_written(source, enabled[0])}.enabled"))
     elif (autocast := autocast_precision(template)) is not None:  # the section DeepSpeed runs as written
         wanted.append(("deepspeed.precision", autocast, "torch_autocast.enabled"))
     elif (weights := dsc.open_weights_dtype(template)) is not None:  # the weights' dtype DeepSpeed asserts

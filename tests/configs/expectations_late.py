@@ -210,3 +210,46 @@ CHECKED_ONLY |= {  # round 17: each trained 3 steps on 2 CPU ranks by its slow r
     "autotuning_template_zero3_sub_group_1e12.json", "gan_adam_betas_half_batch_only.json",
     "accelerate_tests_zero2_model_only_grad_accum_one.json", "pipeline_parallelism_adam_batch_256_micro_8.json",
     "internvl_zero1_wo_opt_warmupdecay_all_auto.json"}
+EXPECT.update({  # round 18 (tests/unit/test_ds_realworld18.py): configs generated in code, as users paste them
+    # OpenRLHF openrlhf/utils/deepspeed/deepspeed_utils.py get_train_ds_config(offload=False, adam_offload=False,
+    # stage=3, zpg=1, overlap_comm=True, use_ds_universal_ckpt=True): DeepSpeed would load every checkpoint as universal
+    "openrlhf_train_z3_load_universal_overlap.json": "checkpoint.load_universal: DeepSpeed would load every "
+                                                     "checkpoint as a universal one",
+    # get_train_ds_config(offload=True, adam_offload=True, stage=3, zpg=1, grad_accum_dtype="fp32")
+    "openrlhf_train_z3_offload_grad_accum_fp32_zpg1.json": None,
+    # get_train_ds_config(offload=False, adam_offload=False, stage=2, zpg=1, precision="fp32"): bf16 and fp16 false
+    "openrlhf_train_z2_precision_fp32_neither_on.json": None,
+    # get_eval_ds_config(offload=True, stage=3): no optimizer, no batch keys, stage-3 "auto"s
+    "openrlhf_eval_z3_offload_stage3_autos.json": None,
+    # get_eval_ds_config(offload=False): its default stage 0 beside the stage-3 "auto"s (noted unused)
+    "openrlhf_eval_z0_stage3_autos_unused.json": None,
+    # get_train_ds_config(offload=False, adam_offload=False, stage=2, zpg=1, tensor_parallel_size=2)
+    "openrlhf_train_z2_autotp_size_2.json": "tensor_parallel: DeepSpeed's AutoTP is not used by dstrain",
+    # DeepSpeedExamples applications/DeepSpeed-Chat/dschat/utils/ds_utils.py get_train_ds_config(offload=False,
+    # dtype="bf16", stage=3): the legacy "bfloat16" section, batch 32 / micro 4, memory_efficient_linear false
+    "dschat_train_bfloat16_z3_memory_efficient_linear.json": None,
+    # get_train_ds_config(offload=True, dtype="bf16", stage=2, enable_tensorboard=True, tb_path="step1_tensorboard",
+    # tb_name="step1_model"): --offload at stage 2 writes offload_param, which DeepSpeed ignores below stage 3
+    "dschat_train_bfloat16_z2_offload_tensorboard.json": "zero_optimization.offload_param: parameter offload is only "
+                                                         "valid with ZeRO stage 3",
+    # get_train_ds_config(offload=False, dtype="bf16", stage=3, enable_hybrid_engine=True)
+    "dschat_train_bfloat16_z3_hybrid_engine_on.json": "hybrid_engine.enabled: the hybrid engine is for "
+                                                      "DeepSpeed-Chat's RLHF loop",
+    # get_eval_ds_config(offload=True, dtype="bf16", stage=3): the reward / reference model's config
+    "dschat_eval_bfloat16_z3_offload.json": None,
+    # IDEA-Research/hana config/deepspeed.py deepspeed_config: WarmupLR with last_batch_iteration -1 and no
+    # optimizer block, fp16 on ZeRO-2 offload, an activation-checkpointing block of falses (number_checkpoints false)
+    "hana_warmuplr_fp16_offload_checkpoint_flags.json": "fp16.enabled: fp16 does not run on the CPU accelerator",
+    # HenryCai11/LLM-Self-Control self_control/prefix_control/configs/deepspeed.py deepspeed_config: a
+    # sparse_attention section beside AdamW's torch_adam / adam_w_mode
+    "self_control_sparse_attention_torch_adam.json": "top-level key 'sparse_attention' is no longer supported",
+    # GPT-NeoX configs/bf16_125M.yml, its DeepSpeed parts pasted as JSON (optimizer, zero_optimization, micro batch,
+    # gradient_clipping, steps_per_print, wall_clock_breakdown) with NeoX's own precision / fp32_allreduce beside them
+    # (was "unknown top-level key 'precision'; DeepSpeed would silently ignore it", with no fix)
+    "gpt_neox_bf16_125m_precision_fp32_allreduce.json": "unknown top-level key 'precision': file says 'bfloat16', "
+                                                        "GPT-NeoX's precision setting",
+    # the same with the fp16 section of GPT-NeoX tests/model/test_model_train.py's bf16 case ("type": "bfloat16"), as
+    # that test puts it in place of "precision" (was "fp16.type: unknown key; DeepSpeed rejects it")
+    "gpt_neox_test_fp16_type_bfloat16.json": "fp16.type: file says 'bfloat16', GPT-NeoX's way of choosing the "
+                                             "precision in the fp16 section",
+})
