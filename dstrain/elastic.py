@@ -5,7 +5,7 @@ torchrun restarts every rank of a failed attempt with the same command line. A r
 line still says "a fresh run", and the folder-holds-a-checkpoint refusal (exit 2) ended every restart.
 
 A restart (``TORCHELASTIC_RESTART_COUNT`` > 0) therefore resumes the latest checkpoint when this same
-torchrun job wrote it: each checkpoint's ``trainer_state.json`` records the job's agents (``host:pid`` of
+torchrun job wrote it: each checkpoint's ``trainer_state.json`` records the job's agents (``host:pid:start`` of
 the torchrun process each rank runs under, which outlives its ranks' restarts). A checkpoint written by
 another job (the first attempt was refused for it, and torchrun restarted that refusal) is refused as
 before. ``dstrain launch --max-restarts`` restarts the whole launch with ``--resume`` itself and does not
@@ -29,10 +29,23 @@ def restart_count(environ=os.environ) -> int:
 
 
 def agent_id(environ=os.environ) -> str | None:
-    """``host:pid`` of the torchrun agent that started this rank, or None when no torchrun agent did."""
+    """``host:pid:start`` of the torchrun agent that started this rank (start: its start time, where ``/proc``
+    has it), or None when no torchrun agent did."""
     if "TORCHELASTIC_RESTART_COUNT" not in environ:
         return None
-    return f"{socket.gethostname()}:{os.getppid()}"
+    pid = os.getppid()
+    started = _start_time(pid)  # a pid and a container's host name recur across jobs; its start time does not
+    return f"{socket.gethostname()}:{pid}" + (f":{started}" if started else "")
+
+
+def _start_time(pid: int) -> str | None:
+    """Process ``pid``'s start time (clock ticks after boot, ``/proc/<pid>/stat``), None where unreadable."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rfind(")") + 2:].split()
+    return fields[19] if len(fields) > 19 else None
 
 
 def gather_agents() -> list[str]:

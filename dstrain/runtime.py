@@ -76,9 +76,9 @@ def init_distributed(timeout_s: float | None = None) -> World:
             from datetime import timedelta
             kwargs["timeout"] = _TIMEOUT = timedelta(seconds=timeout_s)
         from dstrain.rank_exit import stop_ends_joining
-        check_rank_env()
         try:
             with stop_ends_joining():  # a wait for peers that never come ends on SIGTERM / Ctrl-C
+                check_rank_env()  # (inside: its wait for rank 0's name to resolve ends on a stop signal too)
                 store = _restart_store(kwargs.get("timeout"))
                 if store is not None:  # DeepSpeed's init then takes the group as it is
                     dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=int(os.environ["RANK"]),
@@ -101,12 +101,15 @@ def init_distributed(timeout_s: float | None = None) -> World:
     return World(rank, world, local_rank, local_world, device)
 
 
-def check_rank_env(environ=os.environ) -> None:
+def check_rank_env(environ=None, resolve_wait_s: float = 60.0) -> None:
     """A ``LaunchError`` naming the variable when this rank's RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR /
     MASTER_PORT cannot start a job (set by hand, by a script, or left in the shell from another job): torch
     raised a bare ``ValueError`` traceback for a port that is not a number or out of range, and a MASTER_ADDR
-    no resolver knows kept the ranks other than 0 retrying until the collective timeout (30 minutes)."""
+    no resolver knows kept the ranks other than 0 retrying until the collective timeout (30 minutes). A name that
+    does not resolve is looked up again for ``resolve_wait_s`` first: rank 0's name may not be in DNS yet when the
+    other ranks start (Kubernetes' headless services publish a pod's record only once it runs)."""
     from dstrain.config import LaunchError
+    environ = os.environ if environ is None else environ  # (read now: _fill_env wrote to os.environ as it is now)
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
         value = environ.get(name, "")
         if not value.strip().isdigit():
@@ -124,15 +127,23 @@ def check_rank_env(environ=os.environ) -> None:
         raise LaunchError("MASTER_ADDR is empty in this rank's environment; set it to rank 0's host or unset it")
     if rank != 0 and world > 1:  # rank 0 listens; the others must find it
         import socket
-        try:
-            socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
-        except socket.gaierror as err:
-            if err.errno == socket.EAI_NONAME:  # no such name (a temporary DNS failure is left to torch's retries)
+        import time
+        until = time.monotonic() + resolve_wait_s
+        while True:
+            try:
+                socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
+                break
+            except socket.gaierror as err:
+                if err.errno != socket.EAI_NONAME:  # a temporary DNS failure is left to torch's retries
+                    break
+                if time.monotonic() < until:  # (not in DNS yet: a record published when rank 0's pod runs)
+                    time.sleep(1.0)
+                    continue
                 raise LaunchError(f"MASTER_ADDR={addr!r} does not resolve here (not in DNS or the hosts file): rank "
                                   f"{rank} cannot reach rank 0's store; set it to rank 0's host name or address") \
                     from None
-        except UnicodeError:
-            raise LaunchError(f"MASTER_ADDR={addr!r} is not a host name") from None
+            except UnicodeError:
+                raise LaunchError(f"MASTER_ADDR={addr!r} is not a host name") from None
 
 
 def _restart_store(timeout=None):
@@ -146,6 +157,8 @@ def _restart_store(timeout=None):
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or restart is None:
         return None
+    if os.environ.get("GROUP_WORLD_SIZE", "1") != "1":  # several agents: each counts its own restarts (a node
+        return None  # restarted for another's failure or a new member does not count one), so the keys would differ
     from datetime import timedelta
 
     import torch.distributed as dist

@@ -202,11 +202,15 @@ def encode_continuation(tokenizer, text: str) -> list[int]:
     where that gives ids that decode to ``text`` and the plain encoding does not.
     """
     plain = tokenizer(text, add_special_tokens=False)["input_ids"]
-    if not text or not hasattr(tokenizer, "decode") or tokenizer.decode(plain) == text:
+    if not text or not hasattr(tokenizer, "decode"):
         return plain
+    # read as :func:`decode_continuation` reads a completion (after other text): a SentencePiece decoder's Strip
+    # hides the ``▁`` its pre-tokenizer put in front of ``text`` when the ids are decoded alone
     anchor = tokenizer(_ANCHOR, add_special_tokens=False)["input_ids"]
+    if decode_continuation(tokenizer, anchor, plain) == text:
+        return plain
     both = tokenizer(_ANCHOR + text, add_special_tokens=False)["input_ids"]
-    if both[:len(anchor)] == anchor and tokenizer.decode(both[len(anchor):]) == text:
+    if both[:len(anchor)] == anchor and decode_continuation(tokenizer, anchor, both[len(anchor):]) == text:
         return both[len(anchor):]
     return plain
 

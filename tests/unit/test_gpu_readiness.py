@@ -169,6 +169,7 @@ def test_lm_train_step_copies_each_micro_batch_through_to_device(monkeypatch):
     tr.guards = types.SimpleNamespace(begin=lambda n: None, phase=lambda *a: None)
     tr.train_tokens = torch.arange(500) % 7
     tr.sampler, tr.dp_rank, tr.dp_world, tr.pipelined = WindowSampler(500, 8, 0), 0, 1, False
+    tr.data_start = (0, 0)  # (a fresh run's data position: LMTrainer.__init__ sets it)
     tr.engine = Engine()
     loss, ok = tr.train_step(0)
     assert torch.isfinite(loss) and ok is None
