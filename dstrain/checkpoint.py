@@ -135,12 +135,25 @@ def _kind_missing(tag_dir: Path) -> str | None:
     return None
 
 
+_NO_FSYNC = (errno.EINVAL, errno.ENOTSUP, errno.EBADF)
+"""fsync's answers where a file system does not sync (not a failed write: ENOSPC, EIO are raised)."""
+
+
+def _fsync(fd: int) -> None:
+    """``os.fsync``, where the file system has one (some FUSE mounts answer EINVAL: nothing to make durable there)."""
+    try:
+        os.fsync(fd)
+    except OSError as err:
+        if err.errno not in _NO_FSYNC:
+            raise
+
+
 def _atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     with open(tmp, "w") as f:
         f.write(text)
         f.flush()
-        os.fsync(f.fileno())
+        _fsync(f.fileno())
     os.replace(tmp, path)
 
 
@@ -151,10 +164,7 @@ def _sync_dir(path: Path) -> None:
     except OSError:
         return
     try:
-        os.fsync(fd)
-    except OSError as err:
-        if err.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
-            raise
+        _fsync(fd)
     finally:
         os.close(fd)
 
@@ -170,7 +180,7 @@ def sync_tree(tag_dir: Path) -> None:
         if path.is_file() and not path.is_symlink():
             fd = os.open(path, os.O_RDONLY)
             try:
-                os.fsync(fd)
+                _fsync(fd)
             finally:
                 os.close(fd)
     for folder in sorted((p for p in Path(tag_dir).rglob("*") if p.is_dir()), reverse=True):

@@ -219,6 +219,20 @@ def test_a_write_error_reported_at_flush_leaves_no_marker_and_keeps_the_previous
     assert (root / ckpt.LATEST).read_text() == "step_00000002\n"
 
 
+def test_a_file_system_without_fsync_still_saves(monkeypatch, tmp_path):
+    """A mount whose files refuse fsync (EINVAL, as some FUSE file systems answer) is not a failed write: the
+    checkpoint is marked complete (the second review's finding: only the folders' fsync tolerated it)."""
+    root = tmp_path / "checkpoints"
+    _written_checkpoint(root, 4)
+
+    def fsync(fd):
+        raise OSError(errno.EINVAL, "Invalid argument")
+    monkeypatch.setattr(os, "fsync", fsync)
+    with common.writing(root, ckpt.tag_for(4)):
+        _mark(root, 4)
+    assert ckpt.find_latest(root) == ckpt.tag_for(4)
+
+
 # ---------------------------------------------------------------- another global batch on resume
 
 @pytest.mark.parametrize("saved_state", [{"step": 3, "samples": 24}, {"step": 3}])  # with, before, the record
