@@ -127,6 +127,10 @@ def cmd_train(args, overrides) -> int:
             print(rank_exit.stop_line(summary, cfg.train.steps, out / "checkpoints", code), file=sys.stderr, flush=True)
     if code:
         rank_exit.note_stopped(code)
+        if int(os.environ.get("RANK", 0)) == 0:  # torchrun --max-restarts would restart it: dstrain.elastic
+            from dstrain import checkpoint as ckpt
+            from dstrain import elastic
+            elastic.note_stopped_job(out, code, int(summary.get("step", 0)), ckpt.find_latest(out / "checkpoints"))
     return code
 
 
@@ -315,16 +319,9 @@ def _output_problem(cfg, resume: bool = False) -> str | None:
     out = Path(cfg.output.dir)
     if out.exists() and not out.is_dir():
         return f"output.dir {out}: is a file, not a folder"
-    lock = out / ".dstrain.lock"  # held by a run's rank 0 while it runs (dstrain.trainers.common)
-    if lock.is_file():
-        import fcntl
-        with open(lock) as handle:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:
-                from dstrain.trainers.common import lock_holder
-                return (f"output.dir {out} is in use by another run ({lock_holder(handle.read())}); "
-                        "wait for it or choose another output.dir")
+    from dstrain import run_lock  # held by a run's rank 0 while it runs
+    if busy := run_lock.probe(out):
+        return busy
     latest = ckpt.find_latest(out / "checkpoints")
     if latest is not None and not resume:
         return f"{out} already holds checkpoint {latest}; pass --resume to continue it or choose another output.dir"
@@ -423,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     from dstrain.engine.profiles import PlanError
     from dstrain import rank_exit
     from dstrain.rank_exit import CheckpointWriteError
+    from dstrain.elastic import StoppedJobRestarted
     from dstrain.resilience import NonFiniteError
 
     parser = build_parser()
@@ -460,6 +458,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"dstrain: error: {err}", file=sys.stderr)
             rank_exit.note_failed(EXIT_CONFIG)  # (a refusal by one rank: not restarted either)
         return EXIT_CONFIG
+    except StoppedJobRestarted as err:  # torchrun restarted the ranks of a job a signal stopped
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"dstrain: {err}", file=sys.stderr, flush=True)
+        rank_exit.note_stopped(err.exit_code)
+        return err.exit_code
     except (NonFiniteError, CheckpointWriteError) as err:  # a training stop in one line, by the first to report
         if _reports_failure():
             print(f"dstrain: error: {err}", file=sys.stderr)

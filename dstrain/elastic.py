@@ -73,3 +73,59 @@ def written_by_this_job(tag_dir: Path, job_agents: list[str]) -> bool:
         return False
     saved = state.get("torchrun_agents") if isinstance(state, dict) else None
     return bool(job_agents) and isinstance(saved, list) and bool(set(saved) & set(job_agents))
+
+
+# ---------------------------------------------------------------- a job stopped by a signal, restarted by torchrun
+
+STOPPED_NAME = "stopped.json"
+"""In ``output.dir``: how the last attempt of a torchrun job ended when a signal stopped it (rank 0 writes it)."""
+
+
+class StoppedJobRestarted(RuntimeError):
+    """torchrun restarted the ranks of a job that a signal stopped: they leave at once, with the stop's status."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def note_stopped_job(out: Path, code: int, step: int, checkpoint: str | None) -> None:
+    """Rank 0 of a torchrun job stopped by a signal (exit ``code``) records it, so that torchrun's restarts of
+    its ranks (``--max-restarts``: it restarts ranks that exit non-zero, also 128 + N) do not train on."""
+    if not _AGENTS:
+        return
+    record = {"code": int(code), "step": int(step), "checkpoint": checkpoint, "torchrun_agents": list(_AGENTS)}
+    try:
+        (Path(out) / STOPPED_NAME).write_text(json.dumps(record) + "\n")
+    except OSError:
+        pass
+
+
+def stopped_job_problem(out: Path, job_agents: list[str]) -> StoppedJobRestarted | None:
+    """The error a restarted rank leaves with when this torchrun job was stopped by a signal, else None."""
+    try:
+        record = json.loads((Path(out) / STOPPED_NAME).read_text())
+        code, saved = int(record["code"]), record["torchrun_agents"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not (job_agents and isinstance(saved, list) and set(saved) & set(job_agents)) or not 128 < code < 193:
+        return None
+    import signal
+    try:
+        name = signal.Signals(code - 128).name
+    except ValueError:
+        name = f"signal {code - 128}"
+    where = (f"checkpoint {record['checkpoint']} is saved" if record.get("checkpoint")
+             else "no checkpoint was written")
+    return StoppedJobRestarted(
+        f"torchrun restart {restart_count()}: not training on: this job was stopped by {name} at step "
+        f"{record.get('step')} ({where}), and torchrun --max-restarts restarts ranks that exit non-zero; each "
+        f"restart ends here (exit {code}); to continue, start the job again with --resume", code)
+
+
+def clear_stopped_job(out: Path) -> None:
+    """A run that takes the folder drops the record of an earlier stopped job."""
+    try:
+        (Path(out) / STOPPED_NAME).unlink(missing_ok=True)
+    except OSError:
+        pass

@@ -29,9 +29,13 @@ def fault(name: str, step: int) -> None:
 
     ``DSTRAIN_FAULT_RANK`` picks the rank (default 0). With ``DSTRAIN_FAULT_ONCE=PATH`` the
     fault fires only while PATH does not exist, and creates it: a restarted job then runs through.
+    After a step, ``DSTRAIN_FAULT_SIGTERM_STEP=n`` sends SIGTERM to the fault rank itself instead.
     """
     if _fires(name, step):
         os._exit(17)
+    if name == "DSTRAIN_FAULT_AFTER_STEP" and _fires("DSTRAIN_FAULT_SIGTERM_STEP", step):
+        import signal  # a stop signal to this rank alone (a scheduler's SIGTERM reaching the ranks, not their launcher)
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _nan_gradient(loss):

@@ -138,13 +138,21 @@ def _slurm_int(environ: Mapping[str, str], *names: str) -> int:
     raise ValueError(f"running under SLURM (SLURM_PROCID set) but {' / '.join(names)} is missing")
 
 
+def slurm_job_port(environ: Mapping[str, str]) -> int:
+    """The master port of a SLURM job that set none: ``20000 + SLURM_JOB_ID % 20000``, as ``launch/slurm.sbatch``
+    exports, so two jobs sharing a node (a plain ``srun dstrain train`` each) do not both take 29500 (the second's
+    rank 0 could not listen; its other ranks joined the first job's store). 29500 outside a job (no job id)."""
+    job = environ.get("SLURM_JOB_ID", "")
+    return 20000 + int(job) % 20000 if job.isdigit() else DEFAULT_MASTER_PORT
+
+
 def env_from_slurm(environ: Mapping[str, str]) -> Env:
     """Map a SLURM task's variables to torch.distributed's.
 
     Returns RANK (SLURM_PROCID), LOCAL_RANK (SLURM_LOCALID), WORLD_SIZE
     (SLURM_STEP_NUM_TASKS or SLURM_NTASKS), MASTER_ADDR (environ's, else the first
     host of SLURM_STEP_NODELIST / SLURM_JOB_NODELIST / SLURM_NODELIST), MASTER_PORT
-    (environ's, else 29500), plus NODE_RANK and LOCAL_WORLD_SIZE when SLURM gives
+    (environ's, else one per job: :func:`slurm_job_port`), plus NODE_RANK and LOCAL_WORLD_SIZE when SLURM gives
     them and OMP_NUM_THREADS from SLURM_CPUS_PER_TASK when not already set.
     Returns {} when not under SLURM (no SLURM_PROCID) or when an outer launcher
     already set RANK, LOCAL_RANK and WORLD_SIZE (e.g. deepspeed inside an sbatch
@@ -169,7 +177,7 @@ def env_from_slurm(environ: Mapping[str, str]) -> Env:
             raise ValueError("running under SLURM but neither MASTER_ADDR nor SLURM_JOB_NODELIST is set")
         master = expand_nodelist(nodelist)[0]
     out["MASTER_ADDR"] = master
-    out["MASTER_PORT"] = environ.get("MASTER_PORT") or str(DEFAULT_MASTER_PORT)
+    out["MASTER_PORT"] = environ.get("MASTER_PORT") or str(slurm_job_port(environ))
 
     if environ.get("SLURM_NODEID", "").isdigit():
         node_id = int(environ["SLURM_NODEID"])

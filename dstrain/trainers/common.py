@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Callable
 
 from dstrain import checkpoint as ckpt
-from dstrain import runtime
+from dstrain import run_lock, runtime
 from dstrain.faults import fault, fault_hang, fault_raise  # noqa: F401  (fault_hang, fault_raise: the trainers import them from here)
 from dstrain.config import RunConfig, RunFolderError
 
@@ -28,8 +28,11 @@ def decide_resume(cfg: RunConfig, world: runtime.World, out: Path, ckpt_root: Pa
         busy = _lock_run_folder(out)
         restarted = (latest is not None and not cfg.checkpoint.resume and elastic.restart_count() > 0
                      and elastic.written_by_this_job(ckpt_root / latest, job_agents))
+        stopped = elastic.stopped_job_problem(out, job_agents) if elastic.restart_count() > 0 else None
         if busy:
             decision = ("error", busy)
+        elif stopped:  # torchrun restarted ranks that a signal stopped: they leave with the stop's status
+            decision = ("stopped", (str(stopped), stopped.exit_code))
         elif cfg.checkpoint.resume or restarted:  # restarted: torchrun --max-restarts, this job's own checkpoint
             if restarted:
                 print(f"dstrain: torchrun restart {elastic.restart_count()}: continuing this job's checkpoint "
@@ -43,14 +46,19 @@ def decide_resume(cfg: RunConfig, world: runtime.World, out: Path, ckpt_root: Pa
                                  "pass --resume to continue it or choose another output.dir")
         else:
             decision = ("fresh", None)
-        if decision[0] != "error":  # an earlier run's summary (finished, or garbled) must not speak for this
-            with contextlib.suppress(OSError):  # one, which writes its own when it ends: none if it crashes
+        if decision[0] not in ("error", "stopped"):  # an earlier run's summary (finished, or garbled) must not
+            with contextlib.suppress(OSError):  # speak for this one, which writes its own when it ends
                 (out / "summary.json").unlink(missing_ok=True)
+            elastic.clear_stopped_job(out)
     kind, value = runtime.broadcast_object(decision)
     if kind == "error":
         raise RunFolderError(value)
+    if kind == "stopped":
+        raise elastic.StoppedJobRestarted(*value)
     if kind == "resume" and value is None and world.is_main:
-        print(f"no complete checkpoint in {ckpt_root}: starting from step 0", flush=True)
+        where = ckpt_root if ckpt_root.is_absolute() else (  # a resume started from another directory
+            f"{ckpt_root} ({ckpt_root.resolve()}: a relative output.dir is read from the working directory)")
+        print(f"no complete checkpoint in {where}: starting from step 0", flush=True)
     if kind == "resume" and value is not None and world.is_main:
         note = changed_settings_note(cfg, ckpt_root / value)
         if note:
@@ -88,44 +96,15 @@ def changed_settings_note(cfg: RunConfig, where: Path) -> str | None:
             "on the checkpoint's weights, optimizer moments, step count and data position")
 
 
-_LOCK = []  # the open lock file of this process's run folder: held until the process ends
+_LOCK = run_lock._HELD  # (run_lock's) the open lock file of this process's run folder: held until it ends
 
 
 def _lock_run_folder(out: Path) -> str | None:
     """Hold an exclusive lock on ``out`` for this process's lifetime; the problem if another run holds it.
 
-    Two runs writing one folder would interleave their metrics and overwrite each other's checkpoints.
-    A lock (not a pid file) is released by the kernel however the holder ends, so a restart after a
-    crash finds the folder free."""
-    import fcntl
-    import os
-    if _LOCK and _LOCK[0][0] == out.resolve():
-        return None  # this process holds it already (a run resumed in the same process)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        handle = open(out / ".dstrain.lock", "a+")
-    except OSError as err:
-        return f"output.dir {out}: cannot be written ({err.strerror or err})"
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        holder = lock_holder(handle.read())
-        handle.close()
-        return f"output.dir {out} is in use by another run ({holder}); wait for it or choose another output.dir"
-    import socket
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"{os.getpid()} {socket.gethostname()}\n")  # the host too: a folder on a shared file system
-    handle.flush()
-    _LOCK[:] = [(out.resolve(), handle)]
-    return None
-
-
-def lock_holder(text: str) -> str:
-    """``process PID on HOST`` from a run folder's lock file (``PID`` alone: written by an older dstrain)."""
-    pid, _, host = text.strip().partition(" ")
-    return f"process {pid or '?'}" + (f" on {host}" if host else "")
+    Two runs writing one folder would interleave their metrics and overwrite each other's checkpoints
+    (:mod:`dstrain.run_lock`: a flock, and a heartbeat for hosts sharing the folder)."""
+    return run_lock.take(out)
 
 
 def _resume_problem(cfg: RunConfig, ckpt_root: Path, tag: str) -> str | None:
@@ -154,9 +133,21 @@ def _resume_problem(cfg: RunConfig, ckpt_root: Path, tag: str) -> str | None:
         args = model.get("args") if isinstance(model.get("args"), dict) else {}
         return {**model, "args": {k: v for k, v in args.items() if k != "path"}}
     if isinstance(saved, dict) and shape(saved.get("model", mine)) != shape(mine):
+        ours = [t for t in ckpt.complete_tags(ckpt_root)
+                if t != tag and shape(_saved_model(ckpt_root / t)) == shape(mine)]
+        mixed = (f" (the folder mixes two runs' checkpoints: {ours[-1]} holds this run's model; move the other "
+                 f"run's checkpoints out to resume from it)") if ours else ""
         return (f"checkpoint {where} holds model {json.dumps(saved.get('model'))}, this run builds "
-                f"{json.dumps(mine)}; resume with the checkpoint's model section or choose another output.dir")
+                f"{json.dumps(mine)}; resume with the checkpoint's model section or choose another output.dir{mixed}")
     return _layout_problem(cfg, saved, where)
+
+
+def _saved_model(where: Path):
+    try:
+        saved = json.loads((where / "run_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return saved.get("model") if isinstance(saved, dict) else None
 
 
 def _layout_problem(cfg: RunConfig, saved, where: Path) -> str | None:

@@ -1,0 +1,160 @@
+"""The run folder's lock: one run writes ``output.dir`` at a time, also when two hosts share the folder.
+
+Rank 0 holds an exclusive ``flock`` on ``output.dir/.dstrain.lock`` and writes ``PID HOST`` into it. The kernel
+releases the lock however the holder ends, so on one machine a restart after a crash finds the folder free.
+On a shared file system that is not enough: an NFS mount without lock support (``nolock``, NFSv3 without
+``lockd``), Lustre's ``localflock`` and several FUSE file systems keep flocks local to each client, so a run on
+another host gets the lock too; others refuse flock outright (ENOLCK, ENOSYS, EOPNOTSUPP). The holder therefore
+also rewrites ``PID HOST TIME`` every :data:`BEAT_S` seconds (a heartbeat in the file's text, not its mtime: a run
+folder copied with ``cp -r`` gets new mtimes) and empties the file when it ends normally. A lock file naming
+another host with a heartbeat younger than :data:`STALE_S` refuses the folder whatever flock said; an older one
+(that host died, lost power or was rebooted mid-run) is taken over with a note naming the run it replaces.
+"""
+from __future__ import annotations
+
+import atexit
+import fcntl
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+NAME = ".dstrain.lock"
+BEAT_S = 15.0
+STALE_S = 120.0
+
+_HELD: list = []  # [(folder, open file)] of this process: held until it ends
+_MUTEX = threading.Lock()
+
+
+def holder_text(text: str) -> str:
+    """``process PID on HOST`` from a lock file's text (``PID`` alone: written by an older dstrain)."""
+    pid, _, host = text.strip().partition(" ")
+    return f"process {pid or '?'}" + (f" on {host.split()[0]}" if host.strip() else "")
+
+
+def _holder(text: str) -> tuple[str, str, float | None]:
+    """PID, HOST and the heartbeat's time (None: a file of an older dstrain, without one)."""
+    fields = text.split()
+    try:
+        beat = float(fields[2]) if len(fields) > 2 else None
+    except ValueError:
+        beat = None
+    return (fields + ["", ""])[0], (fields + ["", ""])[1], beat
+
+
+def _record() -> bytes:
+    """This process's lock text; one length for every beat (each rewrites it in place, never empty)."""
+    return f"{os.getpid()} {socket.gethostname()} {time.time():014.1f}\n".encode()
+
+
+def _other_host_problem(out: Path, path: Path, flock_works: bool) -> tuple[str | None, str | None]:
+    """(refusal, takeover note) from what the lock file says, for a folder whose flock was granted or unusable."""
+    try:
+        text = path.read_text()
+        pid, host, beat = _holder(text)
+        age = max(0.0, time.time() - (beat if beat is not None else path.stat().st_mtime))
+    except (OSError, UnicodeDecodeError):
+        return None, None
+    me = socket.gethostname()
+    if not pid:
+        return None, None
+    if host == me or not host:
+        if not flock_works and pid.isdigit() and int(pid) != os.getpid() and _alive(int(pid)):
+            return (f"output.dir {out} is in use by another run ({holder_text(text)}); "
+                    "wait for it or choose another output.dir"), None
+        return None, None
+    if age < STALE_S:
+        return (f"output.dir {out} is in use by another run ({holder_text(text)}, heartbeat {age:.0f} s ago; this "
+                f"file system does not share locks between hosts); wait for it or choose another output.dir (if "
+                f"{host} is down: delete {path}, or start again once its heartbeat is {STALE_S:.0f} s old)"), None
+    return None, (f"dstrain: note: taking over output.dir {out} from {holder_text(text)}: no heartbeat for "
+                  f"{age:.0f} s (that host stopped or died); its checkpoints stay")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def probe(out: Path) -> str | None:
+    """Why a new run may not take ``out`` now (checked by ``dstrain launch`` before any rank starts), else None."""
+    path = out / NAME
+    if not path.is_file():
+        return None
+    try:
+        with open(path) as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return (f"output.dir {out} is in use by another run ({holder_text(handle.read())}); "
+                        "wait for it or choose another output.dir")
+            except OSError:
+                return _other_host_problem(out, path, False)[0]  # no flock on this file system
+    except OSError:
+        return None
+    return _other_host_problem(out, path, True)[0]
+
+
+def take(out: Path) -> str | None:
+    """Hold ``out``'s lock for this process's lifetime (with a heartbeat); the problem if another run holds it."""
+    if _HELD and _HELD[0][0] == out.resolve():
+        return None  # this process holds it already (a run resumed in the same process)
+    path = out / NAME
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        handle = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT, 0o644), "r+")
+    except OSError as err:
+        return f"output.dir {out}: cannot be written ({err.strerror or err})"
+    flock_works = True
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = holder_text(handle.read())
+        handle.close()
+        return f"output.dir {out} is in use by another run ({holder}); wait for it or choose another output.dir"
+    except OSError:
+        flock_works = False  # ENOLCK / ENOSYS / EOPNOTSUPP: a file system without flock; the lock file decides
+    problem, note = _other_host_problem(out, path, flock_works)
+    if problem:
+        handle.close()
+        return problem
+    if note:
+        print(note, file=sys.stderr, flush=True)
+    handle.truncate(0)
+    os.pwrite(handle.fileno(), _record(), 0)  # the host too: a folder on a shared file system
+    _HELD[:] = [(out.resolve(), handle)]
+    threading.Thread(target=_beat, args=(handle,), name="dstrain-run-lock", daemon=True).start()
+    return None
+
+
+def _beat(handle) -> None:
+    while _HELD and _HELD[0][1] is handle:
+        time.sleep(BEAT_S)
+        with _MUTEX:  # (not after _release emptied the file)
+            try:
+                if _HELD and _HELD[0][1] is handle:
+                    os.pwrite(handle.fileno(), _record(), 0)
+            except (OSError, ValueError):
+                return  # the folder went away, or the file was closed
+
+
+@atexit.register
+def _release() -> None:
+    """A run that ends normally leaves an empty lock file: nothing to take over (nor to refuse, once copied)."""
+    with _MUTEX:
+        held = list(_HELD)
+        _HELD.clear()
+    for _folder, handle in held:
+        try:
+            handle.truncate(0)
+        except (OSError, ValueError):
+            pass
