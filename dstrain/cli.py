@@ -201,8 +201,12 @@ def cmd_launch(args, overrides) -> int:
         print(f"dstrain: error: {err}", file=sys.stderr)
         return EXIT_CONFIG
     accelerator = env.get("DS_ACCELERATOR") or launcher.detect_accelerator()
+    fallback = None if hosts.remote or accelerator != "cpu" else launch_check.cpu_fallback_note(args.accelerator)
+    if fallback:  # a GPU machine whose GPU torch cannot see: CPU ranks, said in one line
+        print(f"dstrain: note: {fallback}", file=sys.stderr)
     problem = launch_check.rank_shortfall(launcher.spec_from_args(args, []), hosts.remote, accelerator,
                                           torchrun=args.launcher == "torchrun")
+    problem = problem or launch_check.nccl_problem(accelerator, hosts.remote)
     problem = problem or _output_problem(cfg, args.resume)
     if problem is None and args.resume:  # HRM: a checkpoint's ACT carry on another layout, refused by rank 0 too
         from dstrain.cli_checks import resume_layout_problem

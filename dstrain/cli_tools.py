@@ -48,6 +48,10 @@ def cmd_plan(args, overrides) -> int:
     from dstrain.engine.ds_check import this_device
     from dstrain.engine.ds_preflight import check_run
     device = args.device or ("cuda" if args.device_memory else this_device())  # DS_ACCELERATOR=cpu: CPU ranks
+    if device == "cpu" and not args.device:
+        from dstrain.launch_check import cpu_fallback_note
+        if note := cpu_fallback_note("auto", then="planning for this CPU (--device cuda plans for a GPU)"):
+            print(f"dstrain: note: {note}", file=sys.stderr)  # a GPU machine whose GPU torch cannot see
     for note in check_run(cfg, world, device):  # the checks a launch runs
         print(f"dstrain: note: {note}", file=sys.stderr)
     plan = plan_engine(cfg, world, ranks_per_node=min(world, args.gpus_per_node), device_type=device)

@@ -197,3 +197,58 @@ def master_port_problem(master_addr: str | None, port: int) -> str | None:
                 "still running, or another server); pass --master-port with a free port (on one node, leave it "
                 "unset to get one)")
     return None
+
+
+def nvidia_gpus_here() -> int:
+    """GPUs the NVIDIA driver reports on this machine (Linux ``/proc/driver/nvidia/gpus``), whatever torch sees."""
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
+
+
+def cpu_fallback_note(accelerator: str, environ: Mapping[str, str] | None = None, gpus_here: int | None = None,
+                      cuda_available: bool | None = None, torch_cuda: str | None = "?",
+                      then: str = "the ranks run on CPU with gloo (--accelerator cpu to mean it)") -> str | None:
+    """Why ``--accelerator auto`` found no GPU on a machine that looks meant for one, or None.
+
+    Without this, ``CUDA_VISIBLE_DEVICES=1`` on a one-GPU machine (a device it lacks), ``CUDA_VISIBLE_DEVICES=``, or
+    a CPU build of torch beside an NVIDIA driver trained on CPU ranks with gloo, said only by ``DS_ACCELERATOR=cpu``
+    in the printed command. Said only when the device was left to detection (no ``--accelerator``, no
+    ``DS_ACCELERATOR``) and either CUDA_VISIBLE_DEVICES is set or the driver reports GPUs."""
+    env = os.environ if environ is None else environ
+    if accelerator != "auto" or env.get("DS_ACCELERATOR"):
+        return None
+    import torch
+    if cuda_available is None:
+        cuda_available = torch.cuda.is_available()
+    if cuda_available:
+        return None
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    gpus = nvidia_gpus_here() if gpus_here is None else gpus_here
+    if visible is None and not gpus:
+        return None
+    build = torch.version.cuda if torch_cuda == "?" else torch_cuda
+    driver = f"; the driver reports {gpus} GPU(s) here" if gpus else ""
+    if visible is not None and visible.strip() in ("", "-1"):
+        why = f"CUDA_VISIBLE_DEVICES={visible!r} hides every GPU"
+    elif build is None:
+        why = f"torch {torch.__version__} is a CPU build{driver} (install torch's CUDA build for GPU ranks)"
+    elif visible is not None:
+        why = f"CUDA_VISIBLE_DEVICES={visible!r} names no device torch can open{driver}"
+    else:
+        why = f"torch (CUDA {build}) cannot open the GPU(s) the driver reports (a driver older than that CUDA?)"
+    return f"no GPU visible to torch: {why}; {then}"
+
+
+def nccl_problem(accelerator: str, remote: bool, nccl_available: bool | None = None) -> str | None:
+    """GPU ranks here with a torch built without NCCL (they would all stop in ``init_process_group``), or None."""
+    if accelerator != "cuda" or remote:
+        return None
+    import torch
+    if nccl_available is None:
+        nccl_available = torch.distributed.is_available() and torch.distributed.is_nccl_available()
+    if nccl_available:
+        return None
+    return (f"torch {torch.__version__} has no NCCL, which GPU ranks talk through: install a CUDA build of torch "
+            "with NCCL (Linux wheels have it), or --accelerator cpu for CPU ranks with gloo")

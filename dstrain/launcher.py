@@ -288,7 +288,7 @@ def _first_visible_ids(visible: str, count: int) -> str:
         raise ValueError(
             f"CUDA_VISIBLE_DEVICES={visible!r}: DeepSpeed's launcher takes numeric device ids only and "
             "nvidia-smi does not list these as GPU UUIDs (MIG devices cannot be named by index); "
-            "use numeric ids, unset it, or launch with torchrun"
+            "use numeric ids, unset it, or use torchrun (dstrain launch --launcher torchrun), which keeps it as set"
         )
     ids = numeric
     if count > len(ids):

@@ -32,6 +32,13 @@ from dataclasses import dataclass
 from typing import Any
 
 
+def _or_drop(**degrees: int) -> str:
+    """``", or drop that parallelism (--parallel.sp=1)"``: the way to fewer ranks (one GPU: ``--nproc 1`` of a
+    recipe with ``parallel.sp`` 2 said only "use a world size that is a multiple of 2")."""
+    flags = " ".join(f"--parallel.{name}=1" for name, value in degrees.items() if value > 1)
+    return f", or drop that parallelism ({flags})" if flags else ""
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     """Degrees of data (dp), tensor (tp), sequence (sp) and pipeline (pp) parallelism;
@@ -58,10 +65,11 @@ class ParallelDims:
             _check_degree(name, value)
         if pp == 1 and world_size % (tp * sp):
             raise ValueError(f"world size {world_size} is not divisible by tp x sp = {tp} x {sp} = {tp * sp}; "
-                             f"use a world size that is a multiple of {tp * sp}")
+                             f"use a world size that is a multiple of {tp * sp}{_or_drop(tp=tp, sp=sp)}")
         if world_size % (tp * sp * pp):
             raise ValueError(f"world size {world_size} is not divisible by tp x sp x pp = {tp} x {sp} x {pp} = "
-                             f"{tp * sp * pp}; use a world size that is a multiple of {tp * sp * pp}")
+                             f"{tp * sp * pp}; use a world size that is a multiple of {tp * sp * pp}"
+                             f"{_or_drop(tp=tp, sp=sp, pp=pp)}")
         return cls(dp=world_size // (tp * sp * pp), tp=tp, sp=sp, pp=pp)
 
     @property
