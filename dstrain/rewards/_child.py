@@ -448,8 +448,10 @@ def _execute(job: dict, result_fd: int, isolation: str, max_processes: int) -> N
 
 if __name__ == "__sandbox__":
     import json as _json
+    import os as _os
     import sys as _sys
 
+    _os.environ.pop("PYTHONHASHSEED", None)  # read at start-up (see ``_launch``); the program sees the four variables
     if _sys.argv[2] == "launch":
         _launch(_json.loads(_sys.argv[3]), int(_sys.argv[4]))
     elif _sys.argv[2] == "serve":

@@ -63,13 +63,19 @@ def _launch(cfg: dict, result_fd: int) -> None:
         notes.append("nonewprivs")
     _set_limits(cfg)
     isolation = ",".join(notes) or "none"
+    # One string hash for every run (a wrong program must not pass by the luck of a set's order): ``-I`` would
+    # ignore PYTHONHASHSEED, so where ``-P`` exists its parts but ``-E`` are given, with an environment of our own.
+    env = {k: os.environ[k] for k in ("PATH", "LANG", "HOME", "TMPDIR") if k in os.environ}
+    flags = ["-I"]
+    if sys.version_info >= (3, 11):
+        flags, env["PYTHONHASHSEED"] = ["-s", "-P"], "0"
     if cfg.get("stage") == "serve":  # a fork server (see _server.py): per-program limits come with each job
-        argv = [sys.executable, "-I", "-B", "-c", STUB, sys.argv[1], "serve", sys.argv[5], isolation]  # noqa: F821
+        argv = [sys.executable, *flags, "-B", "-c", STUB, sys.argv[1], "serve", sys.argv[5], isolation]  # noqa: F821
     else:
-        argv = [sys.executable, "-I", "-B", "-c", STUB, sys.argv[1], "run", str(result_fd), isolation,  # noqa: F821 (_child)
+        argv = [sys.executable, *flags, "-B", "-c", STUB, sys.argv[1], "run", str(result_fd), isolation,  # noqa: F821
                 str(cfg["nproc"])]
     if not pid_ns:
-        os.execv(sys.executable, argv)
+        os.execve(sys.executable, argv, env)
     pid = os.fork()  # the child is the init of the new PID namespace
     if pid == 0:
         try:
@@ -77,7 +83,7 @@ def _launch(cfg: dict, result_fd: int) -> None:
             if fresh_proc and libc.mount(b"proc", b"/proc", b"proc", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
                                          None) == 0:
                 argv[argv.index(isolation)] = isolation + ",procfs"
-            os.execv(sys.executable, argv)
+            os.execve(sys.executable, argv, env)
         finally:
             os._exit(127)
     while True:
