@@ -2,8 +2,8 @@
 
 * :func:`extract_code` - the code of a completion (fenced or not).
 * :func:`evaluate_tasks` - one :class:`~dstrain.rewards.sandbox.ExecResult` per
-  completion: code tasks run ``task.code_prefix + extract_code(completion)`` with the
-  task's setup and tests in the sandbox (each distinct program once per call: identical
+  completion: code tasks run ``task.code_prefix + extract_code(completion)`` (:func:`program_of`: code
+  that starts the program is moved to the top level) with the task's setup and tests in the sandbox (each distinct program once per call: identical
   completions of a task share one run and its result); maths tasks go through
   :func:`~dstrain.rewards.maths.maths_reward` (no process needed).
 * :func:`score_tasks` - the rewards (floats) of :func:`evaluate_tasks`.
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import textwrap
 from collections import Counter
 from typing import TYPE_CHECKING, Sequence
 
@@ -52,6 +53,25 @@ def extract_code(completion: str) -> str:
     return completion
 
 
+def program_of(code_prefix: str, code: str) -> str:
+    """The program a code task runs: ``code_prefix + code``.
+
+    With no code in ``code_prefix`` the code starts the program, at the top level: a completion read after a
+    prompt that does not end in a newline (``"[/INST]"``, ``"<|assistant|>"``, ``"...:"``) starts with the
+    space that separates it from the prompt (a SentencePiece ``▁def``), an IndentationError though the
+    code is right. There the code's common indentation is removed, then what is left in front of its first
+    line; code after a ``code_prefix`` (a function's body after its ``def`` line) is kept as written.
+    """
+    if code_prefix.strip():
+        return code_prefix + code
+    code = textwrap.dedent(code)
+    lines = code.split("\n")
+    first = next((i for i, line in enumerate(lines) if line.strip()), None)
+    if first is not None:
+        lines[first] = lines[first].lstrip(" \t")
+    return code_prefix + "\n".join(lines)
+
+
 def _maths_result(completion: str, answer: str) -> ExecResult:
     predicted = extract_final_answer(completion)
     if predicted is None:
@@ -74,7 +94,7 @@ def evaluate_tasks(tasks: Sequence["Task"], completions: Sequence[str], pool: Sa
         if task.kind == "maths":
             results[i] = _maths_result(completion, task.answer)
         elif task.kind == "code":
-            jobs.append((task.code_prefix + extract_code(completion), list(task.tests), task.setup))
+            jobs.append((program_of(task.code_prefix, extract_code(completion)), list(task.tests), task.setup))
             where.append(i)
         else:
             raise ValueError(f"task {task.task_id}: unknown kind {task.kind!r}")

@@ -297,9 +297,46 @@ def generation_note(cfg: RunConfig) -> str | None:
     return line
 
 
+_ROTARY_KEYS = ("rope_theta", "rope_scaling", "rope_parameters", "rotary_dim", "rotary_pct", "rotary_emb_base",
+                "partial_rotary_factor")
+
+
+def position_note(cfg: RunConfig) -> str | None:
+    """One plan line where a rotary checkpoint (Llama, Qwen, Mistral...) may be run past the length it was trained
+    for (``config.json`` ``max_position_embeddings``), else None. Rotary positions have no table to run out of, so
+    it works, but the quality past that length is untested. Only ``task.max_new_tokens`` is known here (the
+    longest prompt is not, before the data is read): the line says whether every completion passes the length
+    or only those after a prompt longer than what ``task.max_new_tokens`` leaves of it (named when that is
+    under half of it)."""
+    _, mcfg, _ = policy_toolkit(cfg)
+    path = getattr(mcfg, "path", "") or ""
+    if not path:
+        return None
+    from dstrain.trainers import task_config
+    from models.policy.hf_files import read_config, text_config
+    try:
+        conf = text_config(read_config(path))
+    except (OSError, ValueError):
+        return None
+    limit, new = conf.get("max_position_embeddings"), getattr(task_config(cfg), "max_new_tokens", None)
+    if not isinstance(limit, int) or not isinstance(new, int) or not any(k in conf for k in _ROTARY_KEYS):
+        return None
+    room = limit - new
+    if room * 2 >= limit:
+        return None
+    head = (f"positions: {path}/config.json max_position_embeddings={limit} (rotary positions) and "
+            f"task.max_new_tokens={new}: ")
+    what = ("every completion runs past the length the checkpoint was trained for" if room < 1 else
+            f"a completion after a prompt longer than {room} tokens runs past the length the checkpoint was "
+            "trained for (prompt lengths are not known before the data is read)")
+    return head + what + ("; generation and training go on (rotary positions have no table to run out of) but the "
+                          "model's quality past that length is untested: lower task.max_new_tokens, or shorten "
+                          "the prompts, to stay within it")
+
+
 def plan_notes(cfg: RunConfig, plan) -> list[str]:
     """``dstrain plan``'s notes for a policy run (the trainers' ``plan_notes`` hook)."""
-    return [n for n in (weights_note(cfg, plan.precision), generation_note(cfg)) if n]
+    return [n for n in (weights_note(cfg, plan.precision), generation_note(cfg), position_note(cfg)) if n]
 
 
 def append_plan_note(out: Path, world, line: str) -> None:

@@ -17,7 +17,7 @@ import torch
 
 from .model import (PolicyModel, is_partitioned, learned_position_limit, position_limit_problem,
                     rope_length_problem)
-from .tokenizer import decode_continuation, encode_prompt, eos_token_ids
+from .tokenizer import continuation_reader, decode_continuation, encode_prompt, eos_token_ids
 
 
 @dataclass
@@ -44,8 +44,15 @@ class StopOnStrings:
     """A ``transformers`` stopping criterion: a row is done once its completion contains a stop string.
 
     Only the last ``window`` tokens of each row are decoded per step (enough to hold
-    the longest stop string: every non-special token decodes to at least one byte).
+    the longest stop string: every non-special token decodes to at least one byte). While
+    the window starts at the completion's start it is read after the prompt's last tokens
+    (as :func:`~models.policy.tokenizer.decode_continuation` reads it): decoded alone, a
+    SentencePiece decoder strips the space of the first ``▁``, and a stop string that starts
+    with a space (``" ###"``) at the very start of a completion was missed.
     """
+
+    CONTEXT = 8
+    """The prompt's last tokens decoded in front of the window while it still starts at the completion's start."""
 
     def __init__(self, tokenizer, stops: Sequence[str], prompt_len: int):
         self.tokenizer, self.stops, self.prompt_len = tokenizer, list(stops), prompt_len
@@ -53,7 +60,20 @@ class StopOnStrings:
 
     def __call__(self, input_ids: torch.Tensor, scores=None, **kwargs) -> torch.Tensor:
         start = max(self.prompt_len, input_ids.shape[1] - self.window)
-        tails = self.tokenizer.batch_decode(input_ids[:, start:].tolist(), skip_special_tokens=True)
+        decode = self.tokenizer.batch_decode
+        if start > self.prompt_len:
+            # a stop string complete in this step starts at least 4 tokens into the window, so the space the
+            # decoder strips from the window's first token is never part of it: the window alone, one decode
+            tails = decode(input_ids[:, start:].tolist(), skip_special_tokens=True)
+        else:  # the window is the whole completion so far: read it after the prompt's last tokens
+            rows = input_ids[:, max(0, start - self.CONTEXT):].tolist()
+            split = start - max(0, start - self.CONTEXT)
+            heads = decode([r[:split] for r in rows], skip_special_tokens=True)
+            wholes = decode(rows, skip_special_tokens=True)
+            tails = [w[len(h):] if w.startswith(h) and "\ufffd" not in h else None for h, w in zip(heads, wholes)]
+            if any(t is None for t in tails):  # a character split across the boundary: the window alone
+                alone = decode([r[split:] for r in rows], skip_special_tokens=True)
+                tails = [a if t is None else t for t, a in zip(tails, alone)]
         return torch.tensor([any(s in t for s in self.stops) for t in tails],
                             dtype=torch.bool, device=input_ids.device)
 
@@ -67,7 +87,8 @@ def cut_at_stop(ids: list[int], tokenizer, stops: Sequence[str], prompt_ids: Seq
     the one that appears first in that prefix wins. The text is read as it follows
     ``prompt_ids`` (:func:`~models.policy.tokenizer.decode_continuation`).
     """
-    decode = lambda n: decode_continuation(tokenizer, prompt_ids, ids[:n])  # noqa: E731
+    read = continuation_reader(tokenizer, prompt_ids)  # the prompt's tail decoded once for the whole search
+    decode = lambda n: read(ids[:n])  # noqa: E731
     hit = lambda text: any(s in text for s in stops)  # noqa: E731
     if not stops or not hit(decode(len(ids))):
         return None

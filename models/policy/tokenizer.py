@@ -224,13 +224,24 @@ def decode_continuation(tokenizer, prefix_ids, ids) -> str:
     tokenizer gives the same text either way. Plain ``decode(ids)`` where the prompt's text does not
     decode to a prefix of the whole (a character split between prompt and completion).
     """
-    plain = tokenizer.decode(list(ids), skip_special_tokens=True)
-    if not ids or not prefix_ids:
-        return plain
+    return continuation_reader(tokenizer, prefix_ids)(ids)
+
+
+def continuation_reader(tokenizer, prefix_ids):
+    """:func:`decode_continuation` with ``prefix_ids`` fixed: a function of ``ids`` that decodes the prompt's
+    tail once, however many prefixes of a completion it reads (``cut_at_stop``'s search)."""
     tail = list(prefix_ids[-8:])
-    head = tokenizer.decode(tail, skip_special_tokens=True)
-    whole = tokenizer.decode(tail + list(ids), skip_special_tokens=True)
-    return whole[len(head):] if whole.startswith(head) and "\ufffd" not in head else plain
+    head = tokenizer.decode(tail, skip_special_tokens=True) if tail else ""
+    usable = bool(tail) and "\ufffd" not in head
+
+    def read(ids) -> str:
+        ids = list(ids)
+        if ids and usable:
+            whole = tokenizer.decode(tail + ids, skip_special_tokens=True)
+            if whole.startswith(head):
+                return whole[len(head):]
+        return tokenizer.decode(ids, skip_special_tokens=True)
+    return read
 
 
 def _embedding_rows(path: str, tok) -> int:
