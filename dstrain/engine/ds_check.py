@@ -143,6 +143,20 @@ def _neox_precision_type(section: str, loc: tuple, value) -> str | None:
             f"DeepSpeed fork, DeeperSpeed, reads it); DeepSpeed rejects the key; {fix}")
 
 
+def _loss_scaler_argument(section: str, loc: tuple, block: dict | None) -> str | None:
+    """``"fp16": {"raise_error_at_min_scale": false}``: an argument of DeepSpeed's DynamicLossScaler that its fp16
+    section has no key for (projects that set it patch DeepSpeed's get_dynamic_loss_scale_args); the refusal with
+    what removing it changes. None for any other unknown key."""
+    if section != "fp16" or tuple(loc) != ("raise_error_at_min_scale",):
+        return None
+    static = isinstance(block, dict) and block.get("loss_scale") not in (0, None, "auto")
+    when = (f" (unused here: loss_scale {block.get('loss_scale')!r} is a static scale)" if static else "")
+    return ("fp16.raise_error_at_min_scale: an argument of DeepSpeed's dynamic loss scaler, not a key of its fp16 "
+            "section, which rejects it (projects that set it patch DeepSpeed's get_dynamic_loss_scale_args); "
+            "without it DeepSpeed stops the run when a step overflows at min_loss_scale, where false skips the step "
+            f"and goes on{when}; remove it")
+
+
 def _pydantic_problems(section: str, model, err: Exception, block: dict | None = None) -> list[str]:
     """One line per error of a pydantic ValidationError, named by dotted key (unknown keys with a hint)."""
     from dstrain.engine.ds_classes import deprecated_pair_problem
@@ -160,7 +174,8 @@ def _pydantic_problems(section: str, model, err: Exception, block: dict | None =
             name = str(item.get("loc", ("",))[-1])
             close = _close_key(name, known) if len(item.get("loc", ())) == 1 else None
             hint = f" (did you mean {close!r}?)" if close else ""
-            neox = _neox_precision_type(section, item.get("loc", ()), value)
+            neox = (_neox_precision_type(section, item.get("loc", ()), value)
+                    or _loss_scaler_argument(section, item.get("loc", ()), block))
             out.append(neox or f"{loc}: unknown key{hint}; DeepSpeed rejects it")
         elif not item.get("loc"):  # a check of the whole section: its input is the parsed section, not the file's
             msg = str(item.get("msg", "invalid")).removeprefix("Assertion failed, ").removeprefix("Value error, ")

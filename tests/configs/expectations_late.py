@@ -253,3 +253,37 @@ EXPECT.update({  # round 18 (tests/unit/test_ds_realworld18.py): configs generat
     "gpt_neox_test_fp16_type_bfloat16.json": "fp16.type: file says 'bfloat16', GPT-NeoX's way of choosing the "
                                              "precision in the fp16 section",
 })
+
+# Round 19: the scripts/zero2.json / zero3.json files of LLaVA-derived multimodal projects, each with a value of its
+# own beside LLaVA's (the file path is scripts/<name> in each repository).
+EXPECT.update({
+    # NVIDIA/audio-flamingo scripts/zero3.json: stage3_prefetch_bucket_size 0 (no prefetching), no gradient_clipping
+    "audio_flamingo_zero3_prefetch_bucket_zero.json": None,
+    # cambrian-mllm/cambrian scripts/zero2.json: gradient_clipping 1.0 written after the ZeRO block, stage-3
+    # sub_group_size at stage 2 (noted unused)
+    "cambrian_zero2_gradient_clipping_one.json": None,
+    # IDEA-CCNL/Fengshenbang-LM fengshen/examples/pretrain_erlangshen/pretrain_erlangshen_1.3B.sh, its heredoc
+    # ds_config: fp16 with initial_scale_power 32, Adam under a flat WarmupLR (min = max 1e-6), flops_profiler on at
+    # step 25, zero_allow_untested_optimizer false
+    "fengshen_erlangshen_bert_warmuplr_flat_flops_profiler.json": "fp16.enabled: fp16 does not run on the CPU "
+                                                                   "accelerator",
+    # lucadiliello/transformers-framework transformers_framework/utilities/strategy.py: the config dict of its
+    # 'deepspeed_stage_2_offload_no_error' DeepSpeedStrategy (the project patches DeepSpeed's
+    # get_dynamic_loss_scale_args to pass raise_error_at_min_scale); was "fp16.raise_error_at_min_scale: unknown key;
+    # DeepSpeed rejects it", with no fix and nothing on what the key did
+    "lightning_tf_framework_fp16_raise_error_at_min_scale.json": "fp16.raise_error_at_min_scale: an argument of "
+                                                                 "DeepSpeed's dynamic loss scaler",
+    # PKU-YuanGroup/MoE-LLaVA scripts/zero3.json: fp16 "auto" with loss_scale_window 100
+    "moe_llava_zero3_loss_scale_window_100.json": None,
+    # CircleRadon/Osprey scripts/zero3.json: stage3_max_live_parameters / max_reuse_distance 1e8
+    "osprey_zero3_live_reuse_1e8.json": None,
+    # AIDC-AI/Ovis scripts/zero3.json: fp16 off beside bf16 "auto", gradient_clipping "auto"
+    "ovis_zero3_fp16_off_bf16_auto.json": None,
+    # TinyLLaVA/TinyLLaVA_Factory scripts/zero2.json: ignore_unused_parameters true at stage 2
+    "tinyllava_zero2_ignore_unused_parameters.json": None,
+    # PKU-YuanGroup/UniWorld-V1 scripts/zero2.json: allgather / reduce buckets of 536870912 elements, no clipping
+    "uniworld_zero2_512mib_buckets.json": None,
+    # AoyuQC/VILA (a fork of NVlabs/VILA) scripts/zero3.json: ZeRO-3 with CPU optimizer offload and a disabled
+    # flops_profiler whose output_file is null
+    "vila_zero3_offload_opt_flops_profiler_off.json": None,
+})
