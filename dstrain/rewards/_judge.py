@@ -430,7 +430,9 @@ def _make_trust(snapshot: dict, modules: dict | None = None, codes: dict | None 
         return False
 
     def trusted(value, budget: int = 2_000_000) -> bool:
-        stack, seen, local = [value], set(), {}
+        # ``seen`` holds what it walked: an items view's pairs are made as they are read, and a freed pair's
+        # address, reused by the next view's pair, would pass that pair (and what it holds) unwalked
+        stack, seen, local = [value], {}, {}
         while stack:
             v = stack.pop()
             tp = type(v)
@@ -441,7 +443,7 @@ def _make_trust(snapshot: dict, modules: dict | None = None, codes: dict | None 
                 return False
             if id(v) in seen:
                 continue
-            seen.add(id(v))
+            seen[id(v)] = v
             found = info(tp, local)
             if found is None:
                 return False
