@@ -96,9 +96,6 @@ def changed_settings_note(cfg: RunConfig, where: Path) -> str | None:
             "on the checkpoint's weights, optimizer moments, step count and data position")
 
 
-_LOCK = run_lock._HELD  # (run_lock's) the open lock file of this process's run folder: held until it ends
-
-
 def _lock_run_folder(out: Path) -> str | None:
     """Hold an exclusive lock on ``out`` for this process's lifetime; the problem if another run holds it.
 

@@ -60,27 +60,9 @@ from dstrain.launch_check import check_hosts_for_launch
 from dstrain.launcher import LaunchSpec
 from dstrain.rank_exit import CheckpointWriteError
 from dstrain.config import LaunchError, RunFolderError, load_run_config
-from dstrain.runtime import World
 from dstrain.trainers import common
 
-REPO = Path(__file__).resolve().parents[2]
-RECIPE = str(REPO / "models" / "gpt" / "recipes" / "tiny.json")
-
-
-@pytest.fixture
-def one_rank(monkeypatch):
-    monkeypatch.setattr(common, "_LOCK", [])  # this test's folders, not another test's lock
-    monkeypatch.setattr(elastic, "_AGENTS", [])
-    return World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
-
-
-def _checkpoint(out: Path, step: int, **state) -> Path:
-    tag_dir = out / "checkpoints" / ckpt.tag_for(step)
-    tag_dir.mkdir(parents=True)
-    (tag_dir / "run_config.json").write_text(json.dumps(load_run_config(RECIPE, [f"--output.dir={out}"]).to_dict()))
-    (tag_dir / "trainer_state.json").write_text(json.dumps({"step": step, **state}))
-    (tag_dir / ckpt.COMPLETE).write_text("{}\n")
-    return tag_dir
+from tests.unit.conftest import RECIPE, REPO, tiny_checkpoint as _checkpoint
 
 
 # ---------------------------------------------------------------- torchrun's own restarts

@@ -42,18 +42,15 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from dstrain import checkpoint as ckpt
 from dstrain import elastic, run_lock
 from dstrain.cli import _output_problem
 from dstrain.config import RunFolderError, load_run_config
-from dstrain.runtime import World
 from dstrain.slurm import env_from_slurm
 from dstrain.trainers import common
 
-REPO = Path(__file__).resolve().parents[2]
-RECIPE = str(REPO / "models" / "gpt" / "recipes" / "tiny.json")
+from tests.unit.conftest import RECIPE, REPO, tiny_checkpoint as _checkpoint
 SLURM = {"SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "node07"}
 
 
@@ -137,22 +134,6 @@ def test_a_file_system_without_flock_is_not_a_traceback(tmp_path, no_lock, monke
 
 
 # ---------------------------------------------------------------- (c) torchrun restarting ranks a signal stopped
-
-@pytest.fixture
-def one_rank(monkeypatch):
-    monkeypatch.setattr(run_lock, "_HELD", [])
-    monkeypatch.setattr(elastic, "_AGENTS", [])
-    return World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
-
-
-def _checkpoint(out: Path, step: int, **state) -> Path:
-    tag_dir = out / "checkpoints" / ckpt.tag_for(step)
-    tag_dir.mkdir(parents=True)
-    (tag_dir / "run_config.json").write_text(json.dumps(load_run_config(RECIPE, [f"--output.dir={out}"]).to_dict()))
-    (tag_dir / "trainer_state.json").write_text(json.dumps({"step": step, **state}))
-    (tag_dir / ckpt.COMPLETE).write_text("{}\n")
-    return tag_dir
-
 
 def _stopped_first_attempt(out: Path, monkeypatch) -> None:
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")

@@ -51,7 +51,6 @@ from dstrain import cli, job_guard
 from dstrain.config import load_run_config
 from dstrain.engine.engine import Engine
 from dstrain.metrics import RunLogger
-from dstrain.runtime import World
 from dstrain.trainers import common
 
 REPO = Path(__file__).resolve().parents[2]
@@ -127,12 +126,6 @@ def test_a_resume_with_the_same_settings_changes_nothing():
     engine.load("ckpts", "step_00000002")
     assert engine.settings_changed == []
     assert [g["lr"] for g in new.optimizer.param_groups] == [g["lr"] for g in old.optimizer.param_groups]
-
-
-@pytest.fixture
-def one_rank(monkeypatch):
-    monkeypatch.setattr(common, "_LOCK", [])  # this test's folders, not another test's lock
-    return World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"))
 
 
 def _complete_checkpoint(out: Path, step: int, run_config: dict) -> Path:
