@@ -51,9 +51,6 @@ class StopOnStrings:
     with a space (``" ###"``) at the very start of a completion was missed.
     """
 
-    CONTEXT = 8
-    """The prompt's last tokens decoded in front of the window while it still starts at the completion's start."""
-
     def __init__(self, tokenizer, stops: Sequence[str], prompt_len: int):
         self.tokenizer, self.stops, self.prompt_len = tokenizer, list(stops), prompt_len
         self.window = max(len(s.encode("utf-8")) for s in self.stops) + 4
@@ -66,14 +63,9 @@ class StopOnStrings:
             # decoder strips from the window's first token is never part of it: the window alone, one decode
             tails = decode(input_ids[:, start:].tolist(), skip_special_tokens=True)
         else:  # the window is the whole completion so far: read it after the prompt's last tokens
-            rows = input_ids[:, max(0, start - self.CONTEXT):].tolist()
-            split = start - max(0, start - self.CONTEXT)
-            heads = decode([r[:split] for r in rows], skip_special_tokens=True)
-            wholes = decode(rows, skip_special_tokens=True)
-            tails = [w[len(h):] if w.startswith(h) and "\ufffd" not in h else None for h, w in zip(heads, wholes)]
-            if any(t is None for t in tails):  # a character split across the boundary: the window alone
-                alone = decode([r[split:] for r in rows], skip_special_tokens=True)
-                tails = [a if t is None else t for t, a in zip(tails, alone)]
+            lo = max(0, start - 8)  # (decode_continuation reads the prompt's last 8 tokens)
+            tails = [decode_continuation(self.tokenizer, row[:start - lo], row[start - lo:])
+                     for row in input_ids[:, lo:].tolist()]
         return torch.tensor([any(s in t for s in self.stops) for t in tails],
                             dtype=torch.bool, device=input_ids.device)
 
