@@ -72,6 +72,11 @@ def written_by_this_job(tag_dir: Path, job_agents: list[str]) -> bool:
     except (OSError, ValueError):
         return False
     saved = state.get("torchrun_agents") if isinstance(state, dict) else None
+    return _same_job(saved, job_agents)
+
+
+def _same_job(saved, job_agents: list[str]) -> bool:
+    """Whether the agents a record names (``torchrun_agents``) include one of this job's."""
     return bool(job_agents) and isinstance(saved, list) and bool(set(saved) & set(job_agents))
 
 
@@ -108,7 +113,7 @@ def stopped_job_problem(out: Path, job_agents: list[str]) -> StoppedJobRestarted
         code, saved = int(record["code"]), record["torchrun_agents"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    if not (job_agents and isinstance(saved, list) and set(saved) & set(job_agents)) or not 128 < code < 193:
+    if not _same_job(saved, job_agents) or not 128 < code < 193:
         return None
     import signal
     try:

@@ -31,8 +31,8 @@ _MUTEX = threading.Lock()
 
 def holder_text(text: str) -> str:
     """``process PID on HOST`` from a lock file's text (``PID`` alone: written by an older dstrain)."""
-    pid, _, host = text.strip().partition(" ")
-    return f"process {pid or '?'}" + (f" on {host.split()[0]}" if host.strip() else "")
+    pid, host, _ = _holder(text)
+    return f"process {pid or '?'}" + (f" on {host}" if host else "")
 
 
 def _holder(text: str) -> tuple[str, str, float | None]:
