@@ -35,6 +35,18 @@ def launch(args: list[str], env: dict | None = None, nproc: int = 2, timeout: in
     return proc
 
 
+def torchrun_restarting(args: list[str], env: dict, max_restarts: int = 1,
+                        timeout: int = 600) -> subprocess.CompletedProcess:
+    """``torchrun --max-restarts N -m dstrain.cli train RECIPE args`` on 2 CPU ranks of one node, run by hand
+    (torchrun's own agent restarts the ranks; no ``dstrain launch`` around it); not checked."""
+    from dstrain.launcher import find_free_port
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+           "--max-restarts", str(max_restarts), "--master-addr", "127.0.0.1", "--master-port", str(find_free_port()),
+           "-m", "dstrain.cli", "train", str(RECIPE), *args]
+    full_env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env}
+    return subprocess.run(cmd, env=full_env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
 def metrics(out: Path, key: str = "train/loss") -> dict[int, float]:
     """step -> value of ``key`` from metrics.jsonl (later lines win, as after a resume)."""
     values = {}

@@ -3,23 +3,14 @@ line): rank 0 dies after step 3 with step 2's checkpoint on disk. Before: each r
 new attempt read its dead peers' addresses from the agent's store: gloo 'Connection refused'; past that, the
 folder was refused for holding the first attempt's checkpoint, exit 2) and torchrun gave up. After: the
 restart continues from step 2 and the job finishes (tests/unit/test_faults5.py has the details)."""
-import os
-import subprocess
-import sys
-
 from dstrain import checkpoint as ckpt
-from dstrain.launcher import find_free_port
 from tests.dist import harness
 
 
 def test_torchruns_own_restart_continues_the_jobs_checkpoint(tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-           "--max-restarts", "1", "--master-addr", "127.0.0.1", "--master-port", str(find_free_port()),
-           "-m", "dstrain.cli", "train", str(harness.RECIPE), *harness.overrides(out, 4, "--checkpoint.every=2")]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           "DSTRAIN_FAULT_AFTER_STEP": "3", "DSTRAIN_FAULT_ONCE": str(tmp_path / "fired")}
-    proc = subprocess.run(cmd, env=env, cwd=harness.ROOT, capture_output=True, text=True, timeout=600)
+    proc = harness.torchrun_restarting(harness.overrides(out, 4, "--checkpoint.every=2"),
+                                      {"DSTRAIN_FAULT_AFTER_STEP": "3", "DSTRAIN_FAULT_ONCE": str(tmp_path / "fired")})
     log = proc.stdout + proc.stderr
     assert (tmp_path / "fired").exists(), "the fault never fired"
     assert proc.returncode == 0, log[-4000:]

@@ -5,23 +5,15 @@ undone without a word (a preempted job kept its node until the scheduler's SIGKI
 After: the restarted ranks leave at once, saying the job was stopped (by which signal, at which step, the
 checkpoint saved) and how to continue it; the stop's checkpoint stays the latest
 (tests/unit/test_faults6.py has the details)."""
-import os
-import subprocess
-import sys
-
 from dstrain import checkpoint as ckpt
-from dstrain.launcher import find_free_port
 from tests.dist import harness
 
 
 def test_torchrun_restart_of_ranks_stopped_by_a_signal_does_not_train_on(tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-           "--max-restarts", "1", "--master-addr", "127.0.0.1", "--master-port", str(find_free_port()),
-           "-m", "dstrain.cli", "train", str(harness.RECIPE), *harness.overrides(out, 6, "--checkpoint.every=100")]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           "DSTRAIN_FAULT_SIGTERM_STEP": "2", "DSTRAIN_FAULT_RANK": "1", "DSTRAIN_FAULT_ONCE": str(tmp_path / "fired")}
-    proc = subprocess.run(cmd, env=env, cwd=harness.ROOT, capture_output=True, text=True, timeout=600)
+    proc = harness.torchrun_restarting(harness.overrides(out, 6, "--checkpoint.every=100"),
+                                      {"DSTRAIN_FAULT_SIGTERM_STEP": "2", "DSTRAIN_FAULT_RANK": "1",
+                                       "DSTRAIN_FAULT_ONCE": str(tmp_path / "fired")})
     log = proc.stdout + proc.stderr
     assert (tmp_path / "fired").exists(), "the fault never fired"
     assert proc.returncode != 0, log[-4000:]
