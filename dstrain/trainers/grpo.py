@@ -50,6 +50,8 @@ def _sum_all(value: float) -> float:
 
 class GRPOTrainer(RLLoop):
     RATE_KEYS = ("gen_tokens_per_s", "train_tokens_per_s")  # every rank generates and trains its share
+    RATES = {"gen_tokens_per_s": ("gen_tokens", "time/generation"),  # tokens over seconds of the log window
+             "train_tokens_per_s": ("train_tokens", "time/training")}
 
     def __init__(self, cfg: RunConfig):
         self.world = runtime.init_distributed(timeout_s=torch_timeout_s(cfg.train.collective_timeout_s))
@@ -211,9 +213,10 @@ class GRPOTrainer(RLLoop):
         if self.reference is None:
             out.pop("kl")
         out.update(sb.log)
-        out.update(
-            gen_tokens_per_s=sb.gen_tokens / max(sb.times["generation"], 1e-9),
-            train_tokens_per_s=attn.sum().item() * self.task.num_iterations / max(train_seconds, 1e-9))
+        train_tokens = attn.sum().item() * self.task.num_iterations  # tokens of the rows, not their padding
+        out.update(gen_tokens=float(sb.gen_tokens), train_tokens=float(train_tokens),
+                   gen_tokens_per_s=sb.gen_tokens / max(sb.times["generation"], 1e-9),
+                   train_tokens_per_s=train_tokens / max(train_seconds, 1e-9))
         rollouts, sync = getattr(self, "rollouts", None), {}
         if rollouts is not None:
             sync, rollouts.last_sync = rollouts.last_sync, {}

@@ -304,6 +304,7 @@ class HRMTrainer:
                     if out_of_time:
                         log.message(f"time limit of {limit:.0f} s reached at step {step}")
                         break
+                aside = time.perf_counter()  # evaluation and saving: not in the segments/s of the next window
                 if t.eval_every and step % t.eval_every == 0:
                     self.guards.phase("eval", step)
                     val, val_step = self.evaluate(), step
@@ -312,6 +313,7 @@ class HRMTrainer:
                 if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
                     self.save(step)
                     last_saved = step
+                window += time.perf_counter() - aside
                 fault("DSTRAIN_FAULT_AFTER_STEP", step)
             if not stopped and last_saved != step and step > self.start_step:
                 self.save(step)

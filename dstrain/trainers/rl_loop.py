@@ -48,6 +48,21 @@ def window_mean(window: list[dict]) -> dict[str, float]:
     return {k: sum(x[k] for x in window if k in x) / sum(k in x for x in window) for k in keys}
 
 
+def window_stats(window: list[dict], rates: dict[str, tuple[str, str]]) -> dict[str, float]:
+    """The log window's values: :func:`window_mean` of each key, except each rate of ``rates``
+    (``{rate: (count key, seconds key)}``), which is the window's total count over its total seconds
+    (tokens over the time they took, as the LM trainer's meter measures them, not the mean of each
+    step's rate: a short fast step would weigh as much as a long slow one). The count keys are not
+    logged themselves."""
+    counts = {count for count, _ in rates.values()}
+    out = window_mean([{k: v for k, v in x.items() if k not in counts} for x in window])
+    for rate, (count, seconds) in rates.items():
+        steps = [x for x in window if count in x and seconds in x]
+        if steps:
+            out[rate] = sum(x[count] for x in steps) / max(sum(x[seconds] for x in steps), 1e-9)
+    return out
+
+
 def split_prefixed(stats: dict[str, float], default: str = "train") -> dict[str, dict[str, float]]:
     """``{"loss": 1, "time/generation": 2}`` -> ``{"train": {"loss": 1}, "time": {"generation": 2}}``:
     keys that name their own section are logged under it (``time/generation``, ``dynamic/rounds``)."""
@@ -77,6 +92,8 @@ def format_time_split(split: dict[str, dict[str, float]]) -> str:
 class RLLoop:
     RATE_KEYS: tuple[str, ...] = ()
     """Per-rank rates that are multiplied by the world size when logged (whole-job rates)."""
+    RATES: dict[str, tuple[str, str]] = {}
+    """Rates formed over a log window from a count and a seconds key of each step (:func:`window_stats`)."""
 
     def run(self) -> dict:
         cfg, t = self.cfg, self.cfg.train
@@ -103,7 +120,7 @@ class RLLoop:
                     len_window = len(window)
                     limit = self.task.time_limit_s
                     out_of_time = float(bool(limit) and time.perf_counter() - start > limit)
-                    stats = reduce_mean({**window_mean(window), "stop": float(self.stop.set),
+                    stats = reduce_mean({**window_stats(window, self.RATES), "stop": float(self.stop.set),
                                          "out_of_time": out_of_time, "memory_gb": peak_memory_bytes() / 1e9})
                     for k in self.RATE_KEYS:
                         if k in stats:
