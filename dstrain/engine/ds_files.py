@@ -218,6 +218,9 @@ def load_ds_json(path) -> dict:
         raise DSConfigError(str(path), str(exc)) from exc
     if not isinstance(data, dict):
         raise DSConfigError(str(path), f"top level must be a JSON object, got {type(data).__name__}")
+    from dstrain.engine.ds_foreign import app_config_problem
+    if (app := app_config_problem(data)) is not None:  # one line, not one per key of the script's settings
+        raise DSConfigError(str(path), app)
     if constants:
         raise DSConfigError(str(path), [f"{where}: {name} is not a JSON number (DeepSpeed's hjson loader reads it as "
                                          "text); write a finite number or \"auto\"" for where, name in _non_finite(data)])

@@ -2,7 +2,9 @@
 / MII: ``dtype``, ``replace_with_kernel_inject``, ``enable_cuda_graph``, ``tensor_parallel.tp_size``, a ``checkpoint``
 path), SageMaker model parallelism's (smp) parameters and its string ``"pipeline"`` mode, Determined's
 ``overwrite_deepspeed_args`` and its ``deepspeed_config`` file name, and a DeepSpeed config nested two levels down
-(verl's / RL trainers' per-model ``actor.deepspeed_config``), GPT-NeoX's ``precision`` / ``fp32_allreduce``.
+(verl's / RL trainers' per-model ``actor.deepspeed_config``), GPT-NeoX's ``precision`` / ``fp32_allreduce``,
+transformers' ``low_cpu_mem_usage`` (xtuner's ZeRO-3 configs), and a training script's own settings file that names
+its DeepSpeed JSON (Firefly's TrainingArguments files, DeepSpeedExamples' OPSD configs: :func:`app_config_problem`).
 DeepSpeed's training engine ignores the top-level ones silently and stops its parser on the section ones; each is
 refused with the key and what to do (or noted, by :func:`ignored_key`, where it changes nothing).
 """
@@ -144,6 +146,13 @@ def ignored_key(key: str, cfg: dict) -> tuple[str, bool] | None:
                 "trains in bf16 or fp32: --deepspeed.precision)"), True
     if key in ("precision", "fp32_allreduce"):
         return _neox_key(key, cfg)
+    if key == "low_cpu_mem_usage" and isinstance(value, bool):
+        where = ("transformers' from_pretrained argument (load the weights without a full CPU copy first; xtuner's "
+                 "ZeRO-3 configs carry it), which DeepSpeed never reads")
+        if not value:
+            return f"low_cpu_mem_usage: false, {where}; false asks for nothing, so nothing is lost", False
+        return (f"unknown top-level key 'low_cpu_mem_usage': true, {where} and would silently ignore (dstrain builds "
+                "its models itself, and transformers refuses it with ZeRO-3 anyway); remove it"), True
     if key == "sequence_parallel" and isinstance(value, dict):
         if not _on(value):
             return "sequence_parallel: LLaMA-Factory's sequence-parallel section, which DeepSpeed ignores; off here", \
@@ -201,3 +210,23 @@ def ignored_key_notes(cfg: dict) -> list[str]:
     from dstrain.engine.ds_files import KNOWN_TOP_LEVEL_KEYS
     found = [ignored_key(k, cfg) for k in cfg if isinstance(k, str) and k not in KNOWN_TOP_LEVEL_KEYS]
     return [text for text, refused in filter(None, found) if not refused]
+
+
+def app_config_problem(cfg: dict) -> str | None:
+    """The refusal of a training script's own settings file given as the DeepSpeed JSON: one whose "deepspeed" /
+    "deepspeed_config" / "ds_config" names a file and whose other keys are mostly not DeepSpeed's (Firefly's
+    TrainingArguments JSONs, DeepSpeedExamples' OPSD app configs). One line in place of a line per key (each "unknown
+    top-level key", some with a misleading close match: train_file -> train_batch_size); None for any other file."""
+    from dstrain.engine.ds_files import KNOWN_TOP_LEVEL_KEYS, NESTING_KEYS
+    named = next((k for k in NESTING_KEYS if isinstance(cfg.get(k), str)), None)
+    if named is None:
+        return None
+    others = [k for k in cfg if k not in KNOWN_TOP_LEVEL_KEYS and k not in NESTING_KEYS]
+    if len(others) <= len(cfg) - len(others) - 1:  # mostly DeepSpeed's own keys (Determined's file): key by key
+        return None
+    shown = ", ".join(map(str, others[:4])) + (", ..." if len(others) > 4 else "")
+    return (f"{named}: file says {cfg[named]!r}: this is a training script's own settings file, which names its "
+            f"DeepSpeed JSON there, not a DeepSpeed config: {len(others)} of its {len(cfg)} top-level keys are not "
+            f"DeepSpeed's ({shown}) and DeepSpeed would silently ignore them; give {cfg[named]!r} itself as "
+            "--deepspeed.profile (a path relative to the folder the script runs in), and the script's own settings as "
+            "dstrain flags")

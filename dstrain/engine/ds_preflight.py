@@ -183,15 +183,16 @@ def _hidden_size(cfg: RunConfig) -> int:
     return 1024
 
 
-def _leaf_problems(cfg: RunConfig, template: dict) -> list[str]:
-    """ZeRO-3 leaf settings that would make the run's whole model one leaf (dstrain.engine.zero_leaves)."""
-    from dstrain.engine.zero_leaves import leaf_problems
+def _leaf_findings(cfg: RunConfig, template: dict) -> tuple[list[str], list[str]]:
+    """ZeRO-3 leaf settings that would make the run's whole model one leaf, and leaf classes the model does not have
+    (refusals, notes: dstrain.engine.zero_leaves)."""
+    from dstrain.engine.zero_leaves import leaf_findings
 
     def build():  # only where the file sets leaf modules (failures there are DeepSpeed's to report)
         from models import registry
         spec = registry.get_spec(cfg.model.name)
         return spec.build(registry.make_model_config(cfg.model.name, cfg.model.size, cfg.model.args))
-    return leaf_problems(template, build)
+    return leaf_findings(template, build)
 
 
 def check_run(cfg: RunConfig, world_size: int, device_type: str, strict: bool = True) -> list[str]:
@@ -214,8 +215,9 @@ def check_run(cfg: RunConfig, world_size: int, device_type: str, strict: bool = 
     found, notes = section_problems(seen, device_type) if template is not None else ([], [])
     if template is not None:
         from dstrain.engine.ds_trainers import updates_per_step
-        found += _leaf_problems(cfg, template) + run_length_problems(template, cfg.train.steps,
-                                                                     updates_per_step(cfg))
+        leaf_refusals, leaf_notes = _leaf_findings(cfg, template)
+        found += leaf_refusals + run_length_problems(template, cfg.train.steps, updates_per_step(cfg))
+        notes += leaf_notes
         found += run_problems(template, cfg.train.steps)
         notes += run_notes(template, cfg.train.betas)
     if device_type == "cpu" and cfg.deepspeed.precision == "fp16" and not found:  # else the file's fp16 is named

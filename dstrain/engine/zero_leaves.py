@@ -53,21 +53,34 @@ def _child_classes(model) -> list[str]:
 def leaf_problems(template: dict, build) -> list[str]:
     """Refusals for leaf settings that would make the whole model (built by ``build`` on the meta device) one
     ZeRO-3 leaf. ``template`` is the user's DeepSpeed JSON (after its canonical forms)."""
+    return leaf_findings(template, build)[0]
+
+
+def _matches(module, name: str) -> bool:
+    """DeepSpeed's match of a leaf_module class name: the class's own name or its module-qualified name."""
+    cls = type(module)
+    return name in (cls.__name__, f"{cls.__module__}.{cls.__qualname__}")
+
+
+def leaf_findings(template: dict, build) -> tuple[list[str], list[str]]:
+    """(refusals of :func:`leaf_problems`, notes): a note names the leaf_module classes no module of the run's model
+    is (another model's blocks, as DeepSpeedExamples' Qwen3.5-MoE config names): DeepSpeed marks nothing for them,
+    warns once and hooks every module as usual, which trains the same."""
     zo = template.get("zero_optimization") if isinstance(template, dict) else None
     if not isinstance(zo, dict) or zo.get("stage") != 3:
-        return []
+        return [], []
     threshold = zo.get("stage3_module_granularity_threshold", zo.get("module_granularity_threshold", 0))
     threshold = threshold if isinstance(threshold, (int, float)) and not isinstance(threshold, bool) else 0
     leaf = zo.get("leaf_module") if isinstance(zo.get("leaf_module"), dict) else {}
     classes = [c for c in (leaf.get("classes") or []) if isinstance(c, str)]
     if threshold <= 0 and not classes:
-        return []
+        return [], []
     import torch
     try:
         with torch.device("meta"):
             model = build()
     except Exception:  # noqa: BLE001 - a model that cannot be built on the meta device: DeepSpeed will tell
-        return []
+        return [], []
     root = type(model).__name__
     blocks = _child_classes(model)
     instead = f" (e.g. \"classes\": [\"{blocks[0]}\"])" if blocks else ""
@@ -83,4 +96,9 @@ def leaf_problems(template: dict, build) -> list[str]:
                             f"model ({root}, {found[id(model)]} parameters per layer) one leaf module, and DeepSpeed's "
                             "ZeRO-3 backward fails then; remove it and name the blocks in "
                             f"zero_optimization.leaf_module{instead}")
-    return problems
+    unmatched = [c for c in classes if not any(_matches(m, c) for m in model.modules())]
+    notes = [f"zero_optimization.leaf_module.classes: no module of the run's model ({root}) is "
+             f"{', '.join(map(repr, unmatched))}, so DeepSpeed marks no leaf for {'them' if len(unmatched) > 1 else 'it'} "
+             "and hooks every module as usual (it only warns)" + (f"; the model's blocks: \"classes\": [\"{blocks[0]}\"]"
+                                                                  if blocks else "")] if unmatched else []
+    return problems, notes

@@ -287,3 +287,47 @@ EXPECT.update({
     # flops_profiler whose output_file is null
     "vila_zero3_offload_opt_flops_profiler_off.json": None,
 })
+
+# Round 20 (tests/unit/test_ds_realworld20.py): sources not covered before: InternLM/xtuner's DeepSpeed configs,
+# LianjiaTech/BELLE's, OptimalScale/LMFlow's, QwenLM/Qwen's and deepseek-ai/DeepSeek-Coder's finetune configs,
+# yangjianxin1/Firefly's TrainingArguments files, DeepSpeedExamples' newer training/ configs (OPSD, expert parallel).
+EXPECT.update({
+    # xtuner xtuner/configs/deepspeed/deepspeed_zero2_offload.json: fp16 with optimizer offload, zero_force_ds_cpu_
+    # optimizer false; accepted on GPUs (tests/unit/test_ds_realworld20.py)
+    "xtuner_zero2_offload_fp16_force_ds_cpu_false.json": "fp16.enabled: fp16 does not run on the CPU accelerator",
+    # xtuner xtuner/configs/deepspeed/deepspeed_zero3.json: transformers' "low_cpu_mem_usage": false at the top level,
+    # refused as an unknown key with no fix before; now a note (accepted on GPUs), the CPU refuses its fp16 only
+    "xtuner_zero3_low_cpu_mem_usage_key.json": "fp16.enabled: fp16 does not run on the CPU accelerator",
+    # xtuner examples/deepspeed_config.json: AdamW at lr 1e-8 (xtuner's optimizer replaces it; dstrain trains the
+    # file's), wall_clock_breakdown on, prescale_gradients false, bf16
+    "xtuner_example_zero2_adamw_wall_clock_bf16.json": None,
+    # BELLE train/configs/deepspeed_config_stage3_flops_profile.json: the profiler at step 50 in a 3-step run
+    "belle_zero3_offload_flops_profile_step_50.json": "flops_profiler.profile_step: 50, and the run takes 3 steps",
+    # BELLE train/configs/deepspeed_config_ppo.json: AdamW with torch_adam / adam_w_mode at stage 3, fp16 off with
+    # its loss-scale keys, stage-1/2 allgather_bucket_size (noted unused)
+    "belle_ppo_zero3_torch_adamw_bf16.json": None,
+    # BELLE train/configs/deepspeed_config_stage3_inference.json: fp16, every stage-3 threshold 0
+    "belle_zero3_inference_fp16_zero_thresholds.json": "fp16.enabled: fp16 does not run on the CPU accelerator",
+    # LMFlow configs/ds_config_chatbot.json: steps_per_print 20000000000000000, a disabled comms_logger
+    "lmflow_zero3_chatbot_steps_per_print_2e16.json": None,
+    # LMFlow configs/ds_config_multimodal.json: bf16 and fp16 both off (fp32), no ZeRO section
+    "lmflow_multimodal_fp32_comms_logger_off.json": None,
+    # LMFlow configs/archive/ds_config_zero3_for_eval.json: ZeRO-3 with both offloads, no optimizer block
+    "lmflow_zero3_eval_offload_both_bf16.json": None,
+    # Qwen finetune/ds_config_zero2.json: offload_optimizer "none" with pin_memory, every value "auto"
+    "qwen_finetune_zero2_offload_none_all_auto.json": None,
+    # DeepSeek-Coder finetune/configs/ds_config_zero3.json: WarmupCosineLR with warmup_min_ratio 0.1, both offloads
+    "deepseek_coder_zero3_offload_cosine_warmup_min_ratio.json": None,
+    # DeepSpeedExamples training/expert_parallel/configs/ds_zero3_leaf_qwen3_5.json: 1000 scheduler steps (refused
+    # for a 3-step run, with the fix); its Qwen3.5-MoE leaf class, absent from the run's model, is noted (was silent)
+    "dsexamples_expert_parallel_zero3_leaf_cosine.json": "scheduler.params.total_num_steps: file says 1000, run "
+                                                         "gives 3",
+    # DeepSpeedExamples training/opsd/configs/opsd_hybrid_engine.json: the app's own config, whose deepspeed_config
+    # names the DeepSpeed file (was a line per key, and "as Determined's hyperparameters do")
+    "dsexamples_opsd_app_config_deepspeed_config_path.json": "deepspeed_config: file says 'configs/ds_zero3.json': "
+                                                             "this is a training script's own settings file",
+    # Firefly train_args/sft/full/qwen-7b-sft-full.json: TrainingArguments with "deepspeed" naming the DeepSpeed
+    # file (was 26 lines: one per key, with close matches such as train_file -> train_batch_size)
+    "firefly_training_args_deepspeed_path.json": "deepspeed: file says './train_args/ds_z3_config.json': this is a "
+                                                 "training script's own settings file",
+})
