@@ -85,6 +85,23 @@ _ARCHS = {
                      num_key_value_heads=2, max_position_embeddings=256, no_rope_layer_interval=2)),
     "gpt_bigcode": ("GPTBigCodeForCausalLM", "GPTBigCodeConfig",
                     dict(n_embd=32, n_layer=2, n_head=4, n_positions=256, multi_query=True)),
+    # round 6: mixture-of-experts (top-2 of 4 experts, fused 3-D expert weights in transformers 5), Qwen2-MoE
+    # with a shared expert, Qwen3-MoE, OLMoE
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig",
+                dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=256, num_local_experts=4, num_experts_per_tok=2,
+                     sliding_window=None)),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig",
+                  dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, max_position_embeddings=256, num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=16, shared_expert_intermediate_size=32)),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig",
+                  dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=8, max_position_embeddings=256, num_experts=4,
+                       num_experts_per_tok=2, moe_intermediate_size=16)),
+    "olmoe": ("OlmoeForCausalLM", "OlmoeConfig",
+              dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=256, num_experts=4, num_experts_per_tok=2)),
 }
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"

@@ -334,9 +334,38 @@ def position_note(cfg: RunConfig) -> str | None:
                           "the prompts, to stay within it")
 
 
+def experts_note(cfg: RunConfig) -> str | None:
+    """One plan line for a mixture-of-experts checkpoint (Mixtral, Qwen-MoE, OLMoE...), else None: the parameters in
+    all and those a token runs through (what FLOPs and MFU count), the experts module ZeRO-3 gathers whole, and that
+    the router's load-balancing loss the config asks for (``output_router_logits``) is not part of dstrain's losses."""
+    _, mcfg, rl = policy_toolkit(cfg)
+    path = getattr(mcfg, "path", "") or ""
+    from models.policy.hf_files import read_config, text_config
+    from models.policy.moe import moe_fields
+    fields = moe_fields(text_config(read_config(path))) if path else None
+    if fields is None:
+        return None
+    from models.policy.moe import expert_modules, expert_params
+    with torch.device("meta"):
+        model = rl.build(mcfg)
+    total = model.num_params()
+    experts, active = expert_params(model.hf)
+    gathered = max((sum(p.numel() for p in w) for _, w in expert_modules(model.hf)), default=0)
+    k = fields["per_token"] or "some"
+    line = (f"experts: {path} is a mixture of experts ({k} of {fields['experts']} experts per token): "
+            f"{total:,} parameters, {total - experts + active:,} of them used per token (FLOPs and MFU count "
+            f"these); ZeRO-3 gathers each layer's experts as one module ({gathered:,} parameters)")
+    if fields["output_router_logits"]:
+        line += (f". Its config asks for the router's load-balancing loss (output_router_logits, router_aux_loss_coef="
+                 f"{fields['router_aux_loss_coef']}): dstrain does not add it (the loss is the trainer's own), so the "
+                 "routers are trained by that loss alone")
+    return line
+
+
 def plan_notes(cfg: RunConfig, plan) -> list[str]:
     """``dstrain plan``'s notes for a policy run (the trainers' ``plan_notes`` hook)."""
-    return [n for n in (weights_note(cfg, plan.precision), generation_note(cfg), position_note(cfg)) if n]
+    return [n for n in (weights_note(cfg, plan.precision), generation_note(cfg), position_note(cfg),
+                        experts_note(cfg)) if n]
 
 
 def append_plan_note(out: Path, world, line: str) -> None:

@@ -17,6 +17,7 @@ import torch
 
 from .model import (PolicyModel, is_partitioned, learned_position_limit, position_limit_problem,
                     rope_length_problem)
+from .moe import no_router_logits
 from .tokenizer import continuation_reader, decode_continuation, encode_prompt, eos_token_ids
 
 
@@ -264,7 +265,7 @@ def _generate(policy, tok, prompts, num_samples, temperature, top_p, max_new_tok
                 torch.manual_seed(seed)
             out = policy.hf.generate(input_ids=input_ids.to(device), attention_mask=mask.to(device),
                                      generation_config=gen_cfg, stopping_criteria=criteria,
-                                     synced_gpus=False)
+                                     synced_gpus=False, **no_router_logits(policy.hf))
     finally:
         policy.hf.generation_config = saved
     results = []

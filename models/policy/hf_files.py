@@ -100,11 +100,30 @@ def _custom_tokenizer_problem(path: str) -> str | None:
             "own code and downloads nothing; use a checkpoint whose tokenizer the installed transformers has")
 
 
+_HEADLESS = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering")
+"""Class-name endings of checkpoints whose head is no next-token head (reward models, classifiers)."""
+
+
+def _head_problem(config: dict) -> str | None:
+    """Why ``config.json`` ``architectures`` says the weights are no causal LM (a reward model or classifier: a
+    ``score``/``classifier`` head, no ``lm_head``), else None. transformers would load the body and a random
+    output head, with a warning."""
+    archs = config.get("architectures")
+    named = [a for a in archs if isinstance(a, str) and a.endswith(_HEADLESS)] if isinstance(archs, list) else []
+    if not named or len(named) < len(archs):
+        return None
+    return (f"config.json architectures names {', '.join(named)}: a classifier or reward model, whose head scores "
+            "a sequence instead of predicting the next token; loaded as a causal LM its output head would start "
+            "random. Point --model.args.path at the causal LM (a reward model belongs to the reward, not the policy)")
+
+
 def checkpoint_problem(path: str) -> str | None:
     """Why the folder ``path`` (which has a ``config.json``) cannot be loaded as a policy, else None:
-    no weights or an incomplete sharded copy, or an architecture or tokenizer that exists only as
-    custom code."""
-    return _weights_problem(path) or _custom_code_problem(read_config(path)) or _custom_tokenizer_problem(path)
+    no weights or an incomplete sharded copy, an architecture or tokenizer that exists only as
+    custom code, or the weights of a classifier (``architectures``)."""
+    config = read_config(path)
+    return (_weights_problem(path) or _custom_code_problem(config) or _custom_tokenizer_problem(path)
+            or _head_problem(config))
 
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

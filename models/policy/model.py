@@ -244,7 +244,9 @@ class PolicyModel(nn.Module):
             self._position_limit = learned_position_limit(self.hf)
         if (why := position_limit_problem(self._position_limit, input_ids.shape[1], "the sequence")):
             raise ValueError(why)
-        extra = positions_from_mask(self.hf, attention_mask)
+        from .moe import no_router_logits
+
+        extra = {**positions_from_mask(self.hf, attention_mask), **no_router_logits(self.hf)}
         logits = self.hf(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra).logits
         if targets is None:
             return logits
@@ -306,9 +308,12 @@ class PolicyModel(nn.Module):
         return sum(getattr(p, "ds_numel", p.numel()) for p in self.parameters())
 
     def num_matmul_params(self) -> int:
-        """Weights of every ``nn.Linear`` (attention, MLP and output head, tied or not)."""
+        """Weights a token is multiplied by: every ``nn.Linear`` (attention, MLP and output head, tied or not) and,
+        in a mixture of experts, the share of the 3-D expert weights its ``num_experts_per_tok`` experts hold."""
+        from .moe import expert_params
+
         return sum(getattr(p, "ds_numel", p.numel()) for m in self.modules()
-                   if isinstance(m, nn.Linear) for p in m.parameters(recurse=False))
+                   if isinstance(m, nn.Linear) for p in m.parameters(recurse=False)) + expert_params(self.hf)[1]
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token: ``6 * matmul params + 12 * layers * heads * head_dim * seq_len``."""
@@ -431,8 +436,11 @@ def set_dropout(hf: nn.Module, p: float) -> int:
 
     Covers ``nn.Dropout`` modules (GPT-2's ``attn_pdrop``/``resid_pdrop``/``embd_pdrop``)
     and the float attributes modules pass to functional dropout or attention
-    (``attention_dropout``, OPT's ``dropout``, Phi's ``resid_pdrop``...). The
-    checkpoint's ``config.json`` is left as it is.
+    (``attention_dropout``, OPT's ``dropout``, Phi's ``resid_pdrop``...). A mixture of
+    experts' router jitter (Mixtral's ``router_jitter_noise``: hidden states scaled by
+    random factors before routing, in train mode) is switched off, whatever ``p``: like
+    dropout it made train-mode log-probs differ from the sampler's. The checkpoint's
+    ``config.json`` is left as it is.
     """
     changed = 0
     for module in hf.modules():
@@ -441,8 +449,11 @@ def set_dropout(hf: nn.Module, p: float) -> int:
             module.p = p
             continue
         for name, value in list(vars(module).items()):
-            if ("dropout" in name or "pdrop" in name) and isinstance(value, float) and value != p:
-                setattr(module, name, p)
+            if not isinstance(value, float):
+                continue
+            want = 0.0 if "jitter" in name else p if ("dropout" in name or "pdrop" in name) else value
+            if value != want:
+                setattr(module, name, want)
                 changed += 1
     return changed
 
@@ -458,6 +469,25 @@ def attention_implementation(hf_config) -> str:
     except KeyError:
         return "sdpa"
     return "sdpa" if getattr(cls, "_supports_sdpa", True) is not False else "eager"
+
+
+def missing_weights_problem(path: str, hf_cfg, missing) -> str | None:
+    """Why a checkpoint whose files lack some of the model's weights cannot be the policy, else None.
+
+    transformers fills weights missing from the files with random numbers and only logs a table: a reward model or
+    classifier (``LlamaForSequenceClassification``: a ``score`` head, no ``lm_head``), a bare ``LlamaModel``, or an
+    untied checkpoint saved without its ``lm_head`` loaded with a random output head and trained from it."""
+    missing = sorted(missing or ())
+    if not missing:
+        return None
+    archs = [a for a in (getattr(hf_cfg, "architectures", None) or []) if isinstance(a, str)]
+    other = [a for a in archs if not a.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration"))]
+    why = (f"config.json architectures names {', '.join(other)}, not a causal language model: its output head is "
+           "not a next-token head" if other else
+           "an incomplete checkpoint (an untied output head needs lm_head.weight; tie_word_embeddings in "
+           "config.json says whether it is tied)")
+    return (f"{path}: {len(missing)} weight(s) of the causal LM are not in the checkpoint's files "
+            f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}) and would start random: {why}")
 
 
 # A stage-3 config for transformers when an outer zero.Init (the factory's) already partitions.
@@ -488,7 +518,10 @@ def build_policy(cfg: PolicyConfig, ds_config: Mapping | None = None) -> PolicyM
         if outer and not zero3:
             ds_config, zero3 = _NESTED_ZERO3, True
         with _hf_deepspeed(ds_config if zero3 else None) as hf_ds:
-            hf = AutoModelForCausalLM.from_pretrained(cfg.path, local_files_only=True, **kw)
+            hf, info = AutoModelForCausalLM.from_pretrained(cfg.path, local_files_only=True, output_loading_info=True,
+                                                            **kw)
+        if (why := missing_weights_problem(cfg.path, hf_cfg, info.get("missing_keys"))):
+            raise ValueError(why)
         set_dropout(hf, cfg.dropout)  # RL needs the same log-probs in train and eval mode
         model = PolicyModel(hf, cfg, weights_loaded=True, hf_ds_config=hf_ds)
     else:
@@ -497,6 +530,9 @@ def build_policy(cfg: PolicyConfig, ds_config: Mapping | None = None) -> PolicyM
                 torch.random.fork_rng(devices=[]):
             hf = AutoModelForCausalLM.from_config(hf_cfg, **kw)
         hf.tie_weights()  # no_init_weights also skipped the tying
+        if abstract:  # planning: experts that FakeTensorMode can trace
+            from .moe import traceable_experts
+            traceable_experts(hf)
         if cfg.path:
             set_dropout(hf, cfg.dropout)
         model = PolicyModel(hf, cfg, weights_loaded=False, hf_ds_config=hf_ds)

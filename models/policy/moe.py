@@ -1,0 +1,103 @@
+"""Mixture-of-experts checkpoints (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE...): their expert weights, the share of them a
+token runs through, and what ``dstrain plan`` says of them.
+
+transformers (5.x) keeps each layer's experts as one module whose weights are 3-D tensors (``[experts, out, in]``,
+``gate_up_proj`` and ``down_proj``), not ``nn.Linear`` modules; a token runs through ``num_experts_per_tok`` of them.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+from torch import nn
+
+TRACE_EXPERTS = "dstrain_trace"
+"""The experts implementation of a policy built for planning (FakeTensorMode; see :func:`traceable_experts`)."""
+
+
+def expert_modules(hf: nn.Module) -> Iterator[tuple[nn.Module, list[torch.Tensor]]]:
+    """(module, its 3-D expert weights) of each experts module in ``hf`` (a module with an integer ``num_experts``
+    owning parameters whose first dimension is that number)."""
+    for module in hf.modules():
+        n = getattr(module, "num_experts", None)
+        if not isinstance(n, int) or n < 2:
+            continue
+        weights = [p for p in module.parameters(recurse=False) if p.dim() == 3 and p.shape[0] == n]
+        if weights:
+            yield module, weights
+
+
+def experts_per_token(module: nn.Module) -> int:
+    """How many of ``module``'s experts one token runs through (its config's ``num_experts_per_tok``); all of them
+    where the config does not say."""
+    k = getattr(getattr(module, "config", None), "num_experts_per_tok", None)
+    return int(k) if isinstance(k, int) and 0 < k <= module.num_experts else int(module.num_experts)
+
+
+def expert_params(hf: nn.Module) -> tuple[int, int]:
+    """(expert weights in all, those one token runs through): each experts module's weights times
+    ``num_experts_per_tok / num_experts``. ZeRO-3 partitioned weights count by their full size."""
+    total = active = 0
+    for module, weights in expert_modules(hf):
+        n = sum(int(getattr(p, "ds_numel", p.numel())) for p in weights)
+        total += n
+        active += n * experts_per_token(module) // module.num_experts
+    return total, active
+
+
+def no_router_logits(hf: nn.Module) -> dict:
+    """``{"output_router_logits": False}`` for a model whose config has that switch (a mixture of experts), else ``{}``.
+
+    A ``config.json`` with ``output_router_logits: true`` made every forward compute the router's load-balancing
+    loss, which dstrain never adds to its losses; with a KV cache and an attention mask (batched generation)
+    transformers' loss failed outright (the mask covers every past token, the router logits only the new one)."""
+    return {"output_router_logits": False} if hasattr(hf.config, "output_router_logits") else {}
+
+
+def _grouped_mm_traceable(self, *args, **kwargs):
+    """transformers' ``grouped_mm`` experts forward with its portable grouped matmul (a custom op with a shape rule).
+
+    ``torch._grouped_mm``'s shape rule accepts only bf16 while its CPU kernel runs fp32, so an fp32 model traced
+    under FakeTensorMode (``dstrain plan``'s activation count) failed there; the portable op saves the same tensors
+    for backward (the expert inputs and weights)."""
+    from transformers.integrations import moe
+
+    real = moe._can_use_grouped_mm
+    moe._can_use_grouped_mm = lambda *a, **k: False
+    try:
+        return moe.grouped_mm_experts_forward(self, *args, **kwargs)
+    finally:
+        moe._can_use_grouped_mm = real
+
+
+def traceable_experts(hf: nn.Module) -> bool:
+    """Let ``hf``'s experts run under FakeTensorMode (for planning builds only); True where it has experts to switch.
+
+    Only transformers' ``grouped_mm`` experts (what a real run uses) are switched, to :func:`_grouped_mm_traceable`."""
+    if not any(True for _ in expert_modules(hf)):
+        return False
+    try:
+        from transformers.integrations import moe
+    except ImportError:
+        return False
+    if not (hasattr(moe, "_can_use_grouped_mm") and hasattr(moe, "grouped_mm_experts_forward")):
+        return False
+    config = hf.config
+    if getattr(config, "_experts_implementation", None) != "grouped_mm":
+        return False
+    moe.ALL_EXPERTS_FUNCTIONS[TRACE_EXPERTS] = _grouped_mm_traceable  # this interface's own entry, not a global one
+    config._experts_implementation = TRACE_EXPERTS
+    return True
+
+
+def moe_fields(config: dict) -> dict | None:
+    """A ``config.json``'s (text part's) mixture-of-experts fields: ``experts``, ``per_token`` and the router loss
+    settings (``output_router_logits``, ``router_aux_loss_coef``); None for a dense model."""
+    experts = next((config[k] for k in ("num_local_experts", "num_experts", "n_routed_experts")
+                    if isinstance(config.get(k), int) and config[k] > 1), None)
+    if experts is None:
+        return None
+    return {"experts": experts, "per_token": config.get("num_experts_per_tok"),
+            "output_router_logits": bool(config.get("output_router_logits")),
+            "router_aux_loss_coef": config.get("router_aux_loss_coef")}
