@@ -150,11 +150,15 @@ def _fsync(fd: int) -> None:
 
 def _atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        _fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            _fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():  # a failed write (a full disk) leaves no stray file beside ``path``
+            tmp.unlink(missing_ok=True)
 
 
 def _sync_dir(path: Path) -> None:
@@ -212,8 +216,14 @@ def mark_complete(root: str | Path, tag: str, run_config: dict, ds_config: dict,
     sync_tree(tag_dir)
     _atomic_write(tag_dir / COMPLETE, json.dumps({"step": trainer_state.get("step")}) + "\n")
     _sync_dir(tag_dir)
-    _atomic_write(root / LATEST, tag + "\n")
-    _sync_dir(root)
+    try:
+        _atomic_write(root / LATEST, tag + "\n")
+        _sync_dir(root)
+    except OSError:  # a full disk just after the marker: the checkpoint is complete (find_latest reads markers),
+        try:  # and ``latest``, for DeepSpeed's tools, must not name a tag removed below
+            (root / LATEST).unlink(missing_ok=True)
+        except OSError:
+            pass
     for old in complete_tags(root)[:-keep]:
         (root / old / COMPLETE).unlink(missing_ok=True)  # a kill during the removal leaves no half "complete" tag
         shutil.rmtree(root / old, ignore_errors=True)

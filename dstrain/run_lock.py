@@ -24,6 +24,9 @@ from pathlib import Path
 NAME = ".dstrain.lock"
 BEAT_S = 15.0
 STALE_S = 120.0
+CONFIRM_S = BEAT_S + 5.0
+"""How long a lock that looks stale from another host is watched before it is taken over: a holder whose clock is
+behind this host's writes heartbeats that look old here, and is alive if one comes."""
 
 _HELD: list = []  # [(folder, open file)] of this process: held until it ends
 _MUTEX = threading.Lock()
@@ -72,6 +75,33 @@ def _other_host_problem(out: Path, path: Path, flock_works: bool) -> tuple[str |
                 f"{host} is down: delete {path}, or start again once its heartbeat is {STALE_S:.0f} s old)"), None
     return None, (f"dstrain: note: taking over output.dir {out} from {holder_text(text)}: no heartbeat for "
                   f"{age:.0f} s (that host stopped or died); its checkpoints stay")
+
+
+def _still_beating(out: Path, path: Path) -> str | None:
+    """The refusal when the lock file, whose heartbeat looked stale (another host), gets a new one within
+    :data:`CONFIRM_S`: its holder runs, on a clock behind this host's (no NTP on one of them), and a takeover
+    would have two runs writing one folder. None when no heartbeat comes (that host is down)."""
+    try:
+        before = path.read_text()
+    except (OSError, UnicodeDecodeError):
+        return None
+    print(f"dstrain: note: output.dir {out} was last held by {holder_text(before)}, whose heartbeat looks stale "
+          f"here; watching it for {CONFIRM_S:.0f} s before taking over", file=sys.stderr, flush=True)
+    end = time.monotonic() + CONFIRM_S  # (a clock that cannot jump)
+    while time.monotonic() < end:
+        time.sleep(min(0.5, CONFIRM_S / 10))
+        try:
+            now = path.read_text()
+        except (OSError, UnicodeDecodeError):
+            return None
+        _, host, beat = _holder(now)
+        if now != before and now.strip() and beat is not None and host != socket.gethostname():
+            behind = time.time() - beat
+            return (f"output.dir {out} is in use by another run ({holder_text(now)}): its heartbeat is still "
+                    f"renewed although it reads {behind:.0f} s old here (the clocks of {host} and "
+                    f"{socket.gethostname()} differ by about that much: check their NTP); wait for it or choose "
+                    "another output.dir")
+    return None
 
 
 def _alive(pid: int) -> bool:
@@ -128,9 +158,17 @@ def take(out: Path) -> str | None:
         handle.close()
         return problem
     if note:
+        live = _still_beating(out, path)
+        if live:
+            handle.close()
+            return live
         print(note, file=sys.stderr, flush=True)
-    handle.truncate(0)
-    os.pwrite(handle.fileno(), _record(), 0)  # the host too: a folder on a shared file system
+    try:
+        handle.truncate(0)
+        os.pwrite(handle.fileno(), _record(), 0)  # the host too: a folder on a shared file system
+    except OSError as err:  # a full disk (quota) at the start: one line, not a traceback in rank 0
+        handle.close()
+        return f"output.dir {out}: cannot be written ({err.strerror or err}: {path}); free space, then start again"
     _HELD[:] = [(out.resolve(), handle)]
     threading.Thread(target=_beat, args=(handle,), name="dstrain-run-lock", daemon=True).start()
     return None

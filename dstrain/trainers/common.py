@@ -11,6 +11,7 @@ from dstrain import checkpoint as ckpt
 from dstrain import run_lock, runtime
 from dstrain.faults import fault, fault_hang, fault_raise  # noqa: F401  (fault_hang, fault_raise: the trainers import them from here)
 from dstrain.config import RunConfig, RunFolderError
+from dstrain.trainers.run_files import write_run_records
 
 
 def decide_resume(cfg: RunConfig, world: runtime.World, out: Path, ckpt_root: Path) -> str | None:
@@ -136,7 +137,9 @@ def _resume_problem(cfg: RunConfig, ckpt_root: Path, tag: str) -> str | None:
                  f"run's checkpoints out to resume from it)") if ours else ""
         return (f"checkpoint {where} holds model {json.dumps(saved.get('model'))}, this run builds "
                 f"{json.dumps(mine)}; resume with the checkpoint's model section or choose another output.dir{mixed}")
-    return _layout_problem(cfg, saved, where)
+    explicit = (cfg.to_dict().get("deepspeed") or {}).get("precision", "auto")  # (auto: the checkpoint's, pin_plan)
+    return _layout_problem(cfg, saved, where) or (
+        precision_problem(ckpt_root, tag, explicit) if explicit != "auto" else None)
 
 
 def _saved_model(where: Path):
@@ -180,6 +183,27 @@ def stage_problem(ckpt_root: Path, tag: str, ds_config: dict) -> str | None:
             f"(leave deepspeed.profile at auto) or export the weights and start a new run")
 
 
+def precision_problem(ckpt_root: Path, tag: str, precision: str) -> str | None:
+    """Why a plan of ``precision`` cannot load ``tag``, saved under another (an explicit
+    ``deepspeed.precision`` wins over the checkpoint's, :func:`pin_plan`): DeepSpeed keeps each precision's
+    optimizer state in other files and fields, and failed with a ``KeyError`` traceback (ZeRO-0) or a missing
+    ``bf16_...optim_states.pt`` read as a damaged checkpoint (ZeRO-1/2). None when it can (or is not recorded)."""
+    try:
+        saved = json.loads((ckpt_root / tag / "trainer_state.json").read_text()).get("precision")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(saved, str) or saved in ("auto", precision):
+        return None
+    return (f"checkpoint {ckpt_root / tag} was written in {saved}, this run plans {precision}: DeepSpeed cannot "
+            f"load one precision's optimizer state into the other; resume with --deepspeed.precision={saved} (or "
+            f"leave it at auto), or export the weights (dstrain export) and start a new run from them")
+
+
+def resume_plan_problem(ckpt_root: Path, tag: str, plan) -> str | None:
+    """Why ``plan`` (its ZeRO stage, its precision) cannot load checkpoint ``tag``, else None."""
+    return stage_problem(ckpt_root, tag, plan.ds_config) or precision_problem(ckpt_root, tag, plan.precision)
+
+
 def pin_plan(cfg: RunConfig, ckpt_root: Path, tag: str) -> None:
     """A resumed run keeps the checkpoint's profile, precision and activation checkpointing.
 
@@ -210,26 +234,27 @@ def plan_and_record(cfg: RunConfig, world: runtime.World, out: Path, extra_text:
                     resume: tuple[Path, str] | None = None, updates_per_step: int = 1):
     """Rank 0 plans the engine (``plan_engine``); every rank gets the plan. Rank 0 writes
     ``run_config.json``, ``ds_config.json`` and ``plan.txt`` (plus ``extra_text``) and prints the plan.
-    ``resume``: ``(checkpoint root, tag)`` the run will load, refused first if its ZeRO stage cannot.
+    ``resume``: ``(checkpoint root, tag)`` the run will load, refused first if its ZeRO stage or precision cannot
+    (:func:`resume_plan_problem`); a record the disk cannot hold is refused too (``run_files.write_run_records``).
     ``updates_per_step``: optimizer updates per run step (:func:`scale_schedule_horizon`)."""
-    from dstrain.config import save_run_config
     from dstrain.engine.factory import plan_engine
     plan, problem = None, None
     if world.is_main:
         plan = plan_engine(cfg, world.world_size, ranks_per_node=world.local_world_size,
                            device_type=world.device.type)
         scale_schedule_horizon(plan.ds_config, updates_per_step)
-        problem = stage_problem(*resume, plan.ds_config) if resume is not None and resume[1] else None
+        problem = resume_plan_problem(*resume, plan) if resume is not None and resume[1] else None
+        if problem is None:
+            text = plan.explanation + (f"\n{extra_text}" if extra_text else "")
+            try:
+                write_run_records(out, cfg, plan.ds_config, text)
+            except RunFolderError as err:  # (said by every rank: the others wait for this answer)
+                problem = str(err)
+            else:
+                print(text, flush=True)
     plan, problem = runtime.broadcast_object((plan, problem))
     if problem:
         raise RunFolderError(problem)
-    if world.is_main:
-        text = plan.explanation + (f"\n{extra_text}" if extra_text else "")
-        out.mkdir(parents=True, exist_ok=True)
-        save_run_config(cfg, out / "run_config.json")
-        (out / "ds_config.json").write_text(json.dumps(plan.ds_config, indent=2) + "\n")
-        (out / "plan.txt").write_text(text + "\n")
-        print(text, flush=True)
     return plan
 
 

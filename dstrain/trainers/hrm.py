@@ -27,6 +27,7 @@ from dstrain.resilience import NonFiniteError, torch_timeout_s
 from dstrain.trainers.common import (CheckpointSaver, RunGuards, StopFlag, decide_resume, fault, load_checkpoint,
                                      pin_plan, plan_and_record)
 from dstrain.config import ConfigError, RunConfig, RunFolderError
+from dstrain.trainers.run_files import write_summary
 from dstrain.data import sudoku
 from dstrain.data.prefetch import StepPrefetcher
 from dstrain.engine.factory import create_engine
@@ -338,7 +339,7 @@ class HRMTrainer:
                    "global_batch": self.global_batch, "skipped_steps": self.guards.skipped,
                    "nonfinite_check": self.engine.nonfinite_check}
         if self.world.is_main:
-            (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            write_summary(self.out, summary)
         return summary
 
 

@@ -25,7 +25,8 @@ from dstrain.trainers.common import (CheckpointSaver, RunGuards, StopFlag, decid
                                      fault_raise,
                                      load_checkpoint, pin_plan, plan_and_record, warn_batch_change)
 from dstrain.resilience import NonFiniteError, torch_timeout_s
-from dstrain.config import ConfigError, RunConfig
+from dstrain.trainers.run_files import cache_space_problem, write_summary
+from dstrain.config import ConfigError, RunConfig, RunFolderError
 from dstrain.data.corpus import ByteTokenizer, build_token_streams, load_documents
 from dstrain.data.sampler import WindowSampler, get_batch
 from dstrain.engine.factory import create_engine
@@ -59,7 +60,14 @@ def load_token_streams(cfg: RunConfig, world: runtime.World) -> tuple[torch.Tens
             streams = read()
         except (FileNotFoundError, ValueError) as err:  # a missing, empty or malformed corpus
             error = str(err)
+        except OSError as err:  # a full disk under output.dir: one line, said by every rank
+            error = cache_space_problem(err, cache)
+            if error is None:
+                raise
+            error = ("full", error)
     error = runtime.broadcast_object(error)  # also the barrier: the others read rank 0's cache
+    if isinstance(error, tuple):
+        raise RunFolderError(error[1])
     if error is not None:
         raise ConfigError("run config", "data.corpus", error)
     return streams if world.is_main else read()
@@ -268,7 +276,7 @@ class LMTrainer:
                    "checkpoint_stalls_s": self.saver.stalls,
                    "checkpoint_async_s": self.saver.breakdown}
         if self.world.is_main:
-            (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            write_summary(self.out, summary)
         return summary
 
 

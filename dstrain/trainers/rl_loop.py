@@ -10,7 +10,6 @@ watchdog) and ``saver`` (``common.CheckpointSaver``, which its ``save`` uses).
 """
 from __future__ import annotations
 
-import json
 import sys
 import time
 
@@ -18,6 +17,7 @@ from dstrain.config import ConfigError
 from dstrain.metrics import RunLogger, peak_memory_bytes, reduce_mean
 from dstrain.resilience import NonFiniteError
 from dstrain.trainers.common import fault
+from dstrain.trainers.run_files import write_summary
 
 
 def batch_layout(train, num_generations: int, world_size: int, what: str = "completions") -> tuple[int, int]:
@@ -172,5 +172,5 @@ class RLLoop:
                    "samples_per_step": self.samples_per_step, "skipped_steps": self.guards.skipped,
                    **self.summary_extras()}
         if self.world.is_main:
-            (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            write_summary(self.out, summary)
         return summary

@@ -19,7 +19,6 @@ save), every other trained engine under ``<tag>/<role>/``, the target critic as
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,7 +27,7 @@ import torch
 
 from dstrain import runtime
 from dstrain.rl.rollout import make_rollout
-from dstrain.config import ConfigError, RunConfig, save_run_config
+from dstrain.config import ConfigError, RunConfig, RunFolderError
 from dstrain.engine.factory import create_engine, plan_engine
 from dstrain.engine.profiles import PlanError
 from dstrain.trainers import policy_rl as prl
@@ -36,7 +35,8 @@ from dstrain.trainers import score_models as sc
 from dstrain.trainers import score_warm, task_config
 from dstrain.resilience import torch_timeout_s
 from dstrain.trainers.common import (CheckpointSaver, RunGuards, StopFlag, decide_resume, load_checkpoint, pin_plan,
-                                     warn_batch_change)
+                                     resume_plan_problem, warn_batch_change)
+from dstrain.trainers.run_files import write_run_records
 from dstrain.trainers.rl_loop import RLLoop, batch_layout, sandbox_pool
 from dstrain.trainers.score_config import ScoreTaskConfig
 from dstrain.trainers.score_step import ScoreModels, ScoreStep
@@ -81,12 +81,18 @@ class ScoreTrainer(RLLoop):
         self.plan, (table, problem) = runtime.broadcast_object(decided)
         if problem:
             raise PlanError(problem)
+        refused = None
         if w.is_main:
-            self.out.mkdir(parents=True, exist_ok=True)
-            save_run_config(cfg, self.out / "run_config.json")
-            (self.out / "ds_config.json").write_text(json.dumps(self.plan.ds_config, indent=2) + "\n")
-            (self.out / "plan.txt").write_text(self.plan.explanation + "\n" + table + "\n")
-            print(self.plan.explanation + "\n" + table, flush=True)
+            refused = resume_plan_problem(self.ckpt_root, resume_tag, self.plan) if resume_tag else None
+            try:
+                if refused is None:
+                    write_run_records(self.out, cfg, self.plan.ds_config, self.plan.explanation + "\n" + table)
+                    print(self.plan.explanation + "\n" + table, flush=True)
+            except RunFolderError as err:
+                refused = str(err)
+        refused = runtime.broadcast_object(refused)
+        if refused:
+            raise RunFolderError(refused)
         for note in prl.plan_notes(source_cfg, self.plan):
             prl.append_plan_note(self.out, w, note)
 

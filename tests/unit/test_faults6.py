@@ -71,6 +71,7 @@ def test_srun_without_sbatch_gives_each_job_its_own_master_port():
 @pytest.fixture
 def no_lock(monkeypatch):
     monkeypatch.setattr(run_lock, "_HELD", [])
+    monkeypatch.setattr(run_lock, "CONFIRM_S", 0.2)  # (a stale lock is watched that long for a heartbeat)
 
 
 def _lock_file(out: Path, pid_host: str, age_s: float) -> Path:
