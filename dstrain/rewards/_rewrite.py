@@ -213,9 +213,37 @@ def _prepare_test(src: str):
     args = ast.arguments(posonlyargs=[], args=[ast.arg(a) for a in (_V, _CALL, _NAME, _ATTR, _OP)], kwonlyargs=[],
                          kw_defaults=[], defaults=[])
     fn = ast.FunctionDef(name="_sbx_test_", args=args, body=body, decorator_list=[], returns=None)
-    module = ast.fix_missing_locations(ast.Module([fn], []))
-    code = compile(module, "<test>", "exec")
+    module = ast.Module([fn], [])
+    _fresh_strings(module)
+    code = compile(ast.fix_missing_locations(module), "<test>", "exec")
     return next(c for c in code.co_consts if type(c) is type(code)), tuple(sorted(state[1]))
+
+
+def _fresh_strings(tree) -> None:
+    """Makes every string constant of a test that the compiler would intern (ASCII letters, digits and ``_`` only) a
+    ``b'...'.decode()`` of its own, run as the test runs. Compiled as a constant, such a string went into the
+    interpreter's table of interned strings before the program ran, and the program found a test's expected answer
+    there: ``sys.intern(w) is not w`` (or the key ``setattr`` leaves in an instance's ``__dict__``) for each word
+    ``w`` of its input said which one the test expects (red-team round 26). A pattern's value stays a constant."""
+    import ast
+
+    def fresh(value: str):
+        return ast.Call(ast.Attribute(ast.Constant(value.encode("ascii")), "decode", ast.Load()), [], [])
+
+    def interned(node) -> bool:
+        return type(node) is ast.Constant and type(node.value) is str and node.value.isascii() \
+            and node.value.replace("_", "a").isalnum()
+
+    for node in list(ast.walk(tree)):
+        if type(node) is ast.MatchValue or type(node) is ast.MatchMapping:
+            continue
+        for field, old in ast.iter_fields(node):
+            if type(node) is ast.JoinedStr and field == "values":  # (an f-string's parts: constants or values)
+                node.values = [ast.FormattedValue(fresh(v.value), -1, None) if interned(v) else v for v in old]
+            elif type(old) is list:
+                setattr(node, field, [fresh(v.value) if interned(v) else v for v in old])
+            elif interned(old):
+                setattr(node, field, fresh(old.value))
 
 
 def _load_imported(job: dict) -> bool:
