@@ -219,11 +219,15 @@ def mark_complete(root: str | Path, tag: str, run_config: dict, ds_config: dict,
     try:
         _atomic_write(root / LATEST, tag + "\n")
         _sync_dir(root)
-    except OSError:  # a full disk just after the marker: the checkpoint is complete (find_latest reads markers),
-        try:  # and ``latest``, for DeepSpeed's tools, must not name a tag removed below
+    except OSError as err:  # a full disk just after the marker: the checkpoint is complete (find_latest reads
+        try:  # markers), and ``latest``, for DeepSpeed's tools, must not name a tag removed below
             (root / LATEST).unlink(missing_ok=True)
         except OSError:
             pass
+        import sys  # said, not swallowed: an I/O error here is the disk's, and DeepSpeed's tools lose ``latest``
+        print(f"dstrain: warning: {root / LATEST} could not be written ({err.strerror or err}); checkpoint {tag} is "
+              f"complete (dstrain resumes from COMPLETE markers) and {LATEST} is removed: name the tag to DeepSpeed's "
+              "zero_to_fp32.py", file=sys.stderr, flush=True)
     for old in complete_tags(root)[:-keep]:
         (root / old / COMPLETE).unlink(missing_ok=True)  # a kill during the removal leaves no half "complete" tag
         shutil.rmtree(root / old, ignore_errors=True)

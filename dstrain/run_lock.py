@@ -168,7 +168,12 @@ def take(out: Path) -> str | None:
         os.pwrite(handle.fileno(), _record(), 0)  # the host too: a folder on a shared file system
     except OSError as err:  # a full disk (quota) at the start: one line, not a traceback in rank 0
         handle.close()
-        return f"output.dir {out}: cannot be written ({err.strerror or err}: {path}); free space, then start again"
+        from dstrain.engine.profiles import format_bytes
+        from dstrain.rank_exit import _free_bytes
+        free = _free_bytes(out)  # (as the run records' line says it: README, "A full disk outside a save")
+        space = f"; {format_bytes(free)} free there" if free is not None else ""
+        return (f"output.dir {out}: cannot be written ({err.strerror or err}: {path}{space}); free space, then "
+                "start again")
     _HELD[:] = [(out.resolve(), handle)]
     threading.Thread(target=_beat, args=(handle,), name="dstrain-run-lock", daemon=True).start()
     return None

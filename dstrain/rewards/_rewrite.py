@@ -224,8 +224,15 @@ def _fresh_strings(tree) -> None:
     ``b'...'.decode()`` of its own, run as the test runs. Compiled as a constant, such a string went into the
     interpreter's table of interned strings before the program ran, and the program found a test's expected answer
     there: ``sys.intern(w) is not w`` (or the key ``setattr`` leaves in an instance's ``__dict__``) for each word
-    ``w`` of its input said which one the test expects (red-team round 26). A pattern's value stays a constant."""
+    ``w`` of its input said which one the test expects (red-team round 26). A pattern's value stays a constant, and
+    so does the docstring of a function or class the test defines (a call there is no docstring: ``h.__doc__`` was
+    None, and a test reading it failed)."""
     import ast
+
+    defs = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+    docs = {id(node.body[0]) for top in tree.body for node in ast.walk(top) if node is not top
+            and type(node) in defs and node.body and type(node.body[0]) is ast.Expr
+            and type(node.body[0].value) is ast.Constant and type(node.body[0].value.value) is str}
 
     def fresh(value: str):
         return ast.Call(ast.Attribute(ast.Constant(value.encode("ascii")), "decode", ast.Load()), [], [])
@@ -235,7 +242,7 @@ def _fresh_strings(tree) -> None:
             and node.value.replace("_", "a").isalnum()
 
     for node in list(ast.walk(tree)):
-        if type(node) is ast.MatchValue or type(node) is ast.MatchMapping:
+        if type(node) is ast.MatchValue or type(node) is ast.MatchMapping or id(node) in docs:
             continue
         for field, old in ast.iter_fields(node):
             if type(node) is ast.JoinedStr and field == "values":  # (an f-string's parts: constants or values)

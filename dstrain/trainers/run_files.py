@@ -5,6 +5,7 @@ import contextlib
 import errno
 import json
 import os
+import stat
 import sys
 from pathlib import Path
 
@@ -12,10 +13,18 @@ from dstrain.config import RunConfig, RunFolderError
 
 
 def _replace_whole(path: Path, text: str) -> None:
-    """``path`` holds ``text`` or, when the write fails, what it held before (written beside it, then renamed)."""
+    """``path`` holds ``text`` or, when the write fails, what it held before (written beside it, then renamed).
+    A file that was there keeps its permission bits (the new one would have the umask's: a folder's records made
+    group-writable for a team, or kept private, changed mode at each resume)."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
+        mode = stat.S_IMODE(path.stat().st_mode)
+    except OSError:
+        mode = None  # (none there yet: the umask's, as before)
+    try:
         tmp.write_text(text)
+        if mode is not None:
+            os.chmod(tmp, mode)
         os.replace(tmp, path)
     finally:
         with contextlib.suppress(OSError):

@@ -18,12 +18,16 @@ TRACE_EXPERTS = "dstrain_trace"
 
 def expert_modules(hf: nn.Module) -> Iterator[tuple[nn.Module, list[torch.Tensor]]]:
     """(module, its 3-D expert weights) of each experts module in ``hf`` (a module with an integer ``num_experts``
-    owning parameters whose first dimension is that number)."""
+    owning parameters whose first dimension is that number). A ZeRO-3 partitioned weight is judged by its full shape
+    (``ds_shape``: its own tensor is an empty or flat shard)."""
+    def shape(p) -> tuple:
+        return tuple(getattr(p, "ds_shape", p.shape))
+
     for module in hf.modules():
         n = getattr(module, "num_experts", None)
         if not isinstance(n, int) or n < 2:
             continue
-        weights = [p for p in module.parameters(recurse=False) if p.dim() == 3 and p.shape[0] == n]
+        weights = [p for p in module.parameters(recurse=False) if len(shape(p)) == 3 and shape(p)[0] == n]
         if weights:
             yield module, weights
 
