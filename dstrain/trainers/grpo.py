@@ -10,7 +10,10 @@ slice of the advantages. The sampling seed of a step depends on (seed, step, ran
 Per micro-batch the loss is ``dstrain.rl.grpo_math.grpo_loss``. DeepSpeed divides
 by grad_accum and averages over ranks; ``dapo`` (the global token mean) is scaled
 to undo that. Several passes (``num_iterations``) reuse the sampling policy's
-stored log-probabilities.
+stored log-probabilities. A mixture of experts whose router load-balancing coefficient is
+above 0 (``model.args.router_aux_loss_coef``, by default its config's) adds ``coef x aux`` to
+each micro-batch's loss (aux over the micro-batch's real tokens, as transformers computes it);
+the logged ``loss`` includes it and ``router_aux_loss`` is aux's mean.
 
 ``task.dynamic_sampling`` (DAPO) and the overlong switches change only which rows a
 step trains on and with what weight: see ``grpo_sampling``. A step whose batch holds
@@ -186,7 +189,7 @@ class GRPOTrainer(RLLoop):
         short = rows_global < self.samples_per_step  # padding or filtered rows: normalise over the rest
         scale = gm.backward_scale(self.task.loss_type, short, t.grad_accum, self.world.world_size)
         sums = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0}
-        ent_sum, count, counted = 0.0, 0, 0
+        ent_sum, count, counted, aux_sum = 0.0, 0, 0, None
         for _ in range(self.task.num_iterations):
             for m in micro:
                 logits, logp = self._logits_logp(self.engine, ids[m], attn[m])
@@ -195,12 +198,18 @@ class GRPOTrainer(RLLoop):
                 loss, stats = gm.grpo_loss(logp, old_m, None if ref is None else ref[m], adv[m], mask[m],
                                            self.loss_cfg, token_normaliser=tokens_global,
                                            sequence_normaliser=rows_global if short else None)
-                self.engine.backward(loss * scale)
+                total, aux_term = loss * scale, 0.0
+                aux, coef = prl.router_aux(self.rl, self.policy)  # a mixture of experts' load-balancing loss
+                if aux is not None:  # per micro-batch, over its real tokens: DeepSpeed's mean averages it
+                    total = total + coef * aux.float()
+                    aux_term, aux_sum = coef * aux.item(), (aux_sum or 0.0) + aux.item()
+                self.engine.backward(total)
                 self.engine.step()
                 with torch.no_grad():
                     ent = self.rl.token_entropy(logits.detach(), temperature=self.task.temperature)
                     ent_sum += (ent * mask[m]).sum().item()
-                sums["loss"] += loss.item() * scale  # the mean over micro-batches and ranks is the step's loss
+                # the mean over micro-batches and ranks is the step's loss
+                sums["loss"] += loss.item() * scale + aux_term
                 count += 1
                 if mask[m].sum() > 0:  # token means of a micro-batch of padding alone say nothing
                     sums["kl"] += stats.get("kl", 0.0)
@@ -212,6 +221,8 @@ class GRPOTrainer(RLLoop):
                "entropy": ent_sum / max(mask.sum().item() * self.task.num_iterations, 1.0)}
         if self.reference is None:
             out.pop("kl")
+        if aux_sum is not None:  # train/router_aux_loss: the mean over micro-batches, without its coefficient
+            out["router_aux_loss"] = aux_sum / count
         out.update(sb.log)
         train_tokens = attn.sum().item() * self.task.num_iterations  # tokens of the rows, not their padding
         out.update(gen_tokens=float(sb.gen_tokens), train_tokens=float(train_tokens),

@@ -103,6 +103,11 @@ class LMTrainer:
                 from dstrain.parallel.pipeline import stages_in_checkpoint
                 cfg.parallel.pp = stages_in_checkpoint(self.ckpt_root / resume_tag)
         self.plan = plan_and_record(cfg, self.world, self.out, resume=(self.ckpt_root, resume_tag))
+        if self.world.is_main:
+            for note in plan_notes(cfg, self.plan):
+                print(note, flush=True)
+                with open(self.out / "plan.txt", "a") as fh:
+                    fh.write(note + "\n")
         # After the plan: parallel.pp = auto is decided there.
         pp = self.plan.pipeline.pp if self.plan.pipeline is not None else 1
         self.parallel, self.dp_rank, self.dp_world = _parallel_layout(cfg, self.world, pp)
@@ -117,6 +122,7 @@ class LMTrainer:
         # Per-rank dropout; tensor-parallel ranks share a seed (their replicated activations must agree).
         runtime.seed_everything(cfg.train.seed + 7919 * (self.world.rank // cfg.parallel.tp + 1))
         self.start_step = 0
+        self.router_aux: list = []  # (mean load-balancing loss, verdict) of the steps since the last log (policy MoE)
         self.data_start = (0, 0)  # (step, sample): the data order continues from the checkpoint's position
         self.saver = CheckpointSaver(self.engine, self.ckpt_root, self.world, cfg, self.plan)
         self.guards = RunGuards(cfg, self.world, {"": self.engine}, deferrable=True)  # no updates of its own
@@ -177,7 +183,7 @@ class LMTrainer:
             loss = self.engine.train_batch(
                 get_batch(self.train_tokens, micro, self.cfg.data.seq_len) for micro in indices)
             return (torch.as_tensor(loss, dtype=torch.float32), None) if self.engine.last_step_taken else None
-        losses, taken = [], False
+        losses, auxes, taken = [], [], False
         for k, micro in enumerate(indices):
             x, y = self._local(*get_batch(self.train_tokens, micro, self.cfg.data.seq_len))
             if k == 0:
@@ -185,8 +191,13 @@ class LMTrainer:
                 fault_hang(n)
             loss = self.engine(to_device(x, self.engine.device), to_device(y, self.engine.device))
             losses.append(loss.detach())
+            aux = getattr(getattr(self.engine, "module", None), "router_aux_loss", None)  # a policy MoE's, in the loss
+            if aux is not None:  # (each forward sets it: None where it computes none)
+                auxes.append(aux.detach().float())
             self.engine.backward(loss)
             taken = self.engine.step()  # the last micro-batch's may raise NonFiniteError (train.nonfinite)
+        if taken and auxes:
+            self.router_aux.append((torch.stack(auxes).mean(), self.engine.step_ok))
         return (torch.stack(losses).float().mean(), self.engine.step_ok) if taken else None
 
     @torch.no_grad()
@@ -231,6 +242,8 @@ class LMTrainer:
                     self.guards.phase("log", step)
                     rates = meter.read()
                     mean = mean_of_taken(losses)  # empty: every update skipped
+                    mean.update(mean_of_taken(self.router_aux, "router_aux_loss"))  # a policy MoE's
+                    self.router_aux = []
                     stats = reduce_mean({**mean, "stop": float(self.stop.set),
                                          "memory_gb": peak_memory_bytes() / 1e9, **rates})
                     losses = []
@@ -280,8 +293,8 @@ class LMTrainer:
         return summary
 
 
-def mean_of_taken(losses: list[tuple[torch.Tensor, torch.Tensor | None]]) -> dict:
-    """``{"loss": mean}`` over the steps whose update was taken (``train_step``'s pairs: a verdict of 0 drops its
+def mean_of_taken(losses: list[tuple[torch.Tensor, torch.Tensor | None]], name: str = "loss") -> dict:
+    """``{name: mean}`` over the steps whose update was taken (``train_step``'s pairs: a verdict of 0 drops its
     step, a NaN loss included); one read from the device. Empty when there is none."""
     if not losses:
         return {}
@@ -289,7 +302,7 @@ def mean_of_taken(losses: list[tuple[torch.Tensor, torch.Tensor | None]]) -> dic
     total = sum(torch.where(ok > 0, loss.float(), torch.zeros((), device=loss.device)) for loss, ok in kept)
     count = sum(ok.float() for _, ok in kept)
     total, count = torch.stack([total, count]).tolist()
-    return {"loss": total / count} if count > 0 else {}
+    return {name: total / count} if count > 0 else {}
 
 
 def _parallel_layout(cfg: RunConfig, world: runtime.World, pp: int = 1):
@@ -304,6 +317,16 @@ def _parallel_layout(cfg: RunConfig, world: runtime.World, pp: int = 1):
         from dstrain.config import ConfigError
         raise ConfigError("run config", "parallel", str(err)) from None
     return state, state.dp_rank, state.dims.dp
+
+
+def plan_notes(cfg: RunConfig, plan) -> list[str]:
+    """``dstrain plan``'s notes (and plan.txt's): a policy mixture of experts' (``policy_rl.experts_note``: the
+    experts a token runs through, the router load-balancing loss and its coefficient); none for other models."""
+    from models import registry
+    if getattr(registry.get_spec(cfg.model.name), "rl", None) is None:
+        return []
+    from dstrain.trainers.policy_rl import experts_note
+    return [n for n in (experts_note(cfg),) if n]
 
 
 def train(cfg: RunConfig) -> dict:

@@ -102,8 +102,9 @@ def completion_target(task) -> str:
     return ref
 
 
-def supervised_batch(tokenizer, prompts: list[str], targets: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, labels): prompt + target, right-padded; labels are -100 except on target tokens."""
+def supervised_batch(tokenizer, prompts: list[str], targets: list[str], with_mask: bool = False) -> tuple:
+    """(input_ids, labels): prompt + target, right-padded; labels are -100 except on target tokens. With
+    ``with_mask``, also the attention mask of input_ids (1 on the rows' real tokens, 0 on their padding)."""
     from models.policy.tokenizer import encode_continuation, encode_prompt
 
     rows = []
@@ -115,14 +116,29 @@ def supervised_batch(tokenizer, prompts: list[str], targets: list[str]) -> tuple
     pad = tokenizer.pad_token_id
     ids = torch.tensor([x + [pad] * (width - len(x)) for x, _ in rows])
     labels = torch.tensor([y + [-100] * (width - len(y)) for _, y in rows])
-    return ids[:, :-1].contiguous(), labels[:, 1:].contiguous()
+    out = ids[:, :-1].contiguous(), labels[:, 1:].contiguous()
+    if not with_mask:
+        return out
+    lengths = torch.tensor([len(x) for x, _ in rows])
+    return (*out, (torch.arange(width - 1)[None, :] < lengths[:, None]).long())
+
+
+def router_aux(rl, module) -> tuple[torch.Tensor | None, float]:
+    """(router load-balancing loss of ``module``'s last training forward, or None; its coefficient): what a trainer
+    adds, times the coefficient, to the loss of a logits-returning forward (a mixture of experts whose coefficient
+    is above 0; ``model.args.router_aux_loss_coef``). ``(None, 0.0)`` for a dense model or a toolkit without it."""
+    take = getattr(rl, "take_router_aux", None)
+    return take(module) if take is not None else (None, 0.0)
 
 
 def supervised_step(model, opt, tokenizer, batch) -> float:
     """One AdamW step of teacher forcing on ``batch`` (tasks: prompt -> reference completion),
-    gradient norm clipped to 1; returns the loss."""
-    x, y = supervised_batch(tokenizer, [t.prompt for t in batch], [completion_target(t) for t in batch])
-    loss = model(x, y)
+    gradient norm clipped to 1; returns the loss (with a mixture of experts' router load-balancing term where its
+    coefficient is above 0: computed over the rows' real tokens, their attention mask given to the model)."""
+    x, y, attn = supervised_batch(tokenizer, [t.prompt for t in batch], [completion_target(t) for t in batch],
+                                  with_mask=True)
+    aux = getattr(model, "router_aux_coef", 0.0) > 0  # a dense model's forward is left as it was (no mask)
+    loss = model(x, y, attention_mask=attn) if aux else model(x, y)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -336,8 +352,9 @@ def position_note(cfg: RunConfig) -> str | None:
 
 def experts_note(cfg: RunConfig) -> str | None:
     """One plan line for a mixture-of-experts checkpoint (Mixtral, Qwen-MoE, OLMoE...), else None: the parameters in
-    all and those a token runs through (what FLOPs and MFU count), the experts module ZeRO-3 gathers whole, and that
-    the router's load-balancing loss the config asks for (``output_router_logits``) is not part of dstrain's losses."""
+    all and those a token runs through (what FLOPs and MFU count), the experts module ZeRO-3 gathers whole, and
+    whether the router's load-balancing loss is added to the training losses and with what coefficient
+    (``model.args.router_aux_loss_coef``, by default the config's where ``output_router_logits`` is true)."""
     _, mcfg, rl = policy_toolkit(cfg)
     path = getattr(mcfg, "path", "") or ""
     from models.policy.hf_files import read_config, text_config
@@ -355,10 +372,20 @@ def experts_note(cfg: RunConfig) -> str | None:
     line = (f"experts: {path} is a mixture of experts ({k} of {fields['experts']} experts per token): "
             f"{total:,} parameters, {total - experts + active:,} of them used per token (FLOPs and MFU count "
             f"these); ZeRO-3 gathers each layer's experts as one module ({gathered:,} parameters)")
-    if fields["output_router_logits"]:
-        line += (f". Its config asks for the router's load-balancing loss (output_router_logits, router_aux_loss_coef="
-                 f"{fields['router_aux_loss_coef']}): dstrain does not add it (the loss is the trainer's own), so the "
-                 "routers are trained by that loss alone")
+    from models.policy.moe import resolve_aux_coef
+    setting = getattr(mcfg, "router_aux_loss_coef", None)
+    coef = resolve_aux_coef(setting, fields["output_router_logits"], fields["router_aux_loss_coef"])
+    asked = (f"config.json output_router_logits={str(fields['output_router_logits']).lower()}, "
+             f"router_aux_loss_coef={fields['router_aux_loss_coef']}")
+    if coef > 0:
+        whose = f"model.args.router_aux_loss_coef; {asked}" if setting is not None else asked
+        line += (f". The router's load-balancing loss is added to the training loss with coefficient {coef:g} "
+                 f"({whose}), over each training forward's real tokens, as transformers adds it; logged as "
+                 "train/router_aux_loss (without the coefficient)")
+    else:
+        why = "model.args.router_aux_loss_coef=0" if setting is not None else asked
+        line += (f". The router's load-balancing loss is not added (coefficient 0: {why}), so the routers are "
+                 "trained by the trainer's loss alone; model.args.router_aux_loss_coef sets one")
     return line
 
 

@@ -16,14 +16,17 @@ Updates, in order, all from the same episodes:
    masked out); ``group`` -> shaped rewards normalised per prompt group, turn 1 on
    ``R1 + gamma R2``;
 2. policy: ``score_math.score_objective`` per micro-batch (stage from the step), KL per turn
-   against the frozen reference on log-probs that carry gradient;
+   against the frozen reference on log-probs that carry gradient; a mixture of experts whose
+   router load-balancing coefficient is above 0 adds ``coef x`` the mean of the two turns'
+   forwards' load-balancing losses (logged: ``router_aux_loss``, and inside ``loss``);
 3. critic: MSE to ``(R1 + gamma V(s2), R2)``, then the target critic is Polyak-averaged
    toward it in chunks (``polyak_update_``);
 4. value: MSE to the target critic's ``Q_target(s, a_taken)`` (computed in step 1);
 5. guidance, every ``guidance_every`` steps unless frozen: REINFORCE on the hint tokens with
    reward ``r2 - r1``, normalised within each prompt's group as GRPO does (a hint whose
    turn 2 improved more than its siblings' is reinforced; a group where every hint did
-   the same gets no gradient), per-sequence token mean.
+   the same gets no gradient), per-sequence token mean; plus its own router load-balancing
+   term where it has one (``guidance_router_aux_loss``).
 """
 from __future__ import annotations
 
@@ -140,6 +143,13 @@ class ScoreStep:
     def _logp(self, engine, ids, attn):
         return self.rl.token_logprobs(engine(ids, attention_mask=attn), ids, temperature=self.task.temperature)
 
+    def _logp_aux(self, engine, ids, attn):
+        """(log-probs, (router load-balancing loss, its coefficient) of that forward, or None for a model with no
+        such loss: ``policy_rl.router_aux``)."""
+        logp = self._logp(engine, ids, attn)
+        aux, coef = prl.router_aux(self.rl, engine.module)
+        return logp, None if aux is None else (aux.float(), coef)
+
     @torch.no_grad()
     def _target_q(self, ids, attn, dev):
         target = self.m.critic_target
@@ -187,12 +197,17 @@ class ScoreStep:
         start = time.perf_counter()
         sums: dict[str, float] = {}
         for s in self._micro():
-            logp1, logp2 = self._logp(m.policy, ids1[s], attn1[s]), self._logp(m.policy, ids2[s], attn2[s])
+            (logp1, aux1), (logp2, aux2) = self._logp_aux(m.policy, ids1[s], attn1[s]), \
+                self._logp_aux(m.policy, ids2[s], attn2[s])
             turn1 = sm.TurnBatch(logp1, logp1.detach(), ref1[s] if m.reference is not None else logp1.detach(),
                                  mask1[s])
             turn2 = sm.TurnBatch(logp2, logp2.detach(), ref2[s] if m.reference is not None else logp2.detach(),
                                  mask2[s])
             loss, stats = sm.score_objective(turn1, turn2, adv1[s], adv2[s], stage, task.beta1, task.beta2)
+            if aux1 is not None:  # a mixture of experts: the two turns' mean load-balancing loss, weighted
+                aux, coef = (aux1[0] + aux2[0]) / 2, aux1[1]
+                loss = loss + coef * aux
+                stats = {**stats, "loss": stats["loss"] + coef * aux.item(), "router_aux_loss": aux.item()}
             m.policy.backward(loss)
             m.policy.step()
             for k, v in stats.items():
@@ -243,14 +258,20 @@ class ScoreStep:
         ids, attn, mask = b["input_ids"], b["attention_mask"], b["completion_mask"][:, 1:].float()
         adv = adv.to(engine.device)
         total = 0.0
+        aux_total = None
         for s in self._micro():
-            logp = self._logp(engine, ids[s], attn[s])
+            logp, aux = self._logp_aux(engine, ids[s], attn[s])
             loss = sm.masked_sequence_mean(-adv[s, None] * logp, mask[s]).mean()
+            if aux is not None:  # the guidance model's own load-balancing loss (a mixture of experts)
+                loss = loss + aux[1] * aux[0]
+                aux_total = (aux_total or 0.0) + aux[0].item() / self.grad_accum
             engine.backward(loss)
             engine.step()
             total += loss.item() / self.grad_accum
         seconds["guidance"] = time.perf_counter() - start
         out["guidance_loss"] = total
+        if aux_total is not None:
+            out["guidance_router_aux_loss"] = aux_total
 
     def _episode_stats(self, eps: Episodes, stage: int) -> dict[str, float]:
         stats = ep.transition_stats(eps.r1.tolist(), eps.r2.tolist())

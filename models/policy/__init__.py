@@ -15,7 +15,8 @@ from .config import SIZES, PolicyConfig
 from .generation import Completion, generate, pack
 from .heads import ValueHead
 from .hf_files import checkpoint_dtype
-from .model import PolicyModel, build_policy, is_partitioned, is_zero3, token_entropy, token_logprobs
+from .model import (PolicyModel, build_policy, is_partitioned, is_zero3, take_router_aux, token_entropy,
+                    token_logprobs)
 from .reference import (ReferencePolicy, export_pretrained, full_state_dict, load_full_state_dict,
                         reference_ds_config, save_pretrained)
 from .tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, byte_tokenizer, corpus_tokenizer, load_tokenizer
@@ -55,6 +56,8 @@ RL = SimpleNamespace(
     export_pretrained=export_pretrained,              # (state with hf. names, config, directory): HF checkpoint
     value_head=ValueHead,                             # (backbone, hidden_size=None, init="normal"): critic / value
     checkpoint_dtype=checkpoint_dtype,                # (config) -> dtype the checkpoint's weights were saved in, or None
+    take_router_aux=take_router_aux,                  # (model) -> (router load-balancing loss of its last training
+                                                      #   forward or None, its coefficient)
 )
 """The toolkit dstrain's RL trainers use (``ModelSpec.rl``)."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, fields
 
@@ -42,6 +43,10 @@ class PolicyConfig:
     """Share the token embedding with the output head."""
     dropout: float = 0.0
     """Attention dropout probability in [0, 1) (Llama has no other dropout)."""
+    router_aux_loss_coef: float | None = None
+    """Mixture-of-experts checkpoints: the weight of the router's load-balancing (auxiliary) loss added to every
+    training loss (SFT, GRPO, SCoRe), as transformers adds it. None (default): the checkpoint's
+    ``router_aux_loss_coef`` where its ``config.json`` has ``output_router_logits: true``, else 0 (not added)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -56,6 +61,14 @@ class PolicyConfig:
             elif f.name == "tie_embeddings":
                 if not isinstance(value, bool):
                     raise ValueError(f"tie_embeddings must be a bool, got {type(value).__name__}")
+            elif f.name == "router_aux_loss_coef":
+                if value is None:
+                    continue
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                        or value < 0:
+                    raise ValueError(f"router_aux_loss_coef must be a float >= 0 (or null: the checkpoint's), "
+                                     f"got {value!r}")
+                self.router_aux_loss_coef = float(value)
             elif f.name in ("rope_theta", "dropout"):
                 if isinstance(value, bool) or not isinstance(value, (int, float)):
                     raise ValueError(f"{f.name} must be a float, got {type(value).__name__}")
@@ -89,6 +102,21 @@ class PolicyConfig:
             from .hf_files import checkpoint_problem
             if (why := checkpoint_problem(self.path)):
                 raise ValueError(f"path {self.path!r} cannot be loaded as a policy: {why}")
+        if self.router_aux_loss_coef:
+            self._check_router()
+
+    def _check_router(self) -> None:
+        """A load-balancing loss asked of a model without experts is refused (a dense checkpoint, or the model built
+        from the size fields: Llama, dense)."""
+        fields_ = None
+        if self.path:
+            from .hf_files import read_config, text_config
+            from .moe import moe_fields
+            fields_ = moe_fields(text_config(read_config(self.path)))
+        if fields_ is None:
+            what = f"the checkpoint at {self.path!r}" if self.path else "the model built from the size fields"
+            raise ValueError(f"router_aux_loss_coef={self.router_aux_loss_coef}: {what} is dense (no mixture of "
+                             "experts, no router); leave it unset or 0")
 
 
 # Parameter counts measured with build_policy on the meta device (vocabulary 259).

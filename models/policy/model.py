@@ -220,9 +220,12 @@ class PolicyModel(nn.Module):
     ``forward(input_ids, targets=None, attention_mask=None)`` returns logits
     ``[B, T, V]``, or with ``targets`` (aligned with the logits: ``targets[b, t]`` is
     the token that should follow ``input_ids[b, t]``; -100 = ignore) the mean
-    cross-entropy in fp32. With an ``attention_mask`` the position ids count from each row's
-    first real token (:func:`positions_from_mask`), so left- and right-padded rows score as
-    unpadded ones (absolute positions included); without one they are ``0..T-1``.
+    cross-entropy in fp32, plus ``router_aux_coef * router_aux_loss`` in a training forward of a
+    mixture of experts whose coefficient is above 0 (as transformers adds it; a logits-returning
+    forward leaves adding it to the trainer: see :func:`take_router_aux`). With an
+    ``attention_mask`` the position ids count from each row's first real token
+    (:func:`positions_from_mask`), so left- and right-padded rows score as unpadded ones
+    (absolute positions included); without one they are ``0..T-1``.
     """
 
     def __init__(self, hf: nn.Module, config: PolicyConfig, weights_loaded: bool = False,
@@ -235,6 +238,12 @@ class PolicyModel(nn.Module):
         self.hf_ds_config = hf_ds_config
         """transformers' HfDeepSpeedConfig used at load (kept alive: transformers holds a weakref)."""
         self._position_limit: int | None = -1
+        self.router_aux_coef = 0.0
+        """Weight of a mixture of experts' router load-balancing loss in training (0: not computed; set by
+        :func:`build_policy` from ``config.router_aux_loss_coef`` and the checkpoint's config)."""
+        self.router_aux_loss: torch.Tensor | None = None
+        """That loss (coefficient-free, with its graph) of the last training forward (train mode, gradients on)
+        where the coefficient is above 0, else None. Over the real tokens: ``attention_mask``'s ones."""
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -244,17 +253,21 @@ class PolicyModel(nn.Module):
             self._position_limit = learned_position_limit(self.hf)
         if (why := position_limit_problem(self._position_limit, input_ids.shape[1], "the sequence")):
             raise ValueError(why)
-        from .moe import no_router_logits
+        from .moe import router_logits
 
-        extra = {**positions_from_mask(self.hf, attention_mask), **no_router_logits(self.hf)}
-        logits = self.hf(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra).logits
+        aux = self.router_aux_coef > 0 and self.training and torch.is_grad_enabled()
+        extra = {**positions_from_mask(self.hf, attention_mask), **router_logits(self.hf, aux)}
+        out = self.hf(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra)
+        if aux or self.router_aux_loss is not None:  # a dense model's forward sets nothing
+            self.router_aux_loss = out.aux_loss if aux else None
         if targets is None:
-            return logits
+            return out.logits
         if targets.shape != input_ids.shape:
             raise ValueError(f"targets shape {tuple(targets.shape)} != input_ids shape "
                              f"{tuple(input_ids.shape)}")
-        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)),
+        loss = F.cross_entropy(out.logits.float().reshape(-1, out.logits.size(-1)),
                                targets.reshape(-1).long(), ignore_index=-100)
+        return loss if self.router_aux_loss is None else loss + self.router_aux_coef * self.router_aux_loss.float()
 
     # --- initialisation ----------------------------------------------------------
     @torch.no_grad()
@@ -548,4 +561,15 @@ def build_policy(cfg: PolicyConfig, ds_config: Mapping | None = None) -> PolicyM
                         model.init_module(name, module)
     if is_partitioned(model) or outer:
         _fix_rope_buffers(model.hf)
+    from .moe import router_aux_coef
+    model.router_aux_coef = router_aux_coef(cfg.router_aux_loss_coef, model.hf)
     return model
+
+
+def take_router_aux(module) -> tuple[torch.Tensor | None, float]:
+    """(the router load-balancing loss of ``module``'s last training forward, or None; its coefficient), the loss
+    cleared from the module. A trainer adds ``coef * loss`` to its own loss (any model without one: ``(None, 0)``)."""
+    aux = getattr(module, "router_aux_loss", None)
+    if aux is not None:
+        module.router_aux_loss = None
+    return aux, float(getattr(module, "router_aux_coef", 0.0) or 0.0)

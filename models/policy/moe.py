@@ -54,9 +54,42 @@ def no_router_logits(hf: nn.Module) -> dict:
     """``{"output_router_logits": False}`` for a model whose config has that switch (a mixture of experts), else ``{}``.
 
     A ``config.json`` with ``output_router_logits: true`` made every forward compute the router's load-balancing
-    loss, which dstrain never adds to its losses; with a KV cache and an attention mask (batched generation)
-    transformers' loss failed outright (the mask covers every past token, the router logits only the new one)."""
-    return {"output_router_logits": False} if hasattr(hf.config, "output_router_logits") else {}
+    loss; with a KV cache and an attention mask (batched generation) transformers' loss failed outright (the mask
+    covers every past token, the router logits only the new one). Generation and scoring-only forwards ask for
+    none; the training forward asks for it where :func:`router_aux_coef` is above 0 (see ``PolicyModel``)."""
+    return router_logits(hf, False)
+
+
+def router_logits(hf: nn.Module, on: bool) -> dict:
+    """``{"output_router_logits": on}`` for a model whose config has that switch, else ``{}`` (a dense model's
+    forward gets no extra argument)."""
+    return {"output_router_logits": bool(on)} if hasattr(hf.config, "output_router_logits") else {}
+
+
+def resolve_aux_coef(setting: float | None, output_router_logits: bool, config_coef) -> float:
+    """The load-balancing loss coefficient a run trains with: ``setting`` (``model.args.router_aux_loss_coef``)
+    where given, else the checkpoint's ``router_aux_loss_coef`` where its ``output_router_logits`` is true (what
+    transformers adds to the loss then), else 0."""
+    if setting is not None:
+        return float(setting)
+    if output_router_logits and isinstance(config_coef, (int, float)) and not isinstance(config_coef, bool):
+        return float(config_coef)
+    return 0.0
+
+
+def router_aux_coef(setting: float | None, hf: nn.Module) -> float:
+    """:func:`resolve_aux_coef` for a built transformers model; a ValueError where ``setting`` asks for the loss
+    of a model whose forward computes none (a dense model, or a mixture of experts without that switch)."""
+    config = hf.config
+    has = hasattr(config, "output_router_logits")
+    coef = resolve_aux_coef(setting, has and bool(config.output_router_logits),
+                            getattr(config, "router_aux_loss_coef", None))
+    if coef > 0 and not has:
+        kind = "a mixture of experts" if any(True for _ in expert_modules(hf)) else "a dense model"
+        raise ValueError(f"router_aux_loss_coef={coef}: {type(hf).__name__} is {kind} whose forward computes no "
+                         "router load-balancing loss (its config has no output_router_logits); leave "
+                         "model.args.router_aux_loss_coef unset or 0")
+    return coef
 
 
 def _grouped_mm_traceable(self, *args, **kwargs):

@@ -11,8 +11,9 @@ layer's experts as one module of 3-D weights and converts the per-expert tensors
   the export keeps the config as it was. Then on every MoE kind: KV-cached left-padded sampling scores as the
   no-cache training forward (also with a sliding window shorter than the padding), a supervised step trains,
   the export reloads with the same logits, a sharded bf16 copy loads the same weights (pinned).
-* The router auxiliary loss is not added to any dstrain loss (the trainers' losses are their own): ``dstrain
-  plan`` now says so where the config asks for it, with the parameters in all and those a token runs through.
+* The router auxiliary loss was not added to any dstrain loss: ``dstrain plan`` said so where the config asks for
+  it, with the parameters in all and those a token runs through (it is added since ``test_moe_router_loss.py``;
+  the plan now names its coefficient).
 * ``dstrain plan`` on any MoE checkpoint (fp32, as the policy recipes run) failed while tracing activations:
   ``torch._grouped_mm``'s shape rule accepts only bf16 while its CPU kernel runs fp32 ("Expected inputs of BF16
   type"). Now a planning build runs transformers' portable grouped matmul, which saves the same tensors.
@@ -163,9 +164,10 @@ def test_plan_notes_the_experts_and_the_router_loss_it_does_not_add(tmp_path):
     total = model.num_params()
     assert "(2 of 4 experts per token)" in on and f"{total:,} parameters, {total - experts // 2:,} of them used" in on
     assert f"one module ({experts // 2:,} parameters)" in on  # one layer's experts
-    assert "router_aux_loss_coef=0.001): dstrain does not add it" in on
+    assert "added to the training loss with coefficient 0.001 (config.json output_router_logits=true, " \
+           "router_aux_loss_coef=0.001)" in on  # added since test_moe_router_loss.py
     (off,) = note(build_checkpoint("qwen3_moe", str(tmp_path / "off")))
-    assert "(2 of 4 experts per token)" in off and "load-balancing" not in off
+    assert "(2 of 4 experts per token)" in off and "load-balancing loss is not added (coefficient 0" in off
     assert note(build_checkpoint("llama", str(tmp_path / "dense"))) == []
 
 
