@@ -43,6 +43,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from dstrain.bench_args import check_out, count, counts  # noqa: E402
+
 DEFAULT_LENGTHS = {"cpu": "16384,32768,65536,131072", "cuda": "8192,32768,131072,262144,524288,1048576"}
 DEFAULT_DENSE_MAX = {"cpu": 32768, "cuda": 262144}
 
@@ -247,24 +250,24 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when visible")
     p.add_argument("--dtype", help="default: bfloat16 on cuda, float32 on cpu")
-    p.add_argument("--lengths", help="comma-separated N (default per device)")
-    p.add_argument("--heads", type=int, default=12)
-    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--lengths", type=counts(1), help="comma-separated N (default per device)")
+    p.add_argument("--heads", type=count(1), default=12)
+    p.add_argument("--dim", type=count(1), default=64)
     p.add_argument("--layout", choices=("bnhd", "bhnd"), default="bnhd",
                    help="memory layout of q, k, v and the output gradient (default: bnhd, as a model's)")
     p.add_argument("--dilated-backend", choices=("auto", "cudnn"), default="auto",
                    help="fused kernels of the dilated branches on CUDA: auto (FlashAttention-2) or cudnn")
-    p.add_argument("--segments", default="2048,4096,8192")
-    p.add_argument("--rates", default="1,2,4")
-    p.add_argument("--repeats", type=int, help="timed runs per point (default: 5 on cuda, 3 on cpu)")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    p.add_argument("--dense-max", type=int, help="skip dense above this N (default per device)")
-    p.add_argument("--slow-dense", type=int, default=1 << 62, help="time dense once (no repeats) above this N")
-    p.add_argument("--slope-from", type=int, help="fit the slope from this N up (default: second length)")
+    p.add_argument("--segments", type=counts(1), default="2048,4096,8192")
+    p.add_argument("--rates", type=counts(1), default="1,2,4")
+    p.add_argument("--repeats", type=count(1), help="timed runs per point (default: 5 on cuda, 3 on cpu)")
+    p.add_argument("--threads", type=count(1), default=os.cpu_count() or 1)
+    p.add_argument("--dense-max", type=count(0), help="skip dense above this N (default per device)")
+    p.add_argument("--slow-dense", type=count(1), default=1 << 62, help="time dense once (no repeats) above this N")
+    p.add_argument("--slope-from", type=count(1), help="fit the slope from this N up (default: second length)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"),
                    help="folder of attention_<cpu|gpu>.json and .png (default: benchmarks/results, over the "
                         "committed figures)")
-    p.add_argument("--profile", type=int, metavar="N", help="profile one dilated step at N and exit")
+    p.add_argument("--profile", type=count(1), metavar="N", help="profile one dilated step at N and exit")
     p.add_argument("--point", nargs=2, metavar=("METHOD", "N"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.device is None:
@@ -272,8 +275,11 @@ def main(argv=None) -> int:
         a.device = "cuda" if torch.cuda.is_available() else "cpu"
     a.dtype = a.dtype or ("bfloat16" if a.device == "cuda" else "float32")
     a.repeats = a.repeats or (5 if a.device == "cuda" else 3)
-    a.segments = [int(x) for x in str(a.segments).split(",")]
-    a.rates = [int(x) for x in str(a.rates).split(",")]
+    if len(a.segments) != len(a.rates):
+        p.error(f"--segments and --rates name one branch each: {len(a.segments)} segment lengths against "
+                f"{len(a.rates)} rates")
+    if not a.point:
+        check_out(p, a.out, "folder")
     if a.point:
         print(json.dumps(_point(a.point[0], int(a.point[1]), a)))
         return 0
@@ -281,7 +287,7 @@ def main(argv=None) -> int:
         _profile(a.profile, a)
         return 0
     import torch
-    lengths = [int(x) for x in (a.lengths or DEFAULT_LENGTHS[a.device]).split(",")]
+    lengths = a.lengths or [int(x) for x in DEFAULT_LENGTHS[a.device].split(",")]
     dense_max = a.dense_max if a.dense_max is not None else DEFAULT_DENSE_MAX[a.device]
     points = []
     for n in lengths:
@@ -319,7 +325,10 @@ def main(argv=None) -> int:
         print(f"N={row['n']:8d}  ideal {row['ideal_speedup']:6.2f}x  achieved "
               + (f"{row['speedup']:6.2f}x ({100 * row['fraction_of_ideal']:.0f}% of ideal)" if "speedup" in row
                  else "-"))
-    print(f"dilated time slope (N >= {summary['slope_range'][0]}): {summary['dilated_time_slope']}")
+    slope = summary["dilated_time_slope"]
+    print(f"dilated time slope (N >= {summary['slope_range'][0]}): "
+          + (f"{slope:.2f}" if isinstance(slope, (int, float)) else "none (it needs two timed lengths from there; "
+                                                                     "--slope-from a smaller N)"))
     return 0
 
 

@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dstrain import checkpoint as ckpt  # noqa: E402
+from dstrain.bench_args import check_out, count, number  # noqa: E402
 
 RECIPE = ROOT / "models" / "gpt" / "recipes" / "tiny.json"
 
@@ -181,17 +182,18 @@ def kill_rounds(tmp: Path, args, save_s: float) -> list[dict]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", default="small")
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--layers", type=count(1), default=4)
     p.add_argument("--profile", default="zero2")
-    p.add_argument("--every", type=int, default=3, help="save every n steps")
-    p.add_argument("--stall-steps", type=int, default=9)
-    p.add_argument("--kills", type=int, default=20)
+    p.add_argument("--every", type=count(1), default=3, help="save every n steps")
+    p.add_argument("--stall-steps", type=count(1), default=9)
+    p.add_argument("--kills", type=count(0), default=20)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--step-window", type=float, default=15.0,
+    p.add_argument("--step-window", type=number(above=True), default=15.0,
                    help="a step kill comes at a random moment of this many seconds after training resumed")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "checkpoint_stall_cpu.json"),
                    help="result JSON file (default: the committed benchmarks/results/checkpoint_stall_cpu.json)")
     args = p.parse_args()
+    check_out(p, args.out)
     import deepspeed
     import torch
     load_before = [round(x, 2) for x in os.getloadavg()]

@@ -23,6 +23,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from dstrain.bench_args import check_out, count  # noqa: E402
 
 
 def read_metrics(path: Path) -> dict[str, dict[int, float]]:
@@ -64,24 +66,63 @@ def run(recipe: str, dtype: str, args, extra: list[str], out: Path) -> dict:
             "tokens_per_s": tps, "step_time_s": tokens_per_step / tps if tokens_per_step else None,
             "comm_ms_per_step": statistics.median(m["comm/total_ms"][s] for s in later),
             "comm_bytes_per_step": statistics.median(m["comm/total_bytes"][s] for s in later),
-            "comm_share": statistics.median(m["comm/share"][s] for s in later)}
+            "comm_share": (statistics.median(m["comm/total_ms"][s] for s in later) / 1e3 / (tokens_per_step / tps)
+                           if tokens_per_step else statistics.median(m["comm/share"][s] for s in later)),
+            "comm_share_median_of_steps": statistics.median(m["comm/share"][s] for s in later)}
+
+
+def _dtypes(text: str) -> list[str]:
+    """``--dtypes``: comm dtypes DeepSpeed takes (refused here, before the first run, not after it)."""
+    from dstrain.comms import COMM_DTYPES
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    wrong = [x for x in names if x not in COMM_DTYPES]
+    if wrong or not names:
+        raise argparse.ArgumentTypeError(f"{','.join(wrong) or repr(text)}: not a comm dtype; the dtypes are "
+                                         f"{', '.join(COMM_DTYPES)}")
+    return names
+
+
+def figure(result: dict):
+    """The loss curves (the reference solid, the others dashed over it: they often coincide), then the
+    communication time and the bytes per step, each panel with its own unit."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    runs = result["runs"]
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(13, 4))
+    for i, r in enumerate(runs):
+        a.plot(r["steps"], r["loss"], label=f"gradients reduced in {r['comm_dtype']}",
+               linewidth=2.5 if i == 0 else 1.2, linestyle="-" if i == 0 else "--", alpha=0.6 if i == 0 else 1.0)
+    a.set(xlabel="step", ylabel="training loss", title="loss")
+    a.legend(fontsize=8)
+    names = [r["comm_dtype"] for r in runs]
+    b.bar(names, [r["comm_ms_per_step"] for r in runs], 0.5, color="tab:blue")
+    b.set(ylabel="ms per step (median)", title="communication time")
+    c.bar(names, [r["comm_bytes_per_step"] / 1e6 for r in runs], 0.5, color="tab:orange")
+    c.set(ylabel="MB per step (median)", title="communication volume")
+    fig.suptitle(f"{result['recipe']}, {result['nproc']} ranks, {result['profile']}, fp32 training; load average "
+                 f"{result['load_average']['before'][0]:.1f} before", fontsize=9)
+    fig.tight_layout()
+    return fig
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("recipe", nargs="?", default="models/gpt/recipes/tiny.json")
-    p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--nproc", type=count(1), default=2)
+    p.add_argument("--steps", type=count(1), default=200)
     p.add_argument("--profile", default="zero2")
-    p.add_argument("--dtypes", default="fp32,bf16")
+    p.add_argument("--dtypes", type=_dtypes, default="fp32,bf16",
+                   help="comma-separated deepspeed.comm_dtype values, the first the reference")
     p.add_argument("--out", default="benchmarks/results/comm_dtype_cpu.json",
                    help="result JSON file, its PNG beside it (default: the committed benchmarks/results/"
                         "comm_dtype_cpu.json)")
     args, extra = p.parse_known_args(argv)
+    check_out(p, args.out)
     load_before = os.getloadavg()
     runs = []
     with tempfile.TemporaryDirectory(prefix="dstrain-commdtype-") as tmp:
-        for dtype in args.dtypes.split(","):
+        for dtype in args.dtypes:
             print(f"[comm_dtype] {dtype}: {args.nproc} ranks, {args.steps} steps", file=sys.stderr, flush=True)
             runs.append(run(args.recipe, dtype, args, extra, Path(tmp, dtype)))
     ref = runs[0]
@@ -102,25 +143,10 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    import matplotlib
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for r in runs:
-        a.plot(r["steps"], r["loss"], label=f"gradients reduced in {r['comm_dtype']}", linewidth=1)
-    a.set_xlabel("step")
-    a.set_ylabel("training loss")
-    a.legend(fontsize=8)
-    names = [r["comm_dtype"] for r in runs]
-    b.bar([x - 0.2 for x in range(len(runs))], [r["comm_ms_per_step"] for r in runs], 0.4, label="comm ms / step")
-    b.bar([x + 0.2 for x in range(len(runs))], [r["comm_bytes_per_step"] / 1e6 for r in runs], 0.4,
-          label="comm MB / step")
-    b.set_xticks(range(len(runs)), names)
-    b.legend(fontsize=8)
-    fig.suptitle(f"{args.recipe}, {args.nproc} ranks, {args.profile}, fp32 training; load average "
-                 f"{load_before[0]:.1f} before", fontsize=9)
-    fig.tight_layout()
+    fig = figure(result)
     fig.savefig(out.with_suffix(".png"), dpi=100)
+    plt.close(fig)
     for r in runs:
         cmp = next((v for k, v in r.items() if k.startswith("vs_")), {})
         print(f"{r['comm_dtype']}: step {r['step_time_s']:.4f} s, comm {r['comm_ms_per_step']:.1f} ms "

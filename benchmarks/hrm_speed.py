@@ -42,6 +42,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from dstrain.bench_args import check_out, count  # noqa: E402
 from dstrain.config import COMPILE_MODES  # noqa: E402
 from dstrain.engine.compiling import compile_kwargs, copy_graph_outputs, records_cuda_graphs  # noqa: E402
 from dstrain.data import sudoku  # noqa: E402
@@ -148,11 +149,11 @@ def rate(per_s: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default="debug,sudoku")
-    parser.add_argument("--batch", type=int, default=0, help="rows per step (default: 16 on CPU, 384 on GPU)")
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--blanks", type=int, default=40)
+    parser.add_argument("--sizes", default="debug,sudoku", help="comma-separated HRM sizes (models/hrm/sizes.py)")
+    parser.add_argument("--batch", type=count(0), default=0, help="rows per step (default: 16 on CPU, 384 on GPU)")
+    parser.add_argument("--steps", type=count(1), default=10)
+    parser.add_argument("--warmup", type=count(0), default=2)
+    parser.add_argument("--blanks", type=count(0), default=40, help="blank cells per generated puzzle")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--compile", action="store_true")
@@ -178,13 +179,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.compile_scope == "regions" and records_cuda_graphs(args.compile_mode):
         parser.error(f"--compile-scope regions cannot run under --compile-mode {args.compile_mode} (CUDA graphs: "
                      "a region called several times per step would replay over its own outputs)")
-    if args.steps < 1 or args.warmup < 0:
-        parser.error("--steps must be at least 1 and --warmup not negative")
+    problem = _options_problem(args)
+    if problem:
+        parser.error(problem)
+    check_out(parser, args.out)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     if not args.batch:
         args.batch = 384 if device.type == "cuda" else 16
     results = []
-    for size in [s for s in args.sizes.split(",") if s]:
+    for size in args.sizes:
         r = time_size(size, args, device)
         results.append(r)
         print(f"{size}: {r['dense_params']:,} params, batch {r['batch']}: {r['s_per_step'] * 1000:.1f} ms/step, "
@@ -195,12 +198,45 @@ def main(argv: list[str] | None = None) -> int:
     record = {"command": _portable("python benchmarks/hrm_speed.py " + " ".join(
                   "OUT" if x.startswith("/") else x for x in args_given)),  # no paths of this machine
               "options": {k: v for k, v in vars(args).items() if k not in ("out", "recipe")},
-              "recipe": str(Path(args.recipe).resolve().relative_to(ROOT)), "machine": machine(device),
+              "recipe": _portable(str(Path(args.recipe).resolve())), "machine": machine(device),
               "results": results}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+        print(f"wrote {args.out}")
     return 0
+
+
+def _options_problem(args) -> str | None:
+    """The first option that cannot run (an HRM size, a device, the recipe, the blanks a grid has), checked
+    before the first size is timed; ``args.sizes`` becomes the list of sizes."""
+    from models.hrm.sizes import SIZES
+    args.sizes = [s for s in args.sizes.split(",") if s]
+    unknown = [s for s in args.sizes if s not in SIZES]
+    if unknown or not args.sizes:
+        return f"--sizes {','.join(unknown) or repr('')}: not an HRM size; the sizes are {', '.join(SIZES)}"
+    if args.device != "auto":
+        try:
+            dev = torch.device(args.device)
+        except (RuntimeError, ValueError):
+            return f"--device {args.device}: not a device (auto, cpu, cuda or cuda:N)"
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            return f"--device {args.device}: torch sees no GPU here (use --device cpu or auto)"
+        if dev.type not in ("cpu", "cuda"):
+            return f"--device {args.device}: the benchmark runs on cpu or cuda"
+    if args.blanks > sudoku.max_blanks(args.grid):
+        return (f"--blanks {args.blanks}: a {args.grid}x{args.grid} puzzle with one solution has at most "
+                f"{sudoku.max_blanks(args.grid)} blanks")
+    try:
+        recipe = json.loads(Path(args.recipe).read_text())
+        recipe["train"]["steps"] * recipe["task"]["global_batch"]
+    except OSError as err:
+        return f"--recipe {args.recipe}: cannot read it ({err.strerror or err})"
+    except ValueError as err:
+        return f"--recipe {args.recipe}: not JSON ({err})"
+    except (KeyError, TypeError):
+        return f"--recipe {args.recipe}: not an HRM recipe (no train.steps and task.global_batch)"
+    return None
 
 
 if __name__ == "__main__":

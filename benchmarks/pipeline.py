@@ -37,30 +37,57 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from dstrain.bench_args import check_out, count, counts  # noqa: E402
+
 
 def _parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--pp", type=int, default=2)
-    p.add_argument("--micro-batches", default="1,2,4,8", help="comma-separated m values")
-    p.add_argument("--model", default="gpt")
+    p.add_argument("--pp", type=count(1), default=2, help="stages (one process each)")
+    p.add_argument("--micro-batches", type=counts(1), default="1,2,4,8", help="comma-separated m values")
+    p.add_argument("--model", default="gpt", help="a model with pipeline stages: gpt or dilated_lm")
     p.add_argument("--size", default="tiny")
     p.add_argument("--model-args", default="n_layer=8,n_embd=256,n_head=4",
                    help="comma-separated key=int changes to the size")
-    p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--micro-batch", type=count(1), default=4)
+    p.add_argument("--seq-len", type=count(1), default=128)
+    p.add_argument("--steps", type=count(1), default=6)
+    p.add_argument("--warmup", type=count(0), default=2)
     p.add_argument("--partition", default="parameters", choices=("parameters", "uniform", "cost"))
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "pipeline_cpu.json"),
                    help="result JSON file (default: benchmarks/results/pipeline_cpu.json)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_out(p, args.out)
+    problem = _model_problem(args)
+    if problem:
+        p.error(problem)
+    return args
+
+
+def _model_problem(args) -> str | None:
+    """Why the model, size or model args cannot be cut into ``--pp`` stages (checked before any process
+    starts), else None."""
+    from models import registry
+    try:
+        mcfg = registry.make_model_config(args.model, args.size, _model_args(args.model_args))
+    except (KeyError, ValueError) as err:
+        return str(err.args[0] if err.args else err)
+    if getattr(registry.get_spec(args.model), "pipeline", None) is None:
+        return f"--model {args.model}: has no pipeline stages (gpt and dilated_lm have)"
+    layers = getattr(mcfg, "n_layer", None)
+    if layers is not None and layers < args.pp:
+        return f"--pp {args.pp}: more stages than the model's {layers} layers"
+    return None
 
 
 def _model_args(text: str) -> dict:
     out = {}
     for item in filter(None, text.split(",")):
         key, _, value = item.partition("=")
-        out[key.strip()] = int(value)
+        try:
+            out[key.strip()] = int(value)
+        except ValueError:
+            raise ValueError(f"--model-args: {item!r} is not key=whole number (e.g. n_layer=8,n_embd=256)") \
+                from None
     return out
 
 
@@ -165,7 +192,7 @@ def main(argv=None) -> int:
     print(f"pp={args.pp} {args.model}/{args.size} {args.model_args} micro-batch {args.micro_batch} x "
           f"{args.seq_len} tokens, {args.steps} timed steps")
     print(f"{'m':>3}  {'theory':>7}  {'unequal':>7}  {'measured':>8}  {'stdev':>6}  per stage  step (s)")
-    for m in [int(x) for x in args.micro_batches.split(",")]:
+    for m in args.micro_batches:
         r = measure(args, m)
         results.append(r)
         stages = " ".join(f"{v:.3f}" for _, v in sorted(r["per_stage"].items()))

@@ -20,6 +20,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from dstrain.bench_args import check_out, count  # noqa: E402
 RECIPE = "models/policy/recipes/grpo_debug.json"
 QUICK = ["--task.warm_start_steps=20", "--task.n_train=64", "--task.n_eval=2", "--task.num_generations=4",
          "--task.eval_k=0", "--task.max_new_tokens=16", "--train.micro_batch=8", "--train.log_every=1",
@@ -43,12 +45,13 @@ def run(backend: str, args, extra: list[str], out: Path) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--nproc", type=count(1), default=2)
+    p.add_argument("--steps", type=count(1), default=10)
     p.add_argument("--out", default="benchmarks/results/rollout_backends_cpu.json",
                    help="result JSON file, its PNG beside it (default: the committed benchmarks/results/"
                         "rollout_backends_cpu.json)")
     args, extra = p.parse_known_args(argv)
+    check_out(p, args.out)
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="dstrain-rollout-") as tmp:
         runs = []

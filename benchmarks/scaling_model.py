@@ -22,13 +22,53 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from dstrain.bench_args import check_out, count, number  # noqa: E402
 from dstrain.perf_model import Links, Workload, scenarios  # noqa: E402
 
 
+def read_measured(path: str, profile: str) -> tuple[dict | None, str | None]:
+    """The throughput result at ``path`` and None, or None and the one line that says why it cannot feed the
+    model: missing, not JSON, another benchmark's result (or an older form of this one), a profile it lacks."""
+    try:
+        measured = json.loads(Path(path).expanduser().read_text())
+    except OSError as err:
+        return None, f"--measured {path}: cannot read it ({err.strerror or err})"
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        return None, f"--measured {path}: not JSON ({err})"
+    kind = measured.get("benchmark") if isinstance(measured, dict) else None
+    if kind != "throughput":
+        what = f"a {kind} result" if isinstance(kind, str) else "not a throughput-benchmark result"
+        return None, (f"--measured {path}: {what}; name the JSON of `python benchmarks/throughput.py` (dstrain "
+                      "bench), e.g. benchmarks/results/throughput_gpu_gpt_large.json")
+    try:
+        model, batch = measured["model"], measured["batch"]
+        _ = (model["name"], model["size"], model["params"], batch["tokens_per_step_global"], batch["seq_len"],
+             batch["micro_batch"])
+        profiles = {n: p["dstrain"]["step_time_s"]["median"] for n, p in measured["profiles"].items()}
+    except (KeyError, TypeError) as err:
+        return None, (f"--measured {path}: a throughput result without {err} (an older form of it?): measure "
+                      "again with benchmarks/throughput.py")
+    if profile not in profiles:
+        return None, (f"--profile {profile}: not measured in {path}, which has "
+                      f"{', '.join(profiles) or 'no profile'}")
+    try:
+        model_shape(model)
+    except (ImportError, KeyError) as err:
+        return None, f"--measured {path}: no layer shape for model {model['name']!r} size {model['size']!r} ({err})"
+    return measured, None
+
+
+def model_shape(model: dict) -> dict:
+    """Layers and width of the measured model: its own family's size table, with the run's model.args."""
+    import importlib
+    sizes = importlib.import_module(f"models.{model['name']}.sizes").SIZES
+    shape = {**sizes[model["size"]], **(model.get("args") or {})}
+    return {"n_layer": int(shape["n_layer"]), "n_embd": int(shape["n_embd"])}
+
+
 def workloads(measured: dict, profile: str) -> dict[str, Workload]:
-    from models.gpt.sizes import SIZES
     model, batch = measured["model"], measured["batch"]
-    shape = SIZES[model["size"]]
+    shape = model_shape(model)
     step = measured["profiles"][profile]["dstrain"]["step_time_s"]["median"]
     base = Workload(params=model["params"], compute_s=step, tokens_per_gpu=batch["tokens_per_step_global"],
                     n_layer=shape["n_layer"], hidden=shape["n_embd"], seq_len=batch["seq_len"],
@@ -62,18 +102,23 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--measured", default=str(ROOT / "benchmarks/results/throughput_gpu_gpt_large.json"))
     p.add_argument("--profile", default="zero0", help="which measured dstrain profile gives the compute time")
-    p.add_argument("--inter-gbps", type=float, default=400.0, help="network per GPU between nodes, Gbit/s")
-    p.add_argument("--intra-gbs", type=float, default=450.0, help="NVLink per GPU inside a node, GB/s")
-    p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--device-gb", type=float, default=80.0, help="memory per GPU (for the fits column)")
-    p.add_argument("--overlap", type=float, default=0.5,
-                   help="fraction of the backward pass gradient communication may hide behind (0: none)")
-    p.add_argument("--global-batch-tokens", type=int, default=1024 * 1024,
+    p.add_argument("--inter-gbps", type=number(above=True), default=400.0,
+                   help="network per GPU between nodes, Gbit/s")
+    p.add_argument("--intra-gbs", type=number(above=True), default=450.0, help="NVLink per GPU inside a node, GB/s")
+    p.add_argument("--gpus-per-node", type=count(8), default=8, help="GPUs per node (at least 8: the tp 8 layouts)")
+    p.add_argument("--device-gb", type=number(above=True), default=80.0,
+                   help="memory per GPU (for the fits column)")
+    p.add_argument("--overlap", type=number(0.0, 1.0), default=0.5,
+                   help="fraction of the backward pass gradient communication may hide behind (0: none, 1: all)")
+    p.add_argument("--global-batch-tokens", type=count(1), default=1024 * 1024,
                    help="strong scaling keeps this many tokens per step (default 1M: 1024 sequences of 1024)")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/scaling_model.json"),
                    help="result JSON file (default: benchmarks/results/scaling_model.json)")
     args = p.parse_args(argv)
-    measured = json.loads(Path(args.measured).read_text())
+    check_out(p, args.out)
+    measured, problem = read_measured(args.measured, args.profile)
+    if problem:
+        p.error(problem)
     links = Links(gpus_per_node=args.gpus_per_node, intra_bw=args.intra_gbs * 1e9,
                   inter_bw=args.inter_gbps * 1e9 / 8, device_memory=args.device_gb * 1e9)
     from dstrain.perf_model import Layout

@@ -30,6 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from dstrain.bench_args import check_out  # noqa: E402
 
 
 def _counter():
@@ -113,6 +114,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="benchmarks/results/step_ops_cpu.json",
                    help="result JSON file (default: the committed benchmarks/results/step_ops_cpu.json)")
     args, overrides = p.parse_known_args(argv)
+    check_out(p, args.out)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     os.environ.setdefault("MASTER_PORT", "29577")

@@ -72,6 +72,7 @@ class BenchOptions:
 
 def parse_args(argv: list[str]) -> BenchOptions:
     """Recipe, dotted ``--section.key=value`` overrides (passed to the run config) and bench options."""
+    from dstrain.bench_args import count, counts
     p = argparse.ArgumentParser(prog="dstrain bench", allow_abbrev=False,
                                 description="dstrain vs plain PyTorch step time, per DeepSpeed profile. "
                                             "--section.key=value overrides (e.g. --train.micro_batch=16 "
@@ -88,8 +89,8 @@ def parse_args(argv: list[str]) -> BenchOptions:
                    help="run the plain loop beside every profile (default) or once")
     p.add_argument("--compiled-baseline", choices=("auto", "on", "off"), default="auto",
                    help="also time plain + torch.compile + fused AdamW once (auto: on GPUs)")
-    p.add_argument("--timeout", type=int, default=1800, help="seconds per launched job")
-    p.add_argument("--scaling", type=lambda s: [int(x) for x in s.split(",") if x],
+    p.add_argument("--timeout", type=count(1), default=1800, help="seconds per launched job")
+    p.add_argument("--scaling", type=counts(1),
                    help="world sizes, e.g. 1,2: strong and weak scaling of the dstrain engine instead of the "
                         "plain comparison, with communication logged (dstrain/bench_scaling.py)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -450,7 +451,8 @@ def main(argv: list[str] | None = None) -> int:
     if opts.worker:
         from dstrain.bench_worker import run_worker
         return run_worker(opts)
-    problem = gpu_shortfall(opts)
+    from dstrain.bench_args import out_problem
+    problem = gpu_shortfall(opts) or (out_problem(opts.out) if opts.out else None)
     if problem:
         print(f"dstrain bench: error: {problem}", file=sys.stderr)
         return 2

@@ -22,12 +22,35 @@ def format_table(result: dict) -> str:
                      "-" if not p.get("estimated_memory_bytes") else f"{p['estimated_memory_bytes'] / 2**20:.0f} MiB",
                      f"{p['speedup_vs_compiled']:.3f}x" if "speedup_vs_compiled" in p else "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows)
+    return "\n".join(["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows] + legend(result))
 
 
+def legend(result: dict) -> list[str]:
+    """What the table's columns measure, with the MFU's denominator (a full result only)."""
+    peak = (result.get("peak_flops") or {}).get("per_rank")
+    if "method" not in result:
+        return []
+    cpu = (result.get("device") or {}).get("type") == "cpu"
+    lines = [("plain s, dstrain s: median step time (one optimizer step, max over ranks); ratio = dstrain/plain; "
+              "tok/s, GFLOP/s, MFU: dstrain's, all ranks together"),
+             "MFU = GFLOP/s / world size / " + (f"{peak / 1e9:.1f} GFLOP/s peak per rank "
+                                                 f"({result['peak_flops'].get('how', '')})" if peak else
+                                                 "a peak per rank (none known here: MFU not given)"),
+             "mem plain, mem dstrain: " + ("peak RSS of a rank (the Python/torch/DeepSpeed imports included)"
+                                           if cpu else "torch.cuda.max_memory_allocated of a rank")
+             + "; mem est.: the planner's device-memory estimate (model states + activations)"]
+    return lines
 
 
 def plot(result: dict, path: Path) -> None:
+    fig = figure(result)
+    fig.savefig(path, dpi=100)
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+
+
+def figure(result: dict):
+    """The bar chart of median step times per profile; its legend sits below the axes, clear of the bars."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -47,12 +70,12 @@ def plot(result: dict, path: Path) -> None:
     ax.set_xticks(list(xs), names)
     ax.set_ylabel("median step time (s)")
     b = result["batch"]
-    ax.set_title(f"{result['model']['name']}-{result['model']['size']}, {result['world_size']} ranks, "
+    ax.set_title(f"{result['model']['name']}-{result['model']['size']}, {result['world_size']} rank{'' if result['world_size'] == 1 else 's'}, "
                  f"micro-batch {b['micro_batch']} x seq {b['seq_len']}, {result['precision']}; load average "
                  f"{result['load_average']['before'][0]:.1f} before, {result['load_average']['after'][0]:.1f} after",
                  fontsize=9)
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=3, fontsize=8, frameon=False)
+    ax.set_ylim(0, 1.12 * max(v for v in [*plain, *ds, compiled[0] or 0]))  # room for the ratios above the bars
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig
 
