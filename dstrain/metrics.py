@@ -38,6 +38,18 @@ def reduce_mean(values: Mapping[str, float]) -> dict[str, float]:
     return dict(zip(keys, t.tolist()))
 
 
+def wait_for_device(device) -> None:
+    """Wait for the work queued on ``device`` (a GPU; nothing to wait for elsewhere) before timing work that a
+    throughput window leaves out (an evaluation, a checkpoint save). A GPU runs behind the host (the deferred
+    non-finite check waits for nothing), so the last step's kernels were still running when such work began, and
+    its first wait (a loss read, a copy to the host) counted them as set aside: each evaluation or save off a log
+    step took one step's time out of the window, and the rate came out too high. Call it only where there is
+    work to set aside (it is one sync)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class Throughput:
     """Tokens/s, FLOP/s and MFU over the steps since the last :meth:`read`."""
 

@@ -31,7 +31,7 @@ from dstrain.trainers.run_files import write_summary
 from dstrain.data import sudoku
 from dstrain.data.prefetch import StepPrefetcher
 from dstrain.engine.factory import create_engine
-from dstrain.metrics import RunLogger, reduce_mean
+from dstrain.metrics import RunLogger, reduce_mean, wait_for_device
 from dstrain.optim.ema import EMA
 from dstrain.optim.sparse_sign_sgd import SparseEmbedding, SparseSignSGD
 from dstrain.trainers import task_config
@@ -305,13 +305,17 @@ class HRMTrainer:
                     if out_of_time:
                         log.message(f"time limit of {limit:.0f} s reached at step {step}")
                         break
-                aside = time.perf_counter()  # evaluation and saving: not in the segments/s of the next window
-                if t.eval_every and step % t.eval_every == 0:
+                evaluating = bool(t.eval_every and step % t.eval_every == 0)
+                saving = bool(cfg.checkpoint.every and step % cfg.checkpoint.every == 0)
+                if evaluating or saving:  # not in the segments/s of the next window (the device's queued step is)
+                    wait_for_device(self.engine.device)
+                aside = time.perf_counter()
+                if evaluating:
                     self.guards.phase("eval", step)
                     val, val_step = self.evaluate(), step
                     log.log(step, val, prefix="val")
                     self.engine.train()
-                if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
+                if saving:
                     self.save(step)
                     last_saved = step
                 window += time.perf_counter() - aside

@@ -30,7 +30,7 @@ from dstrain.config import ConfigError, RunConfig, RunFolderError
 from dstrain.data.corpus import ByteTokenizer, build_token_streams, load_documents
 from dstrain.data.sampler import WindowSampler, get_batch
 from dstrain.engine.factory import create_engine
-from dstrain.metrics import RunLogger, Throughput, peak_memory_bytes, reduce_mean
+from dstrain.metrics import RunLogger, Throughput, peak_memory_bytes, reduce_mean, wait_for_device
 
 
 def corpus_tokenizer(cfg: RunConfig):
@@ -192,8 +192,8 @@ class LMTrainer:
             loss = self.engine(to_device(x, self.engine.device), to_device(y, self.engine.device))
             losses.append(loss.detach())
             aux = getattr(getattr(self.engine, "module", None), "router_aux_loss", None)  # a policy MoE's, in the loss
-            if aux is not None:  # (each forward sets it: None where it computes none)
-                auxes.append(aux.detach().float())
+            if aux is not None:  # (each forward sets it: None where it computes none); a copy: under compile_mode
+                auxes.append(aux.detach().float().clone())  # reduce-overhead the next replay overwrites it
             self.engine.backward(loss)
             taken = self.engine.step()  # the last micro-batch's may raise NonFiniteError (train.nonfinite)
         if taken and auxes:
@@ -261,11 +261,15 @@ class LMTrainer:
                         self.save(step)
                         last_saved, stopped = step, True
                         break
-                aside = time.perf_counter()  # evaluation and saving: not in the tokens/s of the next window
-                if t.eval_every and step % t.eval_every == 0:
+                evaluating = bool(t.eval_every and step % t.eval_every == 0)
+                saving = bool(cfg.checkpoint.every and step % cfg.checkpoint.every == 0)
+                if evaluating or saving:  # not in the tokens/s of the next window (the device's queued step is)
+                    wait_for_device(self.engine.device)
+                aside = time.perf_counter()
+                if evaluating:
                     self.guards.phase("eval", step)
                     log.log(step, {"loss": self.evaluate()}, prefix="val")
-                if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
+                if saving:
                     self.save(step)
                     last_saved = step
                 meter.exclude(time.perf_counter() - aside)

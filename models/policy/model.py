@@ -568,8 +568,11 @@ def build_policy(cfg: PolicyConfig, ds_config: Mapping | None = None) -> PolicyM
 
 def take_router_aux(module) -> tuple[torch.Tensor | None, float]:
     """(the router load-balancing loss of ``module``'s last training forward, or None; its coefficient), the loss
-    cleared from the module. A trainer adds ``coef * loss`` to its own loss (any model without one: ``(None, 0)``)."""
+    cleared from the module. A trainer adds ``coef * loss`` to its own loss (any model without one: ``(None, 0)``).
+    The loss is a copy (differentiable): under CUDA graphs (``compile_mode`` reduce-overhead) the module's tensor
+    is the graph's output memory, which the next forward's replay rewrites (SCoRe runs two before using either)."""
     aux = getattr(module, "router_aux_loss", None)
     if aux is not None:
         module.router_aux_loss = None
+        aux = aux.clone()
     return aux, float(getattr(module, "router_aux_coef", 0.0) or 0.0)

@@ -236,7 +236,8 @@ def test_hrm_segments_per_second_leave_evaluation_and_saving_out(monkeypatch, tm
     tr = hrm.HRMTrainer.__new__(hrm.HRMTrainer)
     _stub_run_parts(tr, tmp_path, steps=6, log_every=2, eval_every=2, every=3)
     tr.global_batch, tr.sparse_opt, tr._batches = global_batch, None, None
-    tr.engine = types.SimpleNamespace(lr=1e-3, grad_norm=None, train=lambda: None, nonfinite_check="sync")
+    tr.engine = types.SimpleNamespace(lr=1e-3, grad_norm=None, train=lambda: None, nonfinite_check="sync",
+                                      device=torch.device("cpu"))
 
     def train_step(step):
         clock.now += step_s
