@@ -216,7 +216,9 @@ def _prepare_test(src: str):
     module = ast.Module([fn], [])
     _fresh_strings(module)
     code = compile(ast.fix_missing_locations(module), "<test>", "exec")
-    return next(c for c in code.co_consts if type(c) is type(code)), tuple(sorted(state[1]))
+    # (the names as copies: the parser's own are interned, and kept they told a program a name the test reads)
+    return next(c for c in code.co_consts if type(c) is type(code)), tuple(sorted(n.encode().decode()
+                                                                                for n in state[1]))
 
 
 def _fresh_strings(tree) -> None:
@@ -224,9 +226,10 @@ def _fresh_strings(tree) -> None:
     ``b'...'.decode()`` of its own, run as the test runs. Compiled as a constant, such a string went into the
     interpreter's table of interned strings before the program ran, and the program found a test's expected answer
     there: ``sys.intern(w) is not w`` (or the key ``setattr`` leaves in an instance's ``__dict__``) for each word
-    ``w`` of its input said which one the test expects (red-team round 26). A pattern's value stays a constant, and
-    so does the docstring of a function or class the test defines (a call there is no docstring: ``h.__doc__`` was
-    None, and a test reading it failed)."""
+    ``w`` of its input said which one the test expects (red-team round 26). A keyword argument's name, and a
+    ``match`` pattern's string (:func:`_fresh_patterns`), are made as the test runs too (round 27). The docstring of
+    a function or class the test defines stays a constant (a call there is no docstring: ``h.__doc__`` was None, and a
+    test reading it failed)."""
     import ast
 
     defs = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
@@ -241,7 +244,12 @@ def _fresh_strings(tree) -> None:
         return type(node) is ast.Constant and type(node.value) is str and node.value.isascii() \
             and node.value.replace("_", "a").isalnum()
 
-    for node in list(ast.walk(tree)):
+    nodes, patterns = list(ast.walk(tree)), []
+    for node in nodes:
+        if type(node) is ast.MatchValue and interned(node.value):
+            patterns.append((node, "value", node.value.value))
+        elif type(node) is ast.MatchMapping:
+            patterns.extend((node.keys, i, k.value) for i, k in enumerate(node.keys) if interned(k))
         if type(node) is ast.MatchValue or type(node) is ast.MatchMapping or id(node) in docs:
             continue
         for field, old in ast.iter_fields(node):
@@ -251,6 +259,32 @@ def _fresh_strings(tree) -> None:
                 setattr(node, field, [fresh(v.value) if interned(v) else v for v in old])
             elif interned(old):
                 setattr(node, field, fresh(old.value))
+    for node in nodes:  # a keyword argument's name (``dict(mango=1)``): ``**{'mango': 1}``, its key made as it runs
+        if type(node) is ast.Call:
+            node.keywords = [ast.keyword(None, ast.Dict([fresh(k.arg)], [k.value])) if k.arg is not None
+                             and k.arg.isascii() else k for k in node.keywords]
+    _fresh_patterns(tree, patterns, fresh)
+
+
+def _fresh_patterns(tree, patterns, fresh) -> None:
+    """A ``match`` pattern's string (``case 'mango':``, a mapping pattern's key) as a value pattern instead, the
+    attribute of a function object made as the test runs (``case _sbx_strs.v0:``), which holds the string made then:
+    a constant, it would be interned before the program ran (red-team round 27). ``patterns``: (node or key list,
+    field or index, string)."""
+    import ast
+
+    if not patterns or not tree.body or type(tree.body[0]) is not ast.FunctionDef:
+        return
+    holder, made = "_sbx_strs", []
+    for i, (node, where, value) in enumerate(patterns):
+        ref = ast.Attribute(ast.Name(holder, ast.Load()), f"v{i}", ast.Load())
+        if type(where) is int:
+            node[where] = ref
+        else:
+            setattr(node, where, ref)
+        made.append(ast.Assign([ast.Attribute(ast.Name(holder, ast.Load()), f"v{i}", ast.Store())], fresh(value)))
+    blank = ast.Lambda(ast.arguments([], [], None, [], [], None, []), ast.Constant(None))
+    tree.body[0].body[:0] = [ast.Assign([ast.Name(holder, ast.Store())], blank), *made]
 
 
 def _load_imported(job: dict) -> bool:
