@@ -19,6 +19,7 @@ import pytest
 
 from dstrain import cli
 from dstrain.engine.ds_files import load_ds_json
+from tests.ahead import runs_ahead
 from tests.configs.expectations import CHECKED_ONLY, EXPECT  # the tables, by round
 
 HERE = Path(__file__).resolve().parent
@@ -100,12 +101,37 @@ def test_disagreeing_values_refused_without_the_switch(capsys, no_child):
 # --------------------------------------------------------------------------- real 2-rank runs
 
 
-def _launch(name: str, out: Path, nproc: int = 2) -> subprocess.CompletedProcess:
+def _command(name: str, out: Path, nproc: int) -> tuple[list[str], dict]:
+    """The command of a real run of ``name`` and its ``subprocess.run`` keywords (run from ``out``'s parent)."""
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     head = ["launch", "--nproc", str(nproc)] if nproc > 1 else ["train"]  # one process: as a user types it
     cmd = [sys.executable, "-m", "dstrain.cli", *head, RECIPE,
            f"--deepspeed.profile={HERE / name}", *QUICK, f"--output.dir={out}", "--checkpoint.every=0"]
-    return subprocess.run(cmd, env=env, cwd=out.parent, capture_output=True, text=True, timeout=600)
+    return cmd, {"env": env, "cwd": out.parent, "timeout": 600}
+
+
+def _launch(name: str, out: Path, nproc: int = 2) -> subprocess.CompletedProcess:
+    cmd, kwargs = _command(name, out, nproc)
+    return subprocess.run(cmd, capture_output=True, text=True, **kwargs)
+
+
+RUN_TESTS = {"test_trains_three_steps_on_two_cpu_ranks": 2, "test_trains_three_steps_in_one_process": 1}
+
+
+@pytest.fixture(scope="module")
+def ahead(request, tmp_path_factory):
+    """``nodeid -> (future of the completed process, run folder)``: the real runs of this module's two run tests
+    below, two at a time ahead of the tests (tests/ahead.py)."""
+    def plan(item):
+        nproc = RUN_TESTS.get(item.originalname)
+        if nproc is None:
+            return None
+        out = tmp_path_factory.mktemp("run") / "run"
+        cmd, kwargs = _command(item.callspec.params["name"], out, nproc)
+        return cmd, kwargs, out
+
+    with runs_ahead(request, plan) as runs:
+        yield runs
 
 
 def _autos(node, path="") -> list[str]:
@@ -125,9 +151,14 @@ def _run_params():
         yield pytest.param(name, marks=marks, id=name)
 
 
-def _trained_three_steps(name: str, out, nproc: int = 2) -> tuple[str, dict]:
-    """Run ``name`` for 3 steps; (its output, the resolved DeepSpeed JSON) once it trained them cleanly."""
-    proc = _launch(name, out, nproc=nproc)
+def _trained_three_steps(name: str, out, nproc: int = 2, ahead=None, nodeid=None) -> tuple[str, dict, Path]:
+    """Run ``name`` for 3 steps, or take its run started ahead (``ahead[nodeid]``); (its output, the resolved
+    DeepSpeed JSON, the run folder) once it trained them cleanly."""
+    if ahead is not None and nodeid in ahead:
+        future, out = ahead[nodeid]
+        proc = future.result()
+    else:
+        proc = _launch(name, out, nproc=nproc)
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text[-6000:]
     assert "Traceback" not in text
@@ -136,13 +167,12 @@ def _trained_three_steps(name: str, out, nproc: int = 2) -> tuple[str, dict]:
     assert steps == [1, 2, 3]
     resolved = json.loads((out / "ds_config.json").read_text())  # what DeepSpeed got
     assert _autos(resolved) == []
-    return text, resolved
+    return text, resolved, out
 
 
 @pytest.mark.parametrize("name", list(_run_params()))
-def test_trains_three_steps_on_two_cpu_ranks(name, tmp_path):
-    out = tmp_path / "run"
-    text, resolved = _trained_three_steps(name, out)
+def test_trains_three_steps_on_two_cpu_ranks(name, tmp_path, ahead, request):
+    text, resolved, out = _trained_three_steps(name, tmp_path / "run", ahead=ahead, nodeid=request.node.nodeid)
     user = load_ds_json(HERE / name)  # as DeepSpeed reads it (hjson, legacy spellings)
     assert resolved.get("zero_optimization", {}).get("stage", 0) == user.get("zero_optimization", {}).get("stage", 0)
     for section, key in (("tensorboard", "output_path"), ("csv_monitor", "output_path"),
@@ -151,7 +181,7 @@ def test_trains_three_steps_on_two_cpu_ranks(name, tmp_path):
             path = Path(resolved[section][key])
             assert path.is_relative_to(out.resolve()), path
             assert path.exists() and (path.is_file() or any(path.rglob("*"))), path
-    assert not (tmp_path / "tb_logs").exists() and not (tmp_path / "csv").exists()
+    assert not (out.parent / "tb_logs").exists() and not (out.parent / "csv").exists()  # (its working folder)
     plan = (out / "plan.txt").read_text()
     if "optimizer" not in user:  # the trainer's own optimizer, from the run config's numbers
         line = next(x for x in plan.splitlines() if x.startswith("optimizer:"))
@@ -204,9 +234,9 @@ def test_one_process_files_are_trainable_ones():
 
 @pytest.mark.dist
 @pytest.mark.parametrize("name", sorted(ONE_PROCESS))
-def test_trains_three_steps_in_one_process(name, tmp_path):
-    out = tmp_path / "run"
-    text, resolved = _trained_three_steps(name, out, nproc=1)
+def test_trains_three_steps_in_one_process(name, tmp_path, ahead, request):
+    text, resolved, out = _trained_three_steps(name, tmp_path / "run", nproc=1, ahead=ahead,
+                                               nodeid=request.node.nodeid)
     assert (out / "checkpoints" / "step_00000003").is_dir()  # the final save went through
     wanted, said = ONE_PROCESS[name]
     assert {k: _at(resolved, k) for k in wanted} == wanted

@@ -30,3 +30,33 @@ def rank_killed_after_step_3(tmp_path_factory):
     proc = launch([*overrides(out, 4, "--checkpoint.every=2"), "--master-port", str(port)],
                   env={"DSTRAIN_FAULT_AFTER_STEP": "3"}, check=False, timeout=600)
     return port, proc
+
+
+@pytest.fixture(scope="session")
+def gpt_reference(tmp_path_factory):
+    """``profile -> run folder``: the uninterrupted 2-rank reference run of the tiny GPT recipe
+    (``harness.reference_overrides``: 8 steps, a checkpoint every 2, all kept) with that ZeRO profile, launched
+    the first time a test asks for it and shared by the rest (test_reshard and test_restart compare with the
+    zero2 one, test_resume_export with the zero3 one, test_zero_equivalence with every profile): one launch where
+    there were four. Read-only: a test that writes into a run copies it first (``shutil.copytree``).
+
+    ``gpt_reference(profile, *next_ones)``: also launches the first of ``next_ones`` not yet run beside it
+    (independent jobs: on 2 cores their start-ups overlap), for a test that knows the next tests' profiles."""
+    from tests.dist.harness import Background, launch_command, reference_overrides
+    runs = {}
+
+    def run(profile: str, *next_ones: str):
+        missing = list(dict.fromkeys(p for p in (profile, *next_ones) if p not in runs))[:2]
+        jobs = {}
+        try:
+            for name in missing:
+                out = tmp_path_factory.mktemp(f"reference_{name}") / "run"
+                jobs[name] = out, Background(*launch_command(reference_overrides(out, name), None, 2))
+            for name, (out, job) in jobs.items():
+                job.result()
+                runs[name] = out
+        finally:
+            for _, job in jobs.values():
+                job.stop()
+        return runs[profile]
+    return run

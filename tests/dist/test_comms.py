@@ -6,9 +6,11 @@ DeepSpeed's few scalar reductions; asking for bf16 communication must halve it.
 """
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
-from tests.dist.harness import launch, metrics, run_config
+from tests.dist.harness import beside, metrics, run_config
 from models import registry
 
 
@@ -19,14 +21,31 @@ def _params() -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-@pytest.mark.parametrize("comm_dtype,bytes_per_param", [("auto", 4), ("bf16", 2)])
-def test_logged_allreduce_volume_is_one_gradient_per_step(tmp_path, comm_dtype, bytes_per_param):
-    out = tmp_path / comm_dtype
-    launch(["--data.seq_len=64", "--data.max_bytes=1000000", "--train.micro_batch=2", "--train.grad_accum=2",
-            "--train.log_every=2", "--train.steps=4", "--train.warmup_steps=2", "--train.eval_batches=1",
-            "--output.tensorboard=false", "--output.progress=false", "--deepspeed.precision=fp32",
-            "--deepspeed.profile=zero0", "--output.comms=true", f"--deepspeed.comm_dtype={comm_dtype}",
-            f"--output.dir={out}"])
+CASES = {"auto": 4, "bf16": 2}  # deepspeed.comm_dtype -> bytes per parameter
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """``comm_dtype -> run folder``: both jobs, launched side by side (independent: on 2 cores their start-ups
+    overlap)."""
+    outs, jobs = {}, []
+    with contextlib.ExitStack() as stack:
+        for comm_dtype in CASES:
+            outs[comm_dtype] = out = tmp_path_factory.mktemp("comms") / comm_dtype
+            jobs.append(stack.enter_context(beside(
+                ["--data.seq_len=64", "--data.max_bytes=1000000", "--train.micro_batch=2", "--train.grad_accum=2",
+                 "--train.log_every=2", "--train.steps=4", "--train.warmup_steps=2", "--train.eval_batches=1",
+                 "--output.tensorboard=false", "--output.progress=false", "--deepspeed.precision=fp32",
+                 "--deepspeed.profile=zero0", "--output.comms=true", f"--deepspeed.comm_dtype={comm_dtype}",
+                 f"--output.dir={out}"])))
+    for job in jobs:
+        job.result()
+    return outs
+
+
+@pytest.mark.parametrize("comm_dtype,bytes_per_param", CASES.items())
+def test_logged_allreduce_volume_is_one_gradient_per_step(runs, comm_dtype, bytes_per_param):
+    out = runs[comm_dtype]
     volume = metrics(out, "comm/all_reduce_bytes")
     assert sorted(volume) == [2, 4]
     expected = bytes_per_param * _params()

@@ -7,12 +7,15 @@ ranks' shared-memory allreduce buffers in /dev/shm are gone when ``dstrain launc
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 from pathlib import Path
 
+import pytest
+
 from dstrain.launcher import find_free_port
-from tests.dist.harness import launch, overrides
+from tests.dist.harness import beside, launch, overrides
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -36,10 +39,27 @@ def test_refused_before_launch_starts_and_writes_nothing(tmp_path):
     assert shm_buffers(port) == before == []
 
 
-def test_crash_inside_ranks_is_reported_once_and_releases_shared_memory(tmp_path):
-    port = find_free_port()  # rank 0 raises an unexpected error after step 1, rank 1 waits in a collective
-    proc = launch([*overrides(tmp_path / "run", 3), "--master-port", str(port)],
-                  env={"DSTRAIN_FAULT_RAISE_STEP": "1"}, check=False, timeout=600)
+@pytest.fixture(scope="module")
+def failed_after_start(tmp_path_factory):
+    """``name -> (master port, completed process)`` of the two jobs below that fail once their ranks run, launched
+    side by side (independent jobs, each on its own port: on 2 cores their start-ups overlap): ``crash``, where
+    rank 0 raises an unexpected error after step 1 while rank 1 waits in a collective, and ``bad_corpus``, a
+    corpus rank 0 cannot read (JSON lines without a 'text' field)."""
+    corpus = tmp_path_factory.mktemp("corpus") / "corpus.jsonl"
+    corpus.write_text("".join('{"content": "def f(x):\\n    return x"}\n' for _ in range(50)))
+    jobs = {}
+    with contextlib.ExitStack() as stack:
+        for name, extra, env in (("crash", (), {"DSTRAIN_FAULT_RAISE_STEP": "1"}),
+                                 ("bad_corpus", (f"--data.corpus={corpus}",), None)):
+            port = find_free_port()
+            out = tmp_path_factory.mktemp(name) / "run"
+            jobs[name] = port, stack.enter_context(beside([*overrides(out, 3), *extra, "--master-port", str(port)],
+                                                          env=env))
+    return {name: (port, job.result(timeout=600, check=False)) for name, (port, job) in jobs.items()}
+
+
+def test_crash_inside_ranks_is_reported_once_and_releases_shared_memory(failed_after_start):
+    port, proc = failed_after_start["crash"]  # rank 0 raised after step 1, rank 1 waited in a collective
     text = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "deepspeed_shm_comm_op built successfully" in text  # the buffers existed
@@ -59,15 +79,11 @@ def test_killed_rank_releases_shared_memory(rank_killed_after_step_3):
     assert shm_buffers(port) == []
 
 
-def test_bad_corpus_after_start_is_one_line_from_every_rank(tmp_path):
+def test_bad_corpus_after_start_is_one_line_from_every_rank(failed_after_start):
     """A corpus rank 0 cannot read (found once the ranks run): its verdict is shared, every rank stops
     with the same config error, one line is printed, and no traceback. (A missing file or another file type is
     refused before the launch; JSON lines without a 'text' field are found only when rank 0 reads them.)"""
-    corpus = tmp_path / "corpus.jsonl"
-    corpus.write_text("".join('{"content": "def f(x):\\n    return x"}\n' for _ in range(50)))
-    port = find_free_port()
-    proc = launch([*overrides(tmp_path / "run", 3), f"--data.corpus={corpus}", "--master-port", str(port)],
-                  check=False, timeout=600)
+    port, proc = failed_after_start["bad_corpus"]
     text = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "Traceback" not in text, text[-6000:]
     errors = [line for line in text.splitlines() if line.startswith("dstrain: error:")]

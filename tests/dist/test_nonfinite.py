@@ -23,8 +23,10 @@ def _same(a, b):
 
 def test_nan_on_one_rank_skip_then_stop(tmp_path):
     extra = ("--deepspeed.profile=zero2", "--checkpoint.every=1", "--checkpoint.keep=10")
-    skip = tmp_path / "skip"
-    proc = harness.launch([*harness.overrides(skip, 4, *extra, "--train.nonfinite=skip")], env=NAN_AT)
+    skip, stop = tmp_path / "skip", tmp_path / "stop"
+    with harness.beside(harness.overrides(stop, 4, "--deepspeed.profile=zero2", "--checkpoint.every=0",
+                                          "--train.nonfinite=stop"), env=NAN_AT) as stopping:  # (independent)
+        proc = harness.launch([*harness.overrides(skip, 4, *extra, "--train.nonfinite=skip")], env=NAN_AT)
     assert "non-finite loss at step 3 on rank 1: update skipped" in proc.stdout + proc.stderr
     skipped = harness.metrics(skip, "train/skipped_steps")
     assert skipped == {1: 0, 2: 0, 3: 1, 4: 1}, skipped
@@ -35,9 +37,7 @@ def test_nan_on_one_rank_skip_then_stop(tmp_path):
     assert _same(w2, w3), "the skipped step changed the weights"
     assert not _same(w3, w4) and all(torch.isfinite(v).all() for v in w4.values())
 
-    stop = tmp_path / "stop"
-    proc = harness.launch([*harness.overrides(stop, 4, "--deepspeed.profile=zero2", "--checkpoint.every=0",
-                                              "--train.nonfinite=stop")], env=NAN_AT, check=False)
+    proc = stopping.result(check=False)
     assert proc.returncode == 3, (proc.returncode, proc.stderr[-3000:])
     lines = [line for line in proc.stderr.splitlines() if line.startswith("dstrain: error:")]
     assert len(lines) == 1 and "non-finite loss at step 3 on rank 1: stopped" in lines[0], proc.stderr[-3000:]

@@ -1,10 +1,11 @@
 """Resume on another world size: a checkpoint written by 2 ranks continues on 1 and on 4 ranks
-(ZeRO-2 and ZeRO-3 by default; stages 0 and 1 and 4 -> 2 with ``-m slow``), optimizer state
+(ZeRO-2 by default; ZeRO-3, stages 0 and 1 and 4 -> 2 with ``-m slow``), optimizer state
 included, with the global batch kept (micro_batch x grad_accum x world = 8): the losses of the next
 steps equal the uninterrupted 2-rank run's within 1e-5 relative (fp32).
 
-Step 3's loss checks the weights; step 4's checks the Adam moments and step count (a fresh
-optimizer would take a different step 3 update).
+The uninterrupted run is the shared 8-step reference (tests/dist/conftest.py ``gpt_reference``, a checkpoint
+every 2 steps); the resumed runs continue from its step 6. Step 7's loss checks the weights; step 8's checks
+the Adam moments and step count (a fresh optimizer would take a different step 7 update).
 """
 import shutil
 
@@ -13,9 +14,10 @@ import pytest
 from dstrain import checkpoint as ckpt
 from tests.dist import harness
 
-STEPS, SAVED = 4, 2
+STEPS = harness.REFERENCE_STEPS
+SAVED = STEPS - harness.REFERENCE_EVERY
 BATCH = {1: ("--train.micro_batch=2", "--train.grad_accum=4"),
-         2: ("--train.micro_batch=2", "--train.grad_accum=2"),
+         2: ("--train.micro_batch=2", "--train.grad_accum=2"),  # (harness.QUICK's: the reference's batch)
          4: ("--train.micro_batch=2", "--train.grad_accum=1")}
 
 
@@ -25,21 +27,21 @@ def _skip_unless_slow(request):
 
 
 def _run(out, nproc, stage, *extra, resume=False):
-    args = [*harness.overrides(out, STEPS, *BATCH[nproc], f"--deepspeed.profile=zero{stage}",
-                               f"--checkpoint.every={SAVED}", "--checkpoint.keep=4", *extra)]
+    args = [*harness.reference_overrides(out, f"zero{stage}"), *BATCH[nproc], *extra]
     return harness.launch([*args, *(["--resume"] if resume else [])], nproc=nproc)
 
 
 _reference_runs = {}
 
 
-def _reference(tmp_path_factory, stage, nproc):
-    key = (stage, nproc)
-    if key not in _reference_runs:
-        out = tmp_path_factory.mktemp(f"ref_zero{stage}_{nproc}")
+def _reference(gpt_reference, tmp_path_factory, stage, nproc):
+    if nproc == 2:
+        return gpt_reference(f"zero{stage}")
+    if (stage, nproc) not in _reference_runs:
+        out = tmp_path_factory.mktemp(f"ref_zero{stage}_{nproc}") / "run"
         _run(out, nproc, stage)
-        _reference_runs[key] = out
-    return _reference_runs[key]
+        _reference_runs[stage, nproc] = out
+    return _reference_runs[stage, nproc]
 
 
 CASES = [pytest.param(2, 2, 1, id="zero2-2to1"), pytest.param(2, 2, 4, id="zero2-2to4"),
@@ -51,21 +53,21 @@ CASES = [pytest.param(2, 2, 1, id="zero2-2to1"), pytest.param(2, 2, 4, id="zero2
 
 
 @pytest.mark.parametrize("stage, saved_on, resumed_on", CASES)
-def test_resume_on_another_world_size_matches_uninterrupted(request, tmp_path_factory, tmp_path, stage, saved_on,
-                                                            resumed_on):
+def test_resume_on_another_world_size_matches_uninterrupted(request, gpt_reference, tmp_path_factory, tmp_path,
+                                                            stage, saved_on, resumed_on):
     _skip_unless_slow(request)
-    ref = _reference(tmp_path_factory, stage, saved_on)
+    ref = _reference(gpt_reference, tmp_path_factory, stage, saved_on)
     out = tmp_path / "resumed"
-    shutil.copytree(ref, out)
+    shutil.copytree(ref, out)  # (the reference is shared: read-only)
     (out / "metrics.jsonl").unlink()
-    shutil.rmtree(out / "checkpoints" / ckpt.tag_for(STEPS))  # continue from step 2
+    shutil.rmtree(out / "checkpoints" / ckpt.tag_for(STEPS))  # continue from step 6
     proc = _run(out, resumed_on, stage, resume=True)
     log = proc.stdout + proc.stderr
     assert f"written by {saved_on} ranks, this run has {resumed_on}" in log, log[-3000:]
     if stage > 0:
         assert "universal" in log and (out / "checkpoints" / ckpt.tag_for(SAVED) / "universal" / "CONVERTED").is_file()
     want, got = harness.metrics(ref), harness.metrics(out)
-    assert sorted(got) == [3, 4]
-    for step in (3, 4):
+    assert sorted(got) == [SAVED + 1, STEPS]
+    for step in (SAVED + 1, STEPS):
         assert got[step] == pytest.approx(want[step], rel=1e-5), (step, got, want)
     assert ckpt.find_latest(out / "checkpoints") == ckpt.tag_for(STEPS)

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from dstrain import checkpoint as ckpt
 from tests.dist import harness
 
-STEPS, EVERY = 8, 2
+STEPS, EVERY = harness.REFERENCE_STEPS, harness.REFERENCE_EVERY  # 8, 2
 
 
 def _export(out, dest):
@@ -21,17 +21,16 @@ def _export(out, dest):
     return load_file(str(dest))
 
 
-def test_killed_rank_restarts_from_checkpoint_and_matches_uninterrupted(tmp_path):
-    extra = ("--deepspeed.profile=zero2", f"--checkpoint.every={EVERY}", "--checkpoint.keep=4")
-    full, faulty = tmp_path / "full", tmp_path / "faulty"
-    harness.launch(harness.overrides(full, STEPS, *extra))
-
+def test_killed_rank_restarts_from_checkpoint_and_matches_uninterrupted(tmp_path, gpt_reference):
+    faulty = tmp_path / "faulty"
     step = random.Random().randint(EVERY + 1, STEPS - 1)  # after a checkpoint, before the end
     rank = random.Random().randint(0, 1)
-    proc = harness.launch([*harness.overrides(faulty, STEPS, *extra, "--checkpoint.async_write=true"),
-                           "--max-restarts", "2"],
-                          env={"DSTRAIN_FAULT_AFTER_STEP": str(step), "DSTRAIN_FAULT_RANK": str(rank),
-                               "DSTRAIN_FAULT_ONCE": str(tmp_path / "fired")})
+    with harness.beside([*harness.reference_overrides(faulty, "zero2"), "--checkpoint.async_write=true",
+                         "--max-restarts", "2"],
+                        env={"DSTRAIN_FAULT_AFTER_STEP": str(step), "DSTRAIN_FAULT_RANK": str(rank),
+                             "DSTRAIN_FAULT_ONCE": str(tmp_path / "fired")}) as job:
+        full = gpt_reference("zero2")  # the uninterrupted run (shared, conftest.py), launched meanwhile if not yet
+    proc = job.result()
     assert (tmp_path / "fired").exists(), "the fault never fired"
     log = proc.stdout + proc.stderr
     assert "restart 1/2 from checkpoint" in log and "restart 2/2" not in log, log[-3000:]
@@ -50,8 +49,10 @@ def test_without_restarts_the_failure_is_the_exit_status(rank_killed_after_step_
 
 def test_hung_rank_is_reported_and_restarted(tmp_path):
     out = tmp_path / "run"
+    # The watchdog's timeout (torch's own: 15 s) only has to outlast this job's longest normal phase: its
+    # steps, saves and evals take well under a second, the ranks' rendezvous a few (compile is off on the CPU).
     args = harness.overrides(out, 4, "--deepspeed.profile=zero2", "--checkpoint.every=2",
-                             "--train.collective_timeout_s=20")
+                             "--train.collective_timeout_s=10")
     proc = harness.launch([*args, "--max-restarts", "1"],
                           env={"DSTRAIN_FAULT_HANG_STEP": "3", "DSTRAIN_FAULT_RANK": "1",
                                "DSTRAIN_FAULT_ONCE": str(tmp_path / "fired")})

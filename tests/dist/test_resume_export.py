@@ -7,26 +7,11 @@ import torch
 from safetensors.torch import load_file
 
 from dstrain import checkpoint as ckpt
+from dstrain.config import load_run_config
 from tests.dist import harness
 from tests.reference import build_model, plain_training, token_streams
 
-STEPS, EVERY = 8, 4
-
-_full_runs = {}
-
-
-def _full_run(tmp_path_factory, profile):
-    """The uninterrupted run of ``profile`` (one launch per profile for this module: the zero3 one is both the
-    reference of the killed run and the checkpoint the export test loads)."""
-    if profile not in _full_runs:
-        out = tmp_path_factory.mktemp(f"full_{profile}") / "run"
-        harness.launch(harness.overrides(out, STEPS, *_extra(profile)))
-        _full_runs[profile] = out
-    return _full_runs[profile]
-
-
-def _extra(profile):
-    return (f"--deepspeed.profile={profile}", f"--checkpoint.every={EVERY}", "--checkpoint.keep=3")
+STEPS, EVERY = harness.REFERENCE_STEPS, harness.REFERENCE_EVERY  # 8, 2
 
 
 def _export(out, dest):
@@ -37,19 +22,20 @@ def _export(out, dest):
 
 
 @pytest.mark.parametrize("profile", [pytest.param("zero1", marks=pytest.mark.slow), "zero3"])  # (suite time: zero3 by default)
-def test_killed_during_save_then_resumed_equals_uninterrupted(profile, tmp_path_factory, tmp_path):
-    extra = _extra(profile)
-    full, broken = _full_run(tmp_path_factory, profile), tmp_path / "broken"
+def test_killed_during_save_then_resumed_equals_uninterrupted(profile, gpt_reference, tmp_path):
+    broken = tmp_path / "broken"
+    args = harness.reference_overrides(broken, profile)  # the uninterrupted run's (conftest.py gpt_reference)
 
     # Rank 0 dies after DeepSpeed wrote step 8's files but before the COMPLETE marker.
-    proc = harness.launch(harness.overrides(broken, STEPS, *extra),
-                          env={"DSTRAIN_FAULT_IN_SAVE": str(STEPS)}, check=False)
+    with harness.beside(args, env={"DSTRAIN_FAULT_IN_SAVE": str(STEPS)}) as job:
+        full = gpt_reference(profile)  # launched meanwhile unless another test already did
+    proc = job.result(check=False)
     assert proc.returncode != 0
     root = broken / "checkpoints"
     assert (root / ckpt.tag_for(STEPS)).is_dir() and not ckpt.is_complete(root / ckpt.tag_for(STEPS))
-    assert ckpt.find_latest(root) == ckpt.tag_for(EVERY)
+    assert ckpt.find_latest(root) == ckpt.tag_for(STEPS - EVERY)
 
-    proc = harness.launch([*harness.overrides(broken, STEPS, *extra), "--resume"])
+    proc = harness.launch([*args, "--resume"])
     assert "resumed from" in proc.stdout + proc.stderr
     assert ckpt.find_latest(root) == ckpt.tag_for(STEPS)
 
@@ -60,13 +46,13 @@ def test_killed_during_save_then_resumed_equals_uninterrupted(profile, tmp_path_
         torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-6, msg=name)
     # The resumed half logged the same losses as the uninterrupted run.
     la, lb = harness.metrics(full), harness.metrics(broken)
-    assert [lb[s] for s in range(EVERY + 1, STEPS + 1)] == pytest.approx(
-        [la[s] for s in range(EVERY + 1, STEPS + 1)], rel=1e-6)
+    assert [lb[s] for s in range(STEPS - EVERY + 1, STEPS + 1)] == pytest.approx(
+        [la[s] for s in range(STEPS - EVERY + 1, STEPS + 1)], rel=1e-6)
 
 
-def test_zero3_export_loads_into_plain_model(tmp_path_factory, tmp_path):
-    out = _full_run(tmp_path_factory, "zero3")  # 8 steps at ZeRO-3; its latest checkpoint is step 8's
-    cfg = harness.run_config(out, STEPS, *_extra("zero3"))
+def test_zero3_export_loads_into_plain_model(gpt_reference, tmp_path):
+    out = gpt_reference("zero3")  # 8 steps at ZeRO-3; its latest checkpoint is step 8's
+    cfg = load_run_config(harness.RECIPE, harness.reference_overrides(out, "zero3"))
     state = _export(out, tmp_path / "export")
 
     model = build_model(cfg)

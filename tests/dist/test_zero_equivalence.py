@@ -1,5 +1,6 @@
 """Every ZeRO profile is the same mathematics: 2-rank losses equal a plain single-process run (ZeRO-1 and the two
-partial offload profiles with ``-m slow``; zero3_offload, which offloads both, by default)."""
+partial offload profiles with ``-m slow``; zero3_offload, which offloads both, by default). The runs are the shared
+8-step references (tests/dist/conftest.py ``gpt_reference``), also resumed, restarted and exported elsewhere."""
 import json
 
 import pytest
@@ -7,7 +8,7 @@ import pytest
 from tests.dist import harness
 from tests.reference import plain_training
 
-STEPS = 5
+STEPS = harness.REFERENCE_STEPS  # 8
 PROFILES = {  # profile -> (stage, offload_optimizer, offload_param)
     "zero0": (0, False, False), "zero1": (1, False, False), "zero2": (2, False, False),
     "zero2_offload": (2, True, False), "zero3": (3, False, False),
@@ -29,10 +30,13 @@ SLOW = ("zero1", "zero2_offload", "zero3_offload_optimizer")
 
 
 @pytest.mark.parametrize("profile", [pytest.param(p, marks=pytest.mark.slow) if p in SLOW else p for p in PROFILES])
-def test_profile_matches_plain_pytorch(profile, reference, tmp_path):
-    out = tmp_path / "run"
-    harness.launch(harness.overrides(out, STEPS, f"--deepspeed.profile={profile}",
-                                     "--checkpoint.every=0"))
+def test_profile_matches_plain_pytorch(profile, reference, gpt_reference, request):
+    # The profiles of this test that run in this session (not deselected, not skipped as slow): the next one's
+    # run is launched beside this one's.
+    chosen = [item.callspec.params["profile"] for item in request.session.items
+              if item.originalname == request.node.originalname and item.module is request.module
+              and not item.get_closest_marker("skip")]
+    out = gpt_reference(profile, *chosen[chosen.index(profile) + 1 if profile in chosen else len(chosen):])
     ds = json.loads((out / "ds_config.json").read_text())
     zero = ds["zero_optimization"]
     stage, off_opt, off_param = PROFILES[profile]

@@ -10,6 +10,7 @@ import pytest
 from dstrain.config import load_run_config
 from dstrain.engine.ds_check import check_ds_file
 from dstrain.engine.ds_config import list_profiles
+from tests.ahead import runs_ahead
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("models/*/recipes/*.json"))
@@ -23,21 +24,24 @@ def test_something_is_shipped():
     assert len(PROFILES) >= 6 and RECIPES
 
 
-def run_two_steps(recipe: str, out: Path, *extra: str) -> dict:
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, "-m", "dstrain.cli", "train", recipe, *QUICK,
-                           f"--output.dir={out}", *extra], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
+def _command(recipe: str, out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "dstrain.cli", "train", recipe, *QUICK, f"--output.dir={out}", *extra]
+
+
+def _summary(proc: subprocess.CompletedProcess, out: Path) -> dict:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads((out / "summary.json").read_text())
 
 
-@pytest.mark.parametrize("profile", PROFILES)
-def test_ds_profile_validates_and_trains_two_steps(profile, tmp_path):
-    assert "valid DeepSpeed config" in check_ds_file(ROOT / "ds_configs" / f"{profile}.json")
-    summary = run_two_steps("models/gpt/recipes/tiny.json", tmp_path, f"--deepspeed.profile={profile}",
-                            "--data.seq_len=64", "--train.micro_batch=2", "--train.warmup_steps=1")
-    assert summary["step"] == 2 and summary["profile"] == profile
+def run_two_steps(recipe: str, out: Path, *extra: str) -> dict:
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(_command(recipe, out, *extra), cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)
+    return _summary(proc, out)
+
+
+def profile_extra(profile: str) -> list[str]:
+    return [f"--deepspeed.profile={profile}", "--data.seq_len=64", "--train.micro_batch=2", "--train.warmup_steps=1"]
 
 
 def needs_missing_data(recipe: str) -> bool:
@@ -46,10 +50,7 @@ def needs_missing_data(recipe: str) -> bool:
     return "shared/data" in text and not (ROOT.parent / "shared" / "data").is_dir()
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
-def test_recipe_validates_and_trains_two_steps(recipe, tmp_path):
-    if needs_missing_data(recipe):
-        pytest.skip(f"{recipe} reads ../shared/data, which this machine does not have")
+def recipe_extra(recipe: str) -> list[str]:
     cfg = load_run_config(ROOT / recipe)
     # Shrink the model only where the recipe names a large size; the recipe's own data and
     # schedule settings are what is checked.
@@ -61,7 +62,54 @@ def test_recipe_validates_and_trains_two_steps(recipe, tmp_path):
     if cfg.trainer in POLICY_RL:  # small rollouts: two prompts of two samples, a short warm start
         extra += ["--task.warm_start_steps=2", "--task.num_generations=2", "--train.micro_batch=4",
                   "--task.n_eval=2", "--task.eval_samples=2", "--task.eval_k=2"]
-    summary = run_two_steps(recipe, tmp_path, *extra)
+    return extra
+
+
+@pytest.fixture(scope="module")
+def ahead(request):
+    """``nodeid -> (future of the completed process, run folder)``: this module's two-step runs, two at a time
+    ahead of their tests (tests/ahead.py), one thread each (``OMP_NUM_THREADS=1``, not two runs of 2 threads
+    on 2 cores)."""
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    factory = request.getfixturevalue("tmp_path_factory")
+
+    def plan(item):
+        params = getattr(item, "callspec", None) and item.callspec.params
+        if not params:
+            return None
+        if "profile" in params:
+            recipe, extra = "models/gpt/recipes/tiny.json", profile_extra(params["profile"])
+        elif needs_missing_data(params["recipe"]):
+            return None
+        else:
+            recipe, extra = params["recipe"], recipe_extra(params["recipe"])
+        out = factory.mktemp("two_steps")
+        return _command(recipe, out, *extra), {"cwd": ROOT, "env": env, "timeout": 900}, out
+
+    with runs_ahead(request, plan) as runs:
+        yield runs
+
+
+def _run_of(ahead, request, recipe: str, extra: list[str], tmp_path: Path) -> dict:
+    if request.node.nodeid not in ahead:  # (not started ahead: run here)
+        return run_two_steps(recipe, tmp_path, *extra)
+    future, out = ahead[request.node.nodeid]
+    return _summary(future.result(), out)
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_ds_profile_validates_and_trains_two_steps(profile, ahead, request, tmp_path):
+    assert "valid DeepSpeed config" in check_ds_file(ROOT / "ds_configs" / f"{profile}.json")
+    summary = _run_of(ahead, request, "models/gpt/recipes/tiny.json", profile_extra(profile), tmp_path)
+    assert summary["step"] == 2 and summary["profile"] == profile
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_recipe_validates_and_trains_two_steps(recipe, ahead, request, tmp_path):
+    if needs_missing_data(recipe):
+        pytest.skip(f"{recipe} reads ../shared/data, which this machine does not have")
+    cfg = load_run_config(ROOT / recipe)
+    summary = _run_of(ahead, request, recipe, recipe_extra(recipe), tmp_path)
     assert summary["step"] == 2
     if cfg.trainer in POLICY_RL:
         assert 0.0 <= summary["eval_after"]["pass@1"] <= 1.0 and summary["eval_after"]["tasks"] == 2
