@@ -19,6 +19,21 @@ import torch
 from dstrain.ops import attention
 
 
+def bare_lm_trainer(engine):
+    """An ``LMTrainer`` with only what ``train_step`` reads (3 micro-batches of 2 x 8 tokens, one rank, no pipeline,
+    a fresh run's data position) around ``engine``, a stand-in for DeepSpeed's."""
+    from dstrain.data.sampler import WindowSampler
+    from dstrain.trainers import lm
+    tr = object.__new__(lm.LMTrainer)
+    tr.cfg = types.SimpleNamespace(train=types.SimpleNamespace(micro_batch=2, grad_accum=3),
+                                   data=types.SimpleNamespace(seq_len=8), parallel=types.SimpleNamespace(sp=1))
+    tr.guards = types.SimpleNamespace(begin=lambda n: None, phase=lambda *a: None)
+    tr.train_tokens = torch.arange(500) % 7
+    tr.sampler, tr.dp_rank, tr.dp_world, tr.pipelined = WindowSampler(500, 8, 0), 0, 1, False
+    tr.data_start, tr.router_aux, tr.engine = (0, 0), [], engine
+    return tr
+
+
 def _fake_cuda_kernels(calls: list):
     """aten's CUDA attention entry points on CPU tensors: the math kernel behind each one's signature;
     FlashAttention-2 refuses a head dim over 256, as the real kernel does."""
@@ -146,7 +161,6 @@ def test_batches_reach_the_gpu_without_a_host_wait():
 
 
 def test_lm_train_step_copies_each_micro_batch_through_to_device(monkeypatch):
-    from dstrain.data.sampler import WindowSampler
     from dstrain.trainers import lm
     copied = []
     monkeypatch.setattr(lm, "to_device", lambda t, device: copied.append((tuple(t.shape), device)) or t)
@@ -163,14 +177,6 @@ def test_lm_train_step_copies_each_micro_batch_through_to_device(monkeypatch):
         def step(self):
             return True
 
-    tr = object.__new__(lm.LMTrainer)
-    tr.cfg = types.SimpleNamespace(train=types.SimpleNamespace(micro_batch=2, grad_accum=3),
-                                   data=types.SimpleNamespace(seq_len=8), parallel=types.SimpleNamespace(sp=1))
-    tr.guards = types.SimpleNamespace(begin=lambda n: None, phase=lambda *a: None)
-    tr.train_tokens = torch.arange(500) % 7
-    tr.sampler, tr.dp_rank, tr.dp_world, tr.pipelined = WindowSampler(500, 8, 0), 0, 1, False
-    tr.data_start = (0, 0)  # (a fresh run's data position: LMTrainer.__init__ sets it)
-    tr.engine = Engine()
-    loss, ok = tr.train_step(0)
+    loss, ok = bare_lm_trainer(Engine()).train_step(0)
     assert torch.isfinite(loss) and ok is None
     assert copied == [((2, 8), torch.device("cuda", 0))] * 6  # inputs and targets of 3 micro-batches

@@ -163,7 +163,7 @@ def test_hrm_segments_per_second_keep_the_steps_device_time(tmp_path, clock):
 def test_lm_trainer_keeps_a_copy_of_each_micro_batchs_router_aux_loss():
     """The policy's forward leaves its aux loss on the module; under CUDA graphs it is a static output that the
     next replay rewrites in place (simulated here: one tensor, rewritten by each forward)."""
-    from dstrain.data.sampler import WindowSampler
+    from tests.unit.test_gpu_readiness import bare_lm_trainer
 
     class Engine:
         device, step_ok = torch.device("cpu"), None
@@ -183,13 +183,7 @@ def test_lm_trainer_keeps_a_copy_of_each_micro_batchs_router_aux_loss():
         def step(self):
             return True
 
-    tr = object.__new__(lm.LMTrainer)
-    tr.cfg = types.SimpleNamespace(train=types.SimpleNamespace(micro_batch=2, grad_accum=3),
-                                   data=types.SimpleNamespace(seq_len=8), parallel=types.SimpleNamespace(sp=1))
-    tr.guards = types.SimpleNamespace(begin=lambda n: None, phase=lambda *a: None)
-    tr.train_tokens = torch.arange(500) % 7
-    tr.sampler, tr.dp_rank, tr.dp_world, tr.pipelined = WindowSampler(500, 8, 0), 0, 1, False
-    tr.data_start, tr.router_aux, tr.engine = (0, 0), [], Engine()
+    tr = bare_lm_trainer(Engine())
     tr.train_step(0)
     assert lm.mean_of_taken(tr.router_aux, "router_aux_loss") == {"router_aux_loss": 2.0}  # (1 + 2 + 3) / 3
 

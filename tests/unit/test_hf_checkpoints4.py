@@ -82,18 +82,13 @@ def generation_logprobs(model, tok, prompts, **kw):
     return out, [[lp[i, j, t].item() for j, t in enumerate(c.completion_ids)] for i, c in enumerate(out)]
 
 
-@pytest.mark.parametrize("kind", [k for k in NEW if k in available()])
-def test_architecture_generates_scores_trains_and_exports(kind, tmp_path):
-    import transformers
-
+def scores_as_generated_and_trains(model, tok, prompts) -> None:
+    """Completions sampled with the KV cache from ``prompts`` left-padded together, scored as GRPO scores them (no
+    cache, right-padded rows, train mode), have the log-probs they were sampled with (each row generated as if
+    alone); then one warm-start step (``supervised_step``) has a positive loss and changes the weights."""
     from dstrain.trainers.policy_rl import supervised_step
-    from models.policy.reference import export_pretrained, full_state_dict
 
-    path = build_checkpoint(kind, str(tmp_path / "ck"), pad=None, tie=True if kind in TIED else None)
-    model, tok = load(path)
-    # sampled with the KV cache, prompts of 1..7 tokens left-padded together; scored as GRPO does (no cache,
-    # right-padded rows, train mode): the same log-probs, so each row was generated as if alone
-    sampled, gen_lp = generation_logprobs(model, tok, PROMPTS, num_samples=2, max_new_tokens=5, seed=3)
+    sampled, gen_lp = generation_logprobs(model, tok, prompts, num_samples=2, max_new_tokens=5, seed=3)
     p = pack(sampled, tok.pad_token_id)
     model.train()
     lp = token_logprobs(model(p["input_ids"], attention_mask=p["attention_mask"]), p["input_ids"])
@@ -103,8 +98,21 @@ def test_architecture_generates_scores_trains_and_exports(kind, tmp_path):
                                    atol=1e-4, rtol=0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     task = SimpleNamespace(prompt="def add(a, b):\n", reference="    return a + b", stop=["\n"])
-    loss = supervised_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3), tok, [task])  # the warm start's
+    loss = supervised_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3), tok, [task])
     assert loss > 0 and any(not torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+@pytest.mark.parametrize("kind", [k for k in NEW if k in available()])
+def test_architecture_generates_scores_trains_and_exports(kind, tmp_path):
+    import transformers
+
+    from models.policy.reference import export_pretrained, full_state_dict
+
+    path = build_checkpoint(kind, str(tmp_path / "ck"), pad=None, tie=True if kind in TIED else None)
+    model, tok = load(path)
+    # sampled with the KV cache, prompts of 1..7 tokens left-padded together; scored as GRPO does (no cache,
+    # right-padded rows, train mode): the same log-probs, so each row was generated as if alone
+    scores_as_generated_and_trains(model, tok, PROMPTS)
     export_pretrained(full_state_dict(model), PolicyConfig(path=path), str(tmp_path / "out"))
     again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
     ids = torch.tensor([[5, 6, 7, 8, 9, 10]])

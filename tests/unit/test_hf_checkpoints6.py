@@ -46,12 +46,12 @@ import torch
 
 from dstrain.config import ConfigError, load_run_config
 from models.policy.config import PolicyConfig
-from models.policy.generation import generate, pack
-from models.policy.model import build_policy, token_logprobs
+from models.policy.generation import generate
+from models.policy.model import build_policy
 from models.policy.tokenizer import encode_prompt, load_tokenizer, use_chat_template
 from tests.hf_checkpoints import available, build_checkpoint
 from tests.unit.test_hf_checkpoints3 import cached_and_scored
-from tests.unit.test_hf_checkpoints4 import generation_logprobs
+from tests.unit.test_hf_checkpoints4 import scores_as_generated_and_trains
 
 RECIPE = "models/policy/recipes/grpo_debug.json"
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -68,24 +68,11 @@ def load(path):
 def test_moe_with_router_logits_on_generates_scores_trains_and_exports(kind, tmp_path):
     import transformers
 
-    from dstrain.trainers.policy_rl import supervised_step
     from models.policy.reference import export_pretrained, full_state_dict
 
     path = build_checkpoint(kind, str(tmp_path / "ck"), pad=None, config=dict(output_router_logits=True))
     model, tok = load(path)
-    sampled, gen_lp = generation_logprobs(model, tok, ["x", "The quick brown fox jumps over", "def add(a, b):"],
-                                          num_samples=2, max_new_tokens=5, seed=3)
-    p = pack(sampled, tok.pad_token_id)
-    model.train()
-    lp = token_logprobs(model(p["input_ids"], attention_mask=p["attention_mask"]), p["input_ids"])
-    for i, c in enumerate(sampled):
-        start = len(c.prompt_ids) - 1
-        torch.testing.assert_close(lp[i, start:start + len(c.completion_ids)], torch.tensor(gen_lp[i]),
-                                   atol=1e-4, rtol=0)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    task = SimpleNamespace(prompt="def add(a, b):\n", reference="    return a + b", stop=["\n"])
-    assert supervised_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3), tok, [task]) > 0
-    assert any(not torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    scores_as_generated_and_trains(model, tok, ["x", "The quick brown fox jumps over", "def add(a, b):"])
     export_pretrained(full_state_dict(model), PolicyConfig(path=path), str(tmp_path / "out"))
     assert json.load(open(tmp_path / "out" / "config.json"))["output_router_logits"] is True  # left as it was
     again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
