@@ -274,7 +274,9 @@ class ScoreStep:
             out["guidance_router_aux_loss"] = aux_total
 
     def _episode_stats(self, eps: Episodes, stage: int) -> dict[str, float]:
-        stats = ep.transition_stats(eps.r1.tolist(), eps.r2.tolist())
+        # correct = every test passed (reward 1), as the held-out evaluation counts it: with partial credit a
+        # reward of 2/3 is not a solved task
+        stats = ep.transition_stats((eps.r1 == 1.0).float().tolist(), (eps.r2 == 1.0).float().tolist())
         stats.pop("episodes")
         n = max(len(eps.hints), 1)
         return {**stats, "stage": float(stage), "reward_t1": eps.r1.mean().item(), "reward_t2": eps.r2.mean().item(),

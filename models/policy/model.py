@@ -322,11 +322,13 @@ class PolicyModel(nn.Module):
 
     def num_matmul_params(self) -> int:
         """Weights a token is multiplied by: every ``nn.Linear`` (attention, MLP and output head, tied or not) and,
-        in a mixture of experts, the share of the 3-D expert weights its ``num_experts_per_tok`` experts hold."""
-        from .moe import expert_params
+        in a mixture of experts, the routers' weights and the share of the 3-D expert weights its
+        ``num_experts_per_tok`` experts hold."""
+        from .moe import expert_params, router_params
 
-        return sum(getattr(p, "ds_numel", p.numel()) for m in self.modules()
-                   if isinstance(m, nn.Linear) for p in m.parameters(recurse=False)) + expert_params(self.hf)[1]
+        return (sum(getattr(p, "ds_numel", p.numel()) for m in self.modules()
+                    if isinstance(m, nn.Linear) for p in m.parameters(recurse=False))
+                + router_params(self.hf) + expert_params(self.hf)[1])
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token: ``6 * matmul params + 12 * layers * heads * head_dim * seq_len``."""

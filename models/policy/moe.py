@@ -50,6 +50,22 @@ def expert_params(hf: nn.Module) -> tuple[int, int]:
     return total, active
 
 
+def router_params(hf: nn.Module) -> int:
+    """The routers' weights (each a module with an integer ``num_experts`` owning a 2-D ``[experts, hidden]`` weight
+    that is not an ``nn.Linear``, as transformers 5 builds Mixtral's, Qwen-MoE's and OLMoE's ``TopKRouter``): every
+    token is multiplied by them. ZeRO-3 partitioned weights count by their full size."""
+    total = 0
+    for module in hf.modules():
+        n = getattr(module, "num_experts", None)
+        if not isinstance(n, int) or n < 2 or isinstance(module, nn.Linear):
+            continue
+        for p in module.parameters(recurse=False):
+            shape = tuple(getattr(p, "ds_shape", p.shape))
+            if len(shape) == 2 and shape[0] == n:
+                total += int(getattr(p, "ds_numel", p.numel()))
+    return total
+
+
 def no_router_logits(hf: nn.Module) -> dict:
     """``{"output_router_logits": False}`` for a model whose config has that switch (a mixture of experts), else ``{}``.
 

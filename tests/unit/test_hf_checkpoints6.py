@@ -120,7 +120,8 @@ def test_flops_count_the_experts_a_token_runs_through(tmp_path):
         linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
         experts = sum(layer.mlp.experts.gate_up_proj.numel() + layer.mlp.experts.down_proj.numel()
                       for layer in model.hf.model.layers)
-        return model.num_matmul_params(), linear, experts
+        routers = sum(layer.mlp.gate.weight.numel() for layer in model.hf.model.layers)  # not nn.Linear modules
+        return model.num_matmul_params(), linear + routers, experts
 
     for k in (1, 2, 4):  # of 4 experts
         got, linear, experts = counts(k)
