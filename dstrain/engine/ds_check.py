@@ -157,6 +157,30 @@ def _loss_scaler_argument(section: str, loc: tuple, block: dict | None) -> str |
             f"and goes on{when}; remove it")
 
 
+#: The fp16 section's dynamic-loss-scaling keys (DeepSpeedFP16Config), none of which its bf16 section has.
+_LOSS_SCALING_KEYS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "consecutive_hysteresis",
+                      "min_loss_scale")
+
+
+def _bf16_loss_scaling_key(section: str, loc: tuple, block: dict | None) -> str | None:
+    """fp16 loss-scaling keys in the bf16 section (``"bf16": {"enabled": true, "loss_scale_window": 100}``, as
+    configs generated from one fp16/bf16 template write it): DeepSpeed's bf16 section rejects them at start-up. One
+    refusal for all of them, saying why they have no place there, at the first ("" at the others); None for any other
+    unknown key."""
+    name = str(loc[0]) if len(loc) == 1 else ""
+    if section not in ("bf16", "bfloat16") or name not in _LOSS_SCALING_KEYS:
+        return None
+    names = [k for k in (block or {}) if k in _LOSS_SCALING_KEYS] or [name]
+    if name != names[0]:
+        return ""
+    why = "which bf16 does not use (its exponent range needs no loss scale); DeepSpeed's " + section + " section"
+    if len(names) == 1:
+        return (f"{section}.{name}: file says {json.dumps(block.get(name) if block else None)}, a key of fp16's "
+                f"dynamic loss scaling, {why} rejects it and stops at start-up; remove it")
+    return (f"{section}.{', '.join(names)}: keys of fp16's dynamic loss scaling, {why} rejects them and stops at "
+            "start-up; remove them")
+
+
 def _pydantic_problems(section: str, model, err: Exception, block: dict | None = None) -> list[str]:
     """One line per error of a pydantic ValidationError, named by dotted key (unknown keys with a hint)."""
     from dstrain.engine.ds_classes import deprecated_pair_problem
@@ -175,8 +199,10 @@ def _pydantic_problems(section: str, model, err: Exception, block: dict | None =
             close = _close_key(name, known) if len(item.get("loc", ())) == 1 else None
             hint = f" (did you mean {close!r}?)" if close else ""
             neox = (_neox_precision_type(section, item.get("loc", ()), value)
-                    or _loss_scaler_argument(section, item.get("loc", ()), block))
-            out.append(neox or f"{loc}: unknown key{hint}; DeepSpeed rejects it")
+                    or _loss_scaler_argument(section, item.get("loc", ()), block)
+                    or _bf16_loss_scaling_key(section, item.get("loc", ()), block))
+            if neox != "":  # "": said with another key of the section
+                out.append(neox or f"{loc}: unknown key{hint}; DeepSpeed rejects it")
         elif not item.get("loc"):  # a check of the whole section: its input is the parsed section, not the file's
             msg = str(item.get("msg", "invalid")).removeprefix("Assertion failed, ").removeprefix("Value error, ")
             out.append(f"{loc}: {msg.rstrip('.')}; DeepSpeed rejects it")

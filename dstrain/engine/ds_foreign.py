@@ -218,6 +218,8 @@ def app_config_problem(cfg: dict) -> str | None:
     TrainingArguments JSONs, DeepSpeedExamples' OPSD app configs). One line in place of a line per key (each "unknown
     top-level key", some with a misleading close match: train_file -> train_batch_size); None for any other file."""
     from dstrain.engine.ds_files import KNOWN_TOP_LEVEL_KEYS, NESTING_KEYS
+    if (accelerate := accelerate_config_problem(cfg)) is not None:
+        return accelerate
     named = next((k for k in NESTING_KEYS if isinstance(cfg.get(k), str)), None)
     if named is None:
         return None
@@ -230,3 +232,55 @@ def app_config_problem(cfg: dict) -> str | None:
             f"DeepSpeed's ({shown}) and DeepSpeed would silently ignore them; give {cfg[named]!r} itself as "
             "--deepspeed.profile (a path relative to the folder the script runs in), and the script's own settings as "
             "dstrain flags")
+
+
+#: Accelerate's DeepSpeed-plugin keys (``accelerate config``'s ``deepspeed_config``) and the DeepSpeed keys its
+#: DeepSpeedPlugin writes from them (dotted: inside zero_optimization).
+_ACCELERATE_PLUGIN = {"zero_stage": "zero_optimization.stage",
+                      "offload_optimizer_device": "zero_optimization.offload_optimizer.device",
+                      "offload_param_device": "zero_optimization.offload_param.device",
+                      "offload_optimizer_nvme_path": "zero_optimization.offload_optimizer.nvme_path",
+                      "offload_param_nvme_path": "zero_optimization.offload_param.nvme_path",
+                      "zero3_save_16bit_model": "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+                      "gradient_accumulation_steps": "gradient_accumulation_steps",
+                      "gradient_clipping": "gradient_clipping"}
+
+
+def accelerate_config_problem(cfg: dict) -> str | None:
+    """The refusal of an ``accelerate config`` file (its JSON form, or its YAML converted) given as the DeepSpeed JSON:
+    ``distributed_type`` / ``compute_environment`` beside a ``deepspeed_config`` object of Accelerate's DeepSpeed-plugin
+    settings, from which Accelerate writes the DeepSpeed config itself (DeepSpeed reads none of them). One line that
+    names the file its ``deepspeed_config_file`` points to, or the DeepSpeed JSON its settings stand for; None for
+    any other file. Before, each of its keys was an "unknown top-level key" and ``deepspeed_config`` was said to hold
+    a DeepSpeed config to move up, which would have left Accelerate's own keys (zero_stage, zero3_init_flag) unread."""
+    plugin = cfg.get("deepspeed_config")
+    if not isinstance(plugin, dict) or not ({"distributed_type", "compute_environment"} & set(cfg)):
+        return None
+    shown = ", ".join(f"{k} {cfg[k]!r}" if k == "distributed_type" else k
+                      for k in ("compute_environment", "distributed_type") if k in cfg)
+    head = (f"deepspeed_config: this is an Accelerate config file (`accelerate config`'s output: {shown}, ...), not a "
+            "DeepSpeed config: Accelerate writes the DeepSpeed JSON itself "
+            "from its deepspeed_config, and DeepSpeed would silently ignore every key here")
+    named = plugin.get("deepspeed_config_file")
+    if isinstance(named, str) and named.strip():
+        return f"{head}; give {named!r} (its deepspeed_config_file) as --deepspeed.profile"
+    out: dict = {}
+    for key, dotted in _ACCELERATE_PLUGIN.items():
+        value = plugin.get(key)
+        if value is None or (key.endswith("_device") and value == "none"):
+            continue
+        node = out
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    zo = plugin.get("zero_optimization")
+    if isinstance(zo, dict):  # a DeepSpeed section pasted inside the plugin settings: it stands as written
+        out["zero_optimization"] = {**out.get("zero_optimization", {}), **zo}
+    precision = cfg.get("mixed_precision")
+    if precision in ("bf16", "fp16"):
+        out[precision] = {"enabled": True}
+    rest = sorted(k for k in plugin if k not in _ACCELERATE_PLUGIN and k != "zero_optimization")
+    unread = f" ({', '.join(rest)}: Accelerate's own, with no DeepSpeed key)" if rest else ""
+    return (f"{head}; write its settings as a DeepSpeed JSON{unread} and give that file as --deepspeed.profile: "
+            f"{json.dumps(out)}")

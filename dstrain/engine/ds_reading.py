@@ -91,3 +91,24 @@ def open_weights_dtype(cfg: dict) -> str | None:
 def precision_left_open(cfg: dict) -> bool:
     """A bf16 or fp16 section with ``"enabled": "auto"``: the precision is the run's (the factory's) choice."""
     return any(isinstance(cfg.get(k), dict) and _is_auto(cfg[k].get("enabled")) for k in ("bf16", "fp16"))
+
+
+def dotted_type_hint(name: str, known, block: str) -> str:
+    """The hint for an optimizer / scheduler ``type`` written as a module path: one whose last part is a class
+    DeepSpeed finds (``"torch.optim.AdamW"``) names that class; a project's own class (CogVideo's SAT configs'
+    ``"sat.ops.FusedEmaAdam"``, which its training script builds itself) says DeepSpeed never imports a path and
+    what to write instead. "" for a name without a dot, and for an unknown class under torch / deepspeed."""
+    if "." not in name:
+        return ""
+    tail = name.rpartition(".")[2]
+    if tail in known:
+        return f" (write {tail!r}: DeepSpeed looks the bare class name up itself)"
+    if name.split(".")[0] in ("torch", "deepspeed"):
+        return ""  # a misspelt class of theirs ("torch.optim.Adamm"): the close-match hint says it
+    optimizer = block == "optimizer"
+    own = ("its own optimizers (Adam, AdamW, Adagrad, Lamb, Lion, ...) and torch.optim's classes" if optimizer
+           else "its own schedulers and torch.optim.lr_scheduler's classes")
+    instead = "dstrain builds AdamW from the run config" if optimizer else "dstrain runs its warm-up + cosine schedule"
+    article = "an" if optimizer else "a"
+    return (f" (a module path to a project's own class: DeepSpeed looks {article} {block} type up by bare name among "
+            f"{own} and never imports a module; write one of those, or remove the {block} block and {instead})")

@@ -21,8 +21,8 @@ from dstrain.engine.ds_engine_keys import engine_key_problems
 from dstrain.engine.ds_foreign import foreign_section_problems
 from dstrain.engine.ds_scalars import scalar_checks
 from dstrain.engine.ds_copied import copied_checks
-from dstrain.engine.ds_unread import unread_problems
-from dstrain.engine.ds_reading import DEEPSPEED_OPTIMIZER_TYPES
+from dstrain.engine.ds_unread import allgather_partitions_note, unread_problems
+from dstrain.engine.ds_reading import DEEPSPEED_OPTIMIZER_TYPES, dotted_type_hint
 
 #: ZeRO keys read only at stage 3 (with DeepSpeed's aliases).
 STAGE3_ONLY = frozenset({
@@ -138,6 +138,8 @@ def _zero_problems(cfg: dict, device_type: str, problems: list[str], notes: list
         unused = sorted(k for k in zo if k in STAGE12_ONLY)
         if unused:
             notes.append(f"zero_optimization: stage 3 does not use {', '.join(unused)} (stage 1/2 keys)")
+    if (allgather := allgather_partitions_note(zo, stage)) is not None:
+        notes.append(allgather)
     removed = sorted(k for k in zo if k in REMOVED_ZERO_KEYS)
     if removed:
         problems.append(f"zero_optimization.{', '.join(removed)}: {REMOVED_ZERO_KEYS[removed[0]]}; remove "
@@ -396,7 +398,7 @@ def _optimizer_problems(cfg: dict, device_type: str, problems: list[str]) -> Non
         close = difflib.get_close_matches(name, known, n=1) or [k for k in known if k.lower() == kind]
         hint = f" (did you mean {close[0]!r}?" + (" names of torch.optim classes are case-sensitive)"
                                                   if close and close[0].lower() == kind else ")") if close else ""
-        hint = _dotted_hint(name, known) or hint  # "torch.optim.AdamW": a module path
+        hint = dotted_type_hint(name, known, "optimizer") or hint  # "torch.optim.AdamW": a module path
         problems.append(f"optimizer.type: {name!r} is neither one of DeepSpeed's optimizers nor a torch.optim "
                         f"class{hint}; DeepSpeed would fail at start-up")
         return
@@ -469,7 +471,7 @@ def _scheduler_problems(cfg: dict, problems: list[str]) -> None:
         same = [n for n in [*ours, *torch_classes] if n.lower() == name.lower()]
         close = same or difflib.get_close_matches(name, [*ours, *torch_classes], n=1)
         hint = f" (did you mean {close[0]!r}?{' the names are case-sensitive' if same else ''})" if close else ""
-        hint = _dotted_hint(name, [*ours, *torch_classes]) or hint
+        hint = dotted_type_hint(name, [*ours, *torch_classes], "scheduler") or hint
         problems.append(f"scheduler.type: {name!r} is neither one of DeepSpeed's schedulers ({', '.join(ours)}) nor "
                         f"a torch.optim.lr_scheduler class{hint}; DeepSpeed would stop at start-up")
         return
@@ -543,12 +545,6 @@ def section_problems(cfg: dict, device_type: str) -> tuple[list[str], list[str]]
     notes += ignored_key_notes(cfg)
     scalars, scalar_notes = scalar_checks(cfg, device_type)
     return problems + copied + scalars, notes + copied_notes + scalar_notes
-
-
-def _dotted_hint(name: str, known) -> str:
-    """The hint for a type written as a module path whose last part is a known class (``"torch.optim.AdamW"``)."""
-    tail = name.rpartition(".")[2]
-    return f" (write {tail!r}: DeepSpeed looks the bare class name up itself)" if "." in name and tail in known else ""
 
 
 def _quoted_flags(cfg: dict, problems: list[str]) -> None:

@@ -212,3 +212,23 @@ def unread_problems(cfg: dict) -> list[str]:
     """Problems (key, reason, fix) with keys DeepSpeed reads elsewhere than the file puts them, or reads late."""
     return (_outside_params(cfg) + _quoted_false_params(cfg) + _data_efficiency_inner(cfg) + _home_paths(cfg)
             + _dtype_names(cfg) + _predivide(cfg) + _comms_ops(cfg))
+
+
+def allgather_partitions_note(zo: dict, stage: int) -> str | None:
+    """The note for ``zero_optimization.allgather_partitions``, which DeepSpeed 0.19.8 parses and reads nowhere: its
+    engine's ``zero_allgather_partitions()`` has no caller, the ZeRO-1/2 optimizer takes no such argument and always
+    all-gathers the updated partitions (``all_gather_dp_groups``), and ZeRO-3 gathers parameters itself. Said at
+    stage 3 whatever the value (a stage-1/2 setting, as ``allgather_bucket_size`` is), and at stages 1/2 where it is
+    false (the broadcast it asks for never happens; true is what DeepSpeed does anyway); stage 0's own note names it."""
+    if "allgather_partitions" not in zo or stage not in (1, 2, 3):
+        return None
+    value = zo["allgather_partitions"]
+    off = value is False or (isinstance(value, str) and value.strip().lower() in ("false", "no", "off", "0"))
+    if stage == 3:
+        return ("zero_optimization.allgather_partitions: unused at stage 3, which gathers the parameters itself "
+                "(DeepSpeed 0.19 reads the key at no stage: its ZeRO-1/2 optimizer always all-gathers the updated "
+                "partitions)")
+    if not off:
+        return None
+    return (f"zero_optimization.allgather_partitions: false, which DeepSpeed 0.19 reads at no stage: its ZeRO-{stage} "
+            "optimizer all-gathers the updated partitions anyway (no broadcast); the run trains the same either way")

@@ -96,7 +96,9 @@ EXPECT.update({
     "llava_zero3_offload_bf16.json": None,  # LLaVA's zero3_offload: fp16 "auto" beside bf16 true, stage 3 offload
     "commented_zero2_readme_style.json": None,  # comments and trailing commas, as DeepSpeed's hjson loader reads
     # a bf16 section with fp16's loss-scale keys: every problem in one refusal (DeepSpeed rejects the keys)
-    "bf16_with_fp16_loss_scale_keys.json": "bf16.loss_scale: unknown key; DeepSpeed rejects it",
+    # round 21: one line for the five keys, with why (was "bf16.loss_scale: unknown key; DeepSpeed rejects it", x5)
+    "bf16_with_fp16_loss_scale_keys.json": "bf16.loss_scale, loss_scale_window, hysteresis, min_loss_scale, "
+                                           "initial_scale_power: keys of fp16's dynamic loss scaling",
 })
 # Round 3: Megatron-DeepSpeed / GPT-NeoX templates, DeepSpeed's tutorials (1-bit and 0/1 Adam, schedulers,
 # data_types, timers, checkpoint), HF-style "auto" files without a scheduler, and file-format accidents.

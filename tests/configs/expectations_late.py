@@ -331,3 +331,39 @@ EXPECT.update({
     "firefly_training_args_deepspeed_path.json": "deepspeed: file says './train_args/ds_z3_config.json': this is a "
                                                  "training script's own settings file",
 })
+
+# Round 21 (tests/unit/test_ds_realworld21.py): sources not covered before: an `accelerate config` file in its JSON
+# form, CogVideo's SAT training config, PKU-YuanGroup/Open-Sora-Plan's Accelerate DeepSpeed JSON, turbo-llm/turbo-
+# alignment's sequence-parallel test config, a generated ZeRO-3 config with a bf16 loss-scale window, DeepSpeed's
+# docs' NVMe parameter offload, and DeepSpeed's communication switches written at the stage that ignores them.
+EXPECT.update({
+    # an `accelerate config` file (JSON form) with its DeepSpeed-plugin settings and a pasted zero_optimization block
+    # inline: was 13 lines, one per Accelerate key, and "move its keys to the top level" (which left zero_stage /
+    # zero3_init_flag unread); now one line with the DeepSpeed JSON its settings stand for
+    "accelerate_config_json_inline_deepspeed_config.json": "deepspeed_config: this is an Accelerate config file",
+    # zai-org/CogVideo sat/configs (the 5B's bf16 variant of sft.yaml's deepspeed section, as JSON): SAT's own
+    # FusedEmaAdam as the optimizer type (was refused with no fix)
+    "cogvideo_sat_zero2_bf16_fused_ema_adam.json": "optimizer.type: 'sat.ops.FusedEmaAdam' is neither one of "
+                                                   "DeepSpeed's optimizers nor a torch.optim class (a module path to "
+                                                   "a project's own class",
+    # a ZeRO-3 offload config generated in code with "bf16": {"enabled": true, "loss_scale_window": 250} (fp16's
+    # template key kept): DeepSpeed's bf16 section rejects it (was "unknown key" with no fix)
+    "generated_zero3_offload_bf16_loss_scale_window.json": "bf16.loss_scale_window: file says 250, a key of fp16's "
+                                                           "dynamic loss scaling",
+    # Open-Sora-Plan scripts/accelerate_configs/zero2.json: communication_data_type fp32, 512 Mi-element buckets,
+    # everything else "auto"
+    "opensora_plan_zero2_comm_fp32_512mi_buckets.json": None,
+    # turbo-alignment tests/sequence_parallel/consts.py DEEPSPEED_CONFIG: batch 1 for one rank, no optimizer block,
+    # allgather_partitions / allgather_bucket_size at stage 3 (noted unused on one rank)
+    "turbo_alignment_sp_zero3_allgather_partitions_no_opt.json": "batch keys disagree among themselves: "
+                                                                 "train_batch_size 1",
+    # DeepSpeed's docs' ZeRO-Infinity example: offload_param to NVMe at /local_nvme (no async-io kernel on the CPU)
+    "dsdocs_zero3_nvme_param_offload.json": "zero_optimization.offload_param.device: NVMe offload needs DeepSpeed's "
+                                            "async_io kernel",
+    # stage 3 with the stage-1/2 switches (allgather_partitions false, allgather_bucket_size, round_robin_gradients)
+    # beside reduce_scatter / contiguous_gradients false: allgather_partitions was not named with the others
+    "zero3_stage12_comm_switches_round_robin.json": None,
+    # stage 2 with reduce_scatter false (all-reduce, where DeepSpeed honours gradient_predivide_factor),
+    # prescale_gradients false, communication_data_type fp32 over bf16
+    "zero2_predivide_reduce_scatter_false_comm_fp32.json": None,
+})
