@@ -231,6 +231,23 @@ def mark_complete(root: str | Path, tag: str, run_config: dict, ds_config: dict,
     for old in complete_tags(root)[:-keep]:
         (root / old / COMPLETE).unlink(missing_ok=True)  # a kill during the removal leaves no half "complete" tag
         shutil.rmtree(root / old, ignore_errors=True)
+    _prune_cut_short(root, keep)
+
+
+def _prune_cut_short(root: Path, keep: int) -> None:
+    """Remove the incomplete tag folders older than the oldest checkpoint kept: saves cut short (a SIGKILL, an
+    OOM kill or a lost node while writing, a stop's save killed by the scheduler's follow-up SIGKILL). The
+    resumed run removes such a folder only if it saves that very step again, which it does not when its save
+    points moved (another ``checkpoint.every``, a stop's save at an odd step): before, each stayed for good, a
+    full set of shards that ``checkpoint.keep`` never counted. One older than every kept checkpoint is what
+    ``keep`` would have removed had it been complete; newer ones stay (one whose COMPLETE the user removed)."""
+    kept = complete_tags(root)[-keep:] if keep > 0 else []
+    if not kept:
+        return
+    floor = step_of(kept[0])
+    for path in root.iterdir():
+        if path.is_dir() and _TAG.match(path.name) and step_of(path.name) < floor and not is_complete(path):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def rng_state() -> dict:

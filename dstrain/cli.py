@@ -444,6 +444,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"--section.key=value ({item}={extra[i + 1]})", file=sys.stderr)
                 return EXIT_CONFIG
         sub.error(unknown_flags_problem(unknown, sub))
+    if args.command in ("train", "launch"):  # a terminal that hangs up (ssh ended) must not end a run
+        from dstrain.lost_terminal import guard
+        guard()
     if args.command != "train":  # (a rank holds Ctrl-C for its trainer: dstrain.rank_exit.hold_stop_signals)
         from dstrain.cli_checks import catch_ctrl_c
         catch_ctrl_c()

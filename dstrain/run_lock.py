@@ -124,7 +124,7 @@ def probe(out: Path) -> str | None:
             try:
                 fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
             except BlockingIOError:
-                return (f"output.dir {out} is in use by another run ({holder_text(handle.read())}); "
+                return (f"output.dir {out} is in use by another run ({_holder_now(handle)}); "
                         "wait for it or choose another output.dir")
             except OSError:
                 return _other_host_problem(out, path, False)[0]  # no flock on this file system
@@ -147,8 +147,7 @@ def take(out: Path) -> str | None:
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        handle.seek(0)
-        holder = holder_text(handle.read())
+        holder = _holder_now(handle)
         handle.close()
         return f"output.dir {out} is in use by another run ({holder}); wait for it or choose another output.dir"
     except OSError:
@@ -165,7 +164,11 @@ def take(out: Path) -> str | None:
         print(note, file=sys.stderr, flush=True)
     try:
         handle.truncate(0)
-        os.pwrite(handle.fileno(), _record(), 0)  # the host too: a folder on a shared file system
+        os.pwrite(handle.fileno(), mine := _record(), 0)  # the host too: a folder on a shared file system
+        if not flock_works and (rival := _raced(path, mine)):  # (a raise here is the one line below)
+            handle.close()
+            return (f"output.dir {out} is in use by another run ({rival}), started at the same moment on a "
+                    "file system without locks; wait for it or choose another output.dir")
     except OSError as err:  # a full disk (quota) at the start: one line, not a traceback in rank 0
         handle.close()
         from dstrain.engine.profiles import format_bytes
@@ -179,15 +182,116 @@ def take(out: Path) -> str | None:
     return None
 
 
+SETTLE_S = 0.5
+"""Without flock, how long a run that wrote the lock file waits before reading it back (:func:`_raced`)."""
+
+
+def _raced(path: Path, mine: bytes) -> str | None:
+    """Without flock, two runs started within a second (two ``dstrain launch``, or two hosts' jobs) both read
+    a free lock file and both wrote it: the last write stays. Read back after :data:`SETTLE_S`, the file names
+    the winner; the holder text of that other run when it is not this one, else None."""
+    time.sleep(SETTLE_S)
+    for _ in range(10):
+        now = path.read_bytes()
+        if now.strip():  # (empty: the other run between its truncate and its write)
+            break
+        time.sleep(0.05)
+    if now.split()[:2] == mine.split()[:2]:
+        return None
+    return holder_text(now.decode(errors="replace")) if now.strip() else "a run starting now"
+
+
+def _holder_now(handle) -> str:
+    """The holder's text of a lock file whose flock another run holds: read again for up to half a second when
+    empty (the other run took the flock and has not written its record yet: two launches at the same moment)."""
+    for _ in range(10):
+        handle.seek(0)
+        text = handle.read()
+        if text.strip():
+            return holder_text(text)
+        time.sleep(0.05)
+    return "a run starting or ending now"
+
+
 def _beat(handle) -> None:
     while _HELD and _HELD[0][1] is handle:
         time.sleep(BEAT_S)
+        if _HELD and _HELD[0][1] is handle:
+            recheck()  # (may move the lock to a new file: its own thread beats it)
         with _MUTEX:  # (not after _release emptied the file)
             try:
                 if _HELD and _HELD[0][1] is handle:
                     os.pwrite(handle.fileno(), _record(), 0)
             except (OSError, ValueError):
-                return  # the folder went away, or the file was closed
+                return  # the file was closed
+
+
+_WARNED: set[str] = set()
+
+
+def recheck() -> str | None:
+    """Whether the held lock file is still the one at ``output.dir/.dstrain.lock`` (every heartbeat, and rank 0
+    before each save); the warning said when it is not, else None.
+
+    ``output.dir`` deleted (``rm -rf`` of a run thought finished) or renamed (``mv``) while the run goes: the
+    flock stays on a file no longer there, DeepSpeed recreates the folder at the next save, and a second run
+    found no lock file and took the folder. The lock is taken again at its path (the folder made anew), or,
+    when another run got there first, both runs are named."""
+    with _MUTEX:
+        if not _HELD:
+            return None
+        folder, handle = _HELD[0]
+        path = folder / NAME
+        try:
+            if os.path.samestat(os.stat(path), os.fstat(handle.fileno())):
+                return None
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError):
+            return None  # unreadable now (a file system hiccup, the file closed at exit): the next beat looks again
+        gone = "deleted or renamed" if not folder.is_dir() or not path.exists() else "replaced"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            new = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT, 0o644), "r+")
+        except OSError as err:
+            return _warn(f"dstrain: warning: output.dir {folder} was {gone} while this run goes, and its lock "
+                         f"cannot be made again ({err.strerror or err}); another run may take the folder")
+        try:
+            fcntl.flock(new, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder_now(new)
+            new.close()
+            return _warn(f"dstrain: warning: output.dir {folder} was {gone} while this run goes, and another run "
+                         f"({holder}) took it since: both write it now; stop one of them (this run's checkpoints "
+                         "before that went with the old folder)")
+        except OSError:
+            pass  # no flock on this file system: the text decides, as in take()
+        problem, _ = _other_host_problem(folder, path, True)
+        if problem:
+            new.close()
+            return _warn(f"dstrain: warning: output.dir {folder} was {gone} while this run goes, and {problem}")
+        try:
+            new.truncate(0)
+            os.pwrite(new.fileno(), _record(), 0)
+        except OSError:
+            pass
+        try:
+            handle.truncate(0)  # the old file (in a renamed folder): free for whoever resumes that copy
+            handle.close()
+        except (OSError, ValueError):
+            pass
+        _HELD[:] = [(folder, new)]
+        threading.Thread(target=_beat, args=(new,), name="dstrain-run-lock", daemon=True).start()
+    return _warn(f"dstrain: warning: output.dir {folder} was {gone} while this run goes; its lock is taken again "
+                 "there and the run goes on writing it (checkpoints from the next save on; earlier ones went with "
+                 "the old folder: move them back to keep them)")
+
+
+def _warn(line: str) -> str:
+    if line not in _WARNED:
+        print(line, file=sys.stderr, flush=True)
+        _WARNED.add(line)
+    return line
 
 
 @atexit.register

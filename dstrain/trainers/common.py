@@ -264,6 +264,7 @@ def save_checkpoint(engine, ckpt_root: Path, step: int, world: runtime.World, cf
     (each rank), then rank 0's COMPLETE marker with the trainer state once all ranks are done."""
     tag = ckpt.tag_for(step)
     if world.is_main:
+        run_lock.recheck()  # output.dir deleted or renamed since the last heartbeat: its lock taken again first
         ckpt.prepare_tag_dir(ckpt_root, tag)
     runtime.barrier()
     with writing(ckpt_root, tag):
@@ -339,6 +340,7 @@ class CheckpointSaver:
         self.writer.copy_s = 0.0
         tag, world = ckpt.tag_for(step), self.world
         if world.is_main:
+            run_lock.recheck()  # (as save_checkpoint)
             ckpt.prepare_tag_dir(self.ckpt_root, tag)
         runtime.barrier()
         with writing(self.ckpt_root, tag):

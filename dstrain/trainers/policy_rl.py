@@ -51,9 +51,30 @@ def export_policy_checkpoint(ckpt: str | Path, out: str | Path) -> Path | None:
     if getattr(spec, "rl", None) is None or not hasattr(spec.rl, "export_pretrained"):
         return None
     state, _ = consolidated_state_dict(ckpt)
-    mcfg = registry.make_model_config(model["name"], model.get("size"), model.get("args") or {})
+    args = dict(model.get("args") or {})
+    if args.get("path"):
+        args["path"] = run_path_here(args["path"], Path(root).parent)
+    mcfg = registry.make_model_config(model["name"], model.get("size"), args)
     spec.rl.export_pretrained(state, mcfg, str(out))
     return Path(out)
+
+
+def run_path_here(path: str, run_dir: Path) -> str:
+    """``path``, a folder the run recorded (made absolute: its warm start, ``with_model_path``), or its copy in
+    ``run_dir`` when the run's folder was moved or copied (another machine, another ``output.dir``) and ``path``
+    is gone: before, ``dstrain export`` of such a run failed on "path ... is not a Hugging Face checkpoint
+    directory" although the run's folder held it. A path found in neither place is returned as it is."""
+    if os.path.isdir(path):
+        return path
+    parts = Path(path).parts
+    for k in range(1, min(4, len(parts))):  # warm_start, guidance/warm_start, ...: within the run's folder
+        here = run_dir.joinpath(*parts[-k:])
+        if (here / "config.json").is_file():
+            import sys
+            print(f"dstrain: note: {path}, recorded by the run, is gone; using {here} in the run's folder",
+                  file=sys.stderr, flush=True)
+            return str(here)
+    return path
 
 
 def load_task_sets(task: PolicyTaskConfig, seed: int) -> tuple[list, list]:
@@ -157,27 +178,50 @@ def warm_start(cfg: RunConfig, task: PolicyTaskConfig, tasks: list, world: runti
     if not task.warm_start_steps:
         return None
     folder = out / WARM_START_DIR
+    error = None
     if world.is_main and not (folder / WARM_START_DONE).is_file():
-        _, mcfg, rl = policy_toolkit(cfg)
-        runtime.seed_everything(cfg.train.seed)
-        model = rl.build(mcfg)
-        tokenizer = task_tokenizer(rl, mcfg, task)
-        model.train()
-        opt = torch.optim.AdamW(model.parameters(), lr=task.warm_start_lr, weight_decay=0.0)
-        rng = random.Random(cfg.data.seed + 17)
-        start, losses = time.perf_counter(), []
-        for step in range(task.warm_start_steps):
-            batch = [tasks[rng.randrange(len(tasks))] for _ in range(task.warm_start_batch)]
-            losses.append(supervised_step(model, opt, tokenizer, batch))
-            if (step + 1) % max(1, task.warm_start_steps // 5) == 0:
-                log(f"warm start {step + 1}/{task.warm_start_steps}: loss {sum(losses) / len(losses):.3f}")
-                losses = []
+        error = _run_warm_start(cfg, task, tasks, folder, log)
+    error = runtime.broadcast_object(error)  # also the barrier: the others load the warm start's files
+    if error is not None:
+        from dstrain.config import RunFolderError
+        raise RunFolderError(error)
+    return str(folder)
+
+
+def _run_warm_start(cfg: RunConfig, task: PolicyTaskConfig, tasks: list, folder: Path, log) -> str | None:
+    """Rank 0's supervised phase, written to ``folder``; the one line when the disk cannot hold it (a full disk
+    or quota: before, rank 0's ``OSError`` traceback with its peers waiting in a barrier, and the half-written
+    weights left to fill the disk), else None."""
+    _, mcfg, rl = policy_toolkit(cfg)
+    runtime.seed_everything(cfg.train.seed)
+    model = rl.build(mcfg)
+    tokenizer = task_tokenizer(rl, mcfg, task)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=task.warm_start_lr, weight_decay=0.0)
+    rng = random.Random(cfg.data.seed + 17)
+    start, losses = time.perf_counter(), []
+    for step in range(task.warm_start_steps):
+        batch = [tasks[rng.randrange(len(tasks))] for _ in range(task.warm_start_batch)]
+        losses.append(supervised_step(model, opt, tokenizer, batch))
+        if (step + 1) % max(1, task.warm_start_steps // 5) == 0:
+            log(f"warm start {step + 1}/{task.warm_start_steps}: loss {sum(losses) / len(losses):.3f}")
+            losses = []
+    try:
         folder.mkdir(parents=True, exist_ok=True)
         rl.save_pretrained(model, str(folder), tokenizer)
         (folder / WARM_START_DONE).write_text(f"{task.warm_start_steps} steps, "
                                               f"{time.perf_counter() - start:.1f} s\n")
-    runtime.barrier()
-    return str(folder)
+    except OSError as err:
+        from dstrain.trainers.run_files import disk_full_problem
+        line = disk_full_problem(err, folder, "the warm start",
+                                 f"its {task.warm_start_steps} supervised steps are lost, nothing else was trained "
+                                 "(its partial files are removed)")
+        if line is None:
+            raise
+        import shutil
+        shutil.rmtree(folder, ignore_errors=True)  # no marker: redone next time; its space is given back now
+        return line
+    return None
 
 
 def with_model_path(cfg: RunConfig, path: str) -> RunConfig:
@@ -399,5 +443,10 @@ def append_plan_note(out: Path, world, line: str) -> None:
     """Rank 0: ``line`` printed and added to ``out/plan.txt``."""
     if world.is_main:
         print(line, flush=True)
-        with open(out / "plan.txt", "a") as fh:
-            fh.write(line + "\n")
+        try:
+            with open(out / "plan.txt", "a") as fh:
+                fh.write(line + "\n")
+        except OSError as err:  # a full disk: the note is said above; not a traceback that ends rank 0
+            import sys
+            print(f"dstrain: warning: {out / 'plan.txt'} could not be appended to ({err.strerror or err}); "
+                  "the note above is not in it", file=sys.stderr, flush=True)

@@ -69,6 +69,12 @@ def cache_space_problem(err: BaseException, cache: str | Path) -> str | None:
     """The one line for ``err``, raised while rank 0 fills its data cache ``cache`` (``datasets``' Arrow files,
     under ``output.dir``), when the disk is full or over quota; None for any other error. Before: the ``OSError``
     traceback of rank 0 (``datasets``: "Not enough disk space. Needed: Unknown size"), its peers waiting."""
+    return disk_full_problem(err, cache, "the data cache", "nothing was trained")
+
+
+def disk_full_problem(err: BaseException, where: str | Path, what: str, lost: str) -> str | None:
+    """``<what> <where> could not be written (no space left on device, N free there); <lost>: free space, then
+    start again`` when ``err`` (or an error it was raised from) is a full disk or an exceeded quota, else None."""
     seen, cause = set(), err
     while cause is not None and id(cause) not in seen:
         seen.add(id(cause))
@@ -76,10 +82,9 @@ def cache_space_problem(err: BaseException, cache: str | Path) -> str | None:
                                            or "Not enough disk space" in str(cause)):
             from dstrain.engine.profiles import format_bytes
             from dstrain.rank_exit import _free_bytes
-            free = _free_bytes(Path(cache))
+            free = _free_bytes(Path(where))
             space = f"{format_bytes(free)} free there" if free is not None else "free space unknown"
             why = "disk quota exceeded" if cause.errno == errno.EDQUOT else "no space left on device"
-            return (f"the data cache {cache} could not be written ({why}, {space}); nothing was trained: free "
-                    "space, then start again")
+            return f"{what} {where} could not be written ({why}, {space}); {lost}: free space, then start again"
         cause = cause.__cause__ or cause.__context__
     return None

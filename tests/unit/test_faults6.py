@@ -124,6 +124,7 @@ def test_a_file_system_without_flock_is_not_a_traceback(tmp_path, no_lock, monke
     def no_flock(_fd, _op):
         raise OSError(errno.ENOLCK, "No locks available")
     monkeypatch.setattr(fcntl, "flock", no_flock)
+    monkeypatch.setattr(run_lock, "SETTLE_S", 0.05)  # (the read-back of a take without flock: test_faults8)
     out = tmp_path / "run"
     assert common._lock_run_folder(out) is None  # nobody holds it: taken
     monkeypatch.setattr(run_lock, "_HELD", [])
