@@ -161,7 +161,21 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
     def materialized(x):
         """An iterator the program made (a generator, ``map`` over its function) as a list: its code
         runs here, as the program's own computation, not inside a guarded library operation."""
-        return list(x) if any("__next__" in dict_of(c) for c in mro_of(type(x))) else x
+        return unhandled(list, x) if any("__next__" in dict_of(c) for c in mro_of(type(x))) else x
+
+    blank_type = builtins["Exception"]
+
+    def unhandled(fn, *args, **kw):
+        """``fn(*args, **kw)``, the program's code, with no exception of the test's as the one being handled: called
+        in a test's ``except`` block, the program read the test's exception (``sys.exc_info()``, the ``__context__``
+        of one it raised: ``KeyError('mango')``) and returned what it carried (red-team round 28). The one it sees now
+        is a blank ``Exception``, with no context and no traceback (also inside a built-in function it hands a generator
+        of the program's to)."""
+        try:
+            raise blank_type()
+        except blank_type as blank:
+            blank.__context__ = blank.__traceback__ = None
+            return fn(*args, **kw)
 
     loaded = tuple(rec[0] for rec in modules.values())
 
@@ -286,7 +300,7 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
         if type(inner) is function and id(inner.__code__) in setup_codes:
             return setup_call(fn, inner.__code__, args, kw)
         if own(fn):
-            result = fn(*args, **kw)
+            result = unhandled(fn, *args, **kw)
             types_intact("in its function")
             return result
         for k, (cache, hold_and_clear) in re_caches.items():
@@ -318,6 +332,9 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
             return (x for x in args[1] if call(args[0], x))
         tf = type(fn)
         receiver = getattr(fn, "__self__", None) if tf is method or tf is builtin_method or tf is slot_method else None
+        if tf is method and type(fn.__func__) is function and fn.__func__.__globals__ is ns \
+                and fn.__func__.__code__.co_filename == "<test>":  # a method of a class the test defines: its code is
+            receiver = None  # the test's, guarded, called as the test's functions are (round 28: it was the program's)
         if receiver is None or type(receiver) is module_type:
             if (name_of is not None or issubclass(type(fn), type) and library_class(fn) and flags_of(fn) & heap) \
                     and not any(type(a) is function or type(a) is method for a in (*args, *kw.values())):
@@ -334,8 +351,8 @@ def _make_guards(judge: tuple, ns: dict, bad: list, builtins: dict, modules: dic
             builtins_kept("before the test's call", before=True)
             programs_context = get_context()
             set_context(context.copy())  # (``abs(d)`` rounds in it)
-            try:
-                result = fn(*args, **kw)
+            try:  # (a generator of the program's it is handed runs in it: ``list(f(x))``)
+                result = unhandled(fn, *args, **kw)
             finally:
                 set_context(programs_context)
             builtins_kept("during the test's call")
