@@ -133,11 +133,28 @@ def compact_source(text: str) -> str:
             kept = [n for n in body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)
                                             and isinstance(n.value.value, str))]
             node.body = kept or [ast.Pass()]
-    out = ast.unparse(tree) + "\n"
+    out = _one_space_indents(ast.unparse(tree)) + "\n"
     if len(out.encode()) >= ARG_BYTES:
         raise RuntimeError(f"the sandbox child's source is {len(out.encode())} bytes even without comments, over "
                            f"Linux's {ARG_BYTES} for one argument: split it, or pass it another way")
     return out
+
+
+def _one_space_indents(code: str) -> str:
+    """``ast.unparse``'s output with one space per indentation level instead of four (a sixth of the sandbox
+    modules' compacted bytes). ``unparse`` writes every statement on its own line and every string on one line
+    (escaped), so a line's leading spaces are only its indentation; where that does not hold (the result parses to
+    another tree), ``code`` is returned as it is."""
+    import ast
+    lines = []
+    for line in code.split("\n"):
+        body = line.lstrip(" ")
+        indent = len(line) - len(body)
+        if indent % 4:
+            return code
+        lines.append(" " * (indent // 4) + body)
+    out = "\n".join(lines)
+    return out if ast.dump(ast.parse(out)) == ast.dump(ast.parse(code)) else code
 
 
 _CHILD_SOURCE = compact_source("".join((Path(_child.__file__).parent / name).read_text()

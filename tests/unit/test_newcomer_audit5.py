@@ -228,7 +228,9 @@ def test_resuming_a_finished_run_says_nothing_is_left_to_train(tmp_path, capsys)
 
 @pytest.fixture
 def sigint_restored():
-    previous = signal.getsignal(signal.SIGINT)
+    """SIGINT as a fresh ``dstrain`` process has it (Python's default handler), whatever an earlier test in this
+    process left; put back afterwards."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     signal.signal(signal.SIGINT, previous)
     cli_checks.INTERRUPTED.clear()
