@@ -230,6 +230,18 @@ def scale_schedule_horizon(ds_config: dict, updates_per_step: int) -> None:
         params["total_num_steps"] *= updates_per_step
 
 
+def eval_and_save_due(cfg: RunConfig, step: int, device) -> tuple[bool, bool]:
+    """Whether ``step`` evaluates (``train.eval_every``) and saves (``checkpoint.every``). When it does either, the
+    device's queued work is waited for first (:func:`dstrain.metrics.wait_for_device`), so the time a trainer sets
+    aside from its throughput window for them holds none of the step's own GPU work; other steps never wait."""
+    from dstrain.metrics import wait_for_device
+    evaluating = bool(cfg.train.eval_every and step % cfg.train.eval_every == 0)
+    saving = bool(cfg.checkpoint.every and step % cfg.checkpoint.every == 0)
+    if evaluating or saving:
+        wait_for_device(device)
+    return evaluating, saving
+
+
 def plan_and_record(cfg: RunConfig, world: runtime.World, out: Path, extra_text: str = "",
                     resume: tuple[Path, str] | None = None, updates_per_step: int = 1):
     """Rank 0 plans the engine (``plan_engine``); every rank gets the plan. Rank 0 writes

@@ -24,14 +24,14 @@ import torch
 
 from dstrain import runtime
 from dstrain.resilience import NonFiniteError, torch_timeout_s
-from dstrain.trainers.common import (CheckpointSaver, RunGuards, StopFlag, decide_resume, fault, load_checkpoint,
-                                     pin_plan, plan_and_record)
+from dstrain.trainers.common import (CheckpointSaver, RunGuards, StopFlag, decide_resume, eval_and_save_due, fault,
+                                     load_checkpoint, pin_plan, plan_and_record)
 from dstrain.config import ConfigError, RunConfig, RunFolderError
 from dstrain.trainers.run_files import write_summary
 from dstrain.data import sudoku
 from dstrain.data.prefetch import StepPrefetcher
 from dstrain.engine.factory import create_engine
-from dstrain.metrics import RunLogger, reduce_mean, wait_for_device
+from dstrain.metrics import RunLogger, reduce_mean
 from dstrain.optim.ema import EMA
 from dstrain.optim.sparse_sign_sgd import SparseEmbedding, SparseSignSGD
 from dstrain.trainers import task_config
@@ -305,11 +305,8 @@ class HRMTrainer:
                     if out_of_time:
                         log.message(f"time limit of {limit:.0f} s reached at step {step}")
                         break
-                evaluating = bool(t.eval_every and step % t.eval_every == 0)
-                saving = bool(cfg.checkpoint.every and step % cfg.checkpoint.every == 0)
-                if evaluating or saving:  # not in the segments/s of the next window (the device's queued step is)
-                    wait_for_device(self.engine.device)
-                aside = time.perf_counter()
+                evaluating, saving = eval_and_save_due(cfg, step, self.engine.device)
+                aside = time.perf_counter()  # evaluation and saving: not in the segments/s of the next window
                 if evaluating:
                     self.guards.phase("eval", step)
                     val, val_step = self.evaluate(), step

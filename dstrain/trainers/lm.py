@@ -21,16 +21,16 @@ from pathlib import Path
 import torch
 
 from dstrain import runtime
-from dstrain.trainers.common import (CheckpointSaver, RunGuards, StopFlag, decide_resume, fault, fault_hang,
-                                     fault_raise,
-                                     load_checkpoint, pin_plan, plan_and_record, warn_batch_change)
+from dstrain.trainers.common import (CheckpointSaver, RunGuards, StopFlag, decide_resume, eval_and_save_due, fault,
+                                     fault_hang, fault_raise, load_checkpoint, pin_plan, plan_and_record,
+                                     warn_batch_change)
 from dstrain.resilience import NonFiniteError, torch_timeout_s
 from dstrain.trainers.run_files import cache_space_problem, write_summary
 from dstrain.config import ConfigError, RunConfig, RunFolderError
 from dstrain.data.corpus import ByteTokenizer, build_token_streams, load_documents
 from dstrain.data.sampler import WindowSampler, get_batch
 from dstrain.engine.factory import create_engine
-from dstrain.metrics import RunLogger, Throughput, peak_memory_bytes, reduce_mean, wait_for_device
+from dstrain.metrics import RunLogger, Throughput, peak_memory_bytes, reduce_mean
 
 
 def corpus_tokenizer(cfg: RunConfig):
@@ -261,11 +261,8 @@ class LMTrainer:
                         self.save(step)
                         last_saved, stopped = step, True
                         break
-                evaluating = bool(t.eval_every and step % t.eval_every == 0)
-                saving = bool(cfg.checkpoint.every and step % cfg.checkpoint.every == 0)
-                if evaluating or saving:  # not in the tokens/s of the next window (the device's queued step is)
-                    wait_for_device(self.engine.device)
-                aside = time.perf_counter()
+                evaluating, saving = eval_and_save_due(cfg, step, self.engine.device)
+                aside = time.perf_counter()  # evaluation and saving: not in the tokens/s of the next window
                 if evaluating:
                     self.guards.phase("eval", step)
                     log.log(step, {"loss": self.evaluate()}, prefix="val")
