@@ -231,14 +231,15 @@ class _TinyLM(torch.nn.Module):
         return self.out(torch.tanh(self.emb(ids)))
 
 
-class _FakeEngine:
-    """DeepSpeed's contract as the trainer uses it: backward divides by grad_accum; step is a no-op here."""
+class FakeEngine:
+    """DeepSpeed's contract as the GRPO trainer uses it: backward divides by grad_accum; step is a no-op here
+    (also tests/unit/test_moe_router_loss.py's, around a policy)."""
 
     def __init__(self, module, grad_accum):
         self.module, self.grad_accum, self.device = module, grad_accum, torch.device("cpu")
 
     def __call__(self, ids, attention_mask=None):
-        return self.module(ids, attention_mask)
+        return self.module(ids, attention_mask=attention_mask)
 
     def backward(self, loss):
         (loss / self.grad_accum).backward()
@@ -267,13 +268,13 @@ def _step_trainer(loss_type, weights):
 
 def fake_step_trainer(loss_type: str, sb, grad_accum: int):
     """A GRPOTrainer (one rank, no reference model) whose every step trains on the StepBatch ``sb`` through
-    :class:`_FakeEngine` over :class:`_TinyLM`, in ``grad_accum`` micro-batches."""
+    :class:`FakeEngine` over :class:`_TinyLM`, in ``grad_accum`` micro-batches."""
     from dstrain.trainers.grpo import GRPOTrainer
     from models.policy.model import token_entropy, token_logprobs
     B, T = sb.batch["input_ids"].shape
     tr = GRPOTrainer.__new__(GRPOTrainer)
     tr.cfg = types.SimpleNamespace(train=types.SimpleNamespace(micro_batch=B // grad_accum, grad_accum=grad_accum))
-    tr.engine = _FakeEngine(_TinyLM(), grad_accum)
+    tr.engine = FakeEngine(_TinyLM(), grad_accum)
     tr.task = PolicyTaskConfig(loss_type=loss_type, max_new_tokens=T)
     tr.world = types.SimpleNamespace(world_size=1, rank=0)
     tr.samples_per_step, tr.reference = B, None

@@ -43,6 +43,7 @@ from models.policy.config import PolicyConfig
 from models.policy.model import build_policy, positions_from_mask, token_logprobs
 from models.policy.tokenizer import load_tokenizer
 from tests.hf_checkpoints import build_checkpoint
+from tests.unit.test_grpo_dapo import FakeEngine
 
 RECIPE = "models/policy/recipes/grpo_debug.json"
 
@@ -132,28 +133,6 @@ def test_aux_loss_is_the_load_balancing_loss_of_the_unpadded_tokens(ckpt):
     routers.remove()
 
 
-class Engine:
-    """DeepSpeed's contract as the GRPO trainer uses it: backward divides by grad_accum; step does nothing."""
-
-    def __init__(self, module, grad_accum):
-        self.module, self.grad_accum, self.device = module, grad_accum, torch.device("cpu")
-
-    def __call__(self, ids, attention_mask=None):
-        return self.module(ids, attention_mask=attention_mask)
-
-    def backward(self, loss):
-        (loss / self.grad_accum).backward()
-
-    def step(self):
-        pass
-
-    def eval(self):
-        self.module.eval()
-
-    def train(self):
-        self.module.train()
-
-
 def grpo_trainer(model, loss_type="dapo", grad_accum=2, seed=0):
     """A GRPOTrainer (one rank, no reference) training ``model`` on one left-padded StepBatch."""
     ids, attn = left_padded(seed)
@@ -165,7 +144,7 @@ def grpo_trainer(model, loss_type="dapo", grad_accum=2, seed=0):
     sb = gs.StepBatch(batch, adv, torch.ones(B), {}, {"generation": 0.0, "reward": 0.0}, 0)
     tr = GRPOTrainer.__new__(GRPOTrainer)
     tr.cfg = types.SimpleNamespace(train=types.SimpleNamespace(micro_batch=B // grad_accum, grad_accum=grad_accum))
-    tr.engine = Engine(model, grad_accum)
+    tr.engine = FakeEngine(model, grad_accum)
     tr.task = PolicyTaskConfig(loss_type=loss_type, max_new_tokens=T)
     tr.world = types.SimpleNamespace(world_size=1, rank=0)
     tr.samples_per_step, tr.reference = B, None
