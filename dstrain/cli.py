@@ -135,12 +135,25 @@ def cmd_train(args, overrides) -> int:
 
 
 def _remove_if_only_cache(out: Path) -> None:
-    """A run folder this failed run created and left holding nothing but the data cache: removed."""
+    """A run folder this failed run created and left holding nothing but the data cache and this run's lock:
+    removed. Before, a failure after rank 0 took the lock (the run records refused by a full disk, an error in
+    the model's set-up) left the folder with ``.dstrain.lock``, and the lock record of a rank that exits through
+    ``os._exit`` stayed in it: the retry found a folder that looked like a run's (and was refused for
+    :data:`dstrain.run_lock.STALE_S` from another host)."""
     import shutil
+
+    from dstrain import run_lock
     try:
-        if out.is_dir() and {p.name for p in out.iterdir()} <= {".cache"}:
-            shutil.rmtree(out, ignore_errors=True)
-    except OSError:
+        if not out.is_dir() or not {p.name for p in out.iterdir()} <= {".cache", run_lock.NAME}:
+            return
+        held = bool(run_lock._HELD) and run_lock._HELD[0][0] == out.resolve()
+        lock = out / run_lock.NAME
+        if lock.exists() and not held and lock.read_text().strip():
+            return  # another run's lock (it took the folder meanwhile): its folder now
+        if held:
+            run_lock.release()  # (first: the heartbeat would make the folder again)
+        shutil.rmtree(out, ignore_errors=True)
+    except (OSError, UnicodeDecodeError):
         pass
 
 
@@ -247,6 +260,8 @@ def cmd_launch(args, overrides) -> int:
             print(f"dstrain: {line}", file=sys.stderr)
         return 0
 
+    errors: list[str | None] = []  # each attempt's first unexpected error and where (see run_with_restarts)
+
     def run_once(argv, env) -> int:
         env["DSTRAIN_FAILURE_DIR"] = failures = tempfile.mkdtemp(prefix="dstrain-job-")  # see _reports_failure
         from dstrain.cli_checks import JOBS_STARTED
@@ -285,6 +300,7 @@ def cmd_launch(args, overrides) -> int:
                 release_job_comm_buffers(args.master_port)
             stopped = rank_exit.stopped_code(failures)  # a rank stopped by a signal sent to it, not to us
             failed = rank_exit.failed_code(failures)
+            errors.append(rank_exit.error_of(failures))  # (the first failing rank's: compared across restarts)
             shutil.rmtree(failures, ignore_errors=True)
         if got:
             return 128 + got[0]
@@ -313,7 +329,8 @@ def cmd_launch(args, overrides) -> int:
         raise KeyboardInterrupt
     from dstrain.supervise import run_with_restarts
     return run_with_restarts(attempt, args.max_restarts, lambda line: print(line, file=sys.stderr, flush=True),
-                             lambda: ckpt.find_latest(Path(cfg.output.dir) / "checkpoints"))
+                             lambda: ckpt.find_latest(Path(cfg.output.dir) / "checkpoints"),
+                             error=lambda: errors[-1] if errors else None)
 
 
 def _output_problem(cfg, resume: bool = False) -> str | None:
@@ -500,6 +517,8 @@ def _rank_failed() -> int:
         else:
             import traceback
             traceback.print_exc()
+            from dstrain.rank_exit import error_signature, note_error
+            note_error(error_signature(sys.exc_info()[1], Watchdog.last))  # (compared by --max-restarts)
     if line:  # the peer is gone: let the launcher find its status (a signal, named) before this exit 1
         import time
         time.sleep(PEER_LOST_EXIT_DELAY_S)

@@ -127,10 +127,19 @@ class RunLogger:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         keep_records_until(out / "metrics.jsonl", start_step)
-        self.jsonl = open(out / "metrics.jsonl", "a")
+        # A sink that cannot be opened (its folder a link to a mount that is gone, not writable, a file in the
+        # way) costs one warning and that sink, as one that fails later does (:meth:`_drop_sink`); before,
+        # rank 0's traceback ended the run before its first step, and every restart met it again.
+        try:
+            self.jsonl = open(out / "metrics.jsonl", "a")
+        except OSError as err:
+            self._unopened("metrics.jsonl", out / "metrics.jsonl", err)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
-            self.writer = SummaryWriter(str(out / "tensorboard"), purge_step=start_step + 1)
+            try:
+                self.writer = SummaryWriter(str(out / "tensorboard"), purge_step=start_step + 1)
+            except OSError as err:
+                self._unopened("TensorBoard events", out / "tensorboard", err)
         if progress:
             from tqdm import tqdm
             self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
@@ -169,6 +178,10 @@ class RunLogger:
         what = "TensorBoard events" if name == "writer" else "metrics.jsonl"
         self.message(f"dstrain: warning: {what} could not be written ({err.strerror or err}); no more {what} "
                      f"for the rest of this run, which goes on")
+
+    def _unopened(self, what: str, path: Path, err: OSError) -> None:
+        self.message(f"dstrain: warning: {what} cannot be written at {path} ({err.strerror or err}); no {what} "
+                     "for this run, which goes on (make it writable, or remove what is in the way, for the next)")
 
     def advance(self, n: int = 1) -> None:
         if self.bar is not None:

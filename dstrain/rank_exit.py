@@ -160,6 +160,40 @@ def note_failed(code: int) -> None:
         _write_first(folder, FAILED_FILE, code)
 
 
+ERROR_FILE = "error"
+"""In ``$DSTRAIN_FAILURE_DIR``: the unexpected error of the first rank that failed, and where (``RuntimeError: ...
+at forward of step 150``), which ``--max-restarts`` compares from one attempt to the next."""
+
+
+def error_signature(err: BaseException, where: tuple[str | None, int] | None) -> str:
+    """One line naming an unexpected error and the phase and step it came in (the same for the same error at the
+    same point of a resumed attempt)."""
+    first = (str(err).strip().splitlines() or [""])[0][:240]
+    at = f" (in {where[0]} of step {where[1]})" if where and where[0] else " (before the first step)"
+    return f"{type(err).__name__}{': ' + first if first else ''}{at}"
+
+
+def note_error(signature: str) -> None:
+    """Leave the first failing rank's :func:`error_signature` for ``dstrain launch`` (first writer wins)."""
+    folder = os.environ.get("DSTRAIN_FAILURE_DIR")
+    if not folder:
+        return
+    try:
+        fd = os.open(os.path.join(folder, ERROR_FILE), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except OSError:
+        return
+    os.write(fd, signature.replace("\n", " ").encode(errors="replace"))
+    os.close(fd)
+
+
+def error_of(folder: str | Path) -> str | None:
+    """The error the first failing rank of a job left in ``folder`` (:func:`note_error`), else None."""
+    try:
+        return (Path(folder) / ERROR_FILE).read_text(errors="replace").strip() or None
+    except OSError:
+        return None
+
+
 def failed_code(folder: str | Path) -> int | None:
     """The status the first failing rank left in ``folder`` (:func:`note_failed`), else None."""
     try:

@@ -9,6 +9,9 @@ also rewrites ``PID HOST TIME`` every :data:`BEAT_S` seconds (a heartbeat in the
 folder copied with ``cp -r`` gets new mtimes) and empties the file when it ends normally. A lock file naming
 another host with a heartbeat younger than :data:`STALE_S` refuses the folder whatever flock said; an older one
 (that host died, lost power or was rebooted mid-run) is taken over with a note naming the run it replaces.
+Under SLURM the record also names the job and its restart count (``slurm:JOBID.RESTARTS``): a job that SLURM
+requeued onto another node (``--requeue`` after a node failure) finds its own earlier instance there, which SLURM
+ended before requeuing it, and takes over without waiting out :data:`STALE_S` (after the :data:`CONFIRM_S` watch).
 """
 from __future__ import annotations
 
@@ -48,9 +51,42 @@ def _holder(text: str) -> tuple[str, str, float | None]:
     return (fields + ["", ""])[0], (fields + ["", ""])[1], beat
 
 
+def _slurm_job() -> tuple[str, int] | None:
+    """(SLURM_JOB_ID, SLURM_RESTART_COUNT) of this process, None outside a SLURM job."""
+    job = os.environ.get("SLURM_JOB_ID", "").strip()
+    if not job or any(c.isspace() for c in job):
+        return None
+    try:
+        return job, int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+    except ValueError:
+        return job, 0
+
+
+def _slurm_of(text: str) -> tuple[str, int] | None:
+    """The ``slurm:JOBID.RESTARTS`` field of a lock record, None when it has none."""
+    for field in text.split()[3:]:
+        if field.startswith("slurm:"):
+            job, _, count = field[len("slurm:"):].rpartition(".")
+            if job and count.isdigit():
+                return job, int(count)
+    return None
+
+
+def _requeued_from(text: str) -> tuple[str, int, int] | None:
+    """(job, the holder's restart count, this one's) when the record's holder is an earlier instance of this
+    process's SLURM job: SLURM requeues a job (``--requeue``, ``scontrol requeue``, a node failure) only once
+    that instance has ended, so its lock is no other run's."""
+    mine, theirs = _slurm_job(), _slurm_of(text)
+    if mine and theirs and mine[0] == theirs[0] and theirs[1] < mine[1]:
+        return mine[0], theirs[1], mine[1]
+    return None
+
+
 def _record() -> bytes:
     """This process's lock text; one length for every beat (each rewrites it in place, never empty)."""
-    return f"{os.getpid()} {socket.gethostname()} {time.time():014.1f}\n".encode()
+    job = _slurm_job()
+    tail = f" slurm:{job[0]}.{job[1]}" if job else ""
+    return f"{os.getpid()} {socket.gethostname()} {time.time():014.1f}{tail}\n".encode()
 
 
 def _other_host_problem(out: Path, path: Path, flock_works: bool) -> tuple[str | None, str | None]:
@@ -69,6 +105,11 @@ def _other_host_problem(out: Path, path: Path, flock_works: bool) -> tuple[str |
             return (f"output.dir {out} is in use by another run ({holder_text(text)}); "
                     "wait for it or choose another output.dir"), None
         return None, None
+    if requeued := _requeued_from(text):
+        job, before, now = requeued
+        return None, (f"dstrain: note: taking over output.dir {out} from {holder_text(text)}: SLURM job {job} "
+                      f"was requeued (restart {now}; the holder was its restart {before}, which SLURM ended); its "
+                      "checkpoints stay")
     if age < STALE_S:
         return (f"output.dir {out} is in use by another run ({holder_text(text)}, heartbeat {age:.0f} s ago; this "
                 f"file system does not share locks between hosts); wait for it or choose another output.dir (if "
@@ -96,6 +137,10 @@ def _still_beating(out: Path, path: Path) -> str | None:
             return None
         _, host, beat = _holder(now)
         if now != before and now.strip() and beat is not None and host != socket.gethostname():
+            if _requeued_from(now):
+                return (f"output.dir {out} is in use by another run ({holder_text(now)}): the earlier instance of "
+                        f"SLURM job {_slurm_of(now)[0]} still renews its heartbeat (its node lost from SLURM, not "
+                        "from the file system); wait for it to end or choose another output.dir")
             behind = time.time() - beat
             return (f"output.dir {out} is in use by another run ({holder_text(now)}): its heartbeat is still "
                     f"renewed although it reads {behind:.0f} s old here (the clocks of {host} and "
@@ -218,7 +263,7 @@ def _beat(handle) -> None:
         time.sleep(BEAT_S)
         if _HELD and _HELD[0][1] is handle:
             recheck()  # (may move the lock to a new file: its own thread beats it)
-        with _MUTEX:  # (not after _release emptied the file)
+        with _MUTEX:  # (not after release emptied the file)
             try:
                 if _HELD and _HELD[0][1] is handle:
                     os.pwrite(handle.fileno(), _record(), 0)
@@ -294,14 +339,22 @@ def _warn(line: str) -> str:
     return line
 
 
-@atexit.register
-def _release() -> None:
-    """A run that ends normally leaves an empty lock file: nothing to take over (nor to refuse, once copied)."""
+def release() -> bool:
+    """Let go of the lock this process holds, leaving an empty lock file: nothing to take over (nor to refuse,
+    once copied); whether one was held. At exit (``atexit``) and from :func:`dstrain.runtime.exit_rank`, whose
+    ``os._exit`` runs no ``atexit`` handler: before, every rank's lock record stayed, so a job started on another
+    host within :data:`STALE_S` of the run's end (the next job of a SLURM chain, a retry) was refused as if the
+    run still went, and one started later waited :data:`CONFIRM_S` and took over "from a host that died"."""
     with _MUTEX:
         held = list(_HELD)
         _HELD.clear()
     for _folder, handle in held:
         try:
             handle.truncate(0)
+            handle.close()
         except (OSError, ValueError):
             pass
+    return bool(held)
+
+
+atexit.register(release)

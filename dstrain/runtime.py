@@ -271,6 +271,9 @@ def exit_rank(code: int) -> None:
     rank's entry point, after everything it writes is flushed and closed.
     """
     import sys
+
+    from dstrain import run_lock
+    run_lock.release()  # (os._exit runs no atexit handler: the lock record would stay, as a run still going)
     _end_helper_processes()
     sys.stdout.flush()
     sys.stderr.flush()

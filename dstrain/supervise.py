@@ -13,6 +13,13 @@ same save), and a stop asked for by a signal (128 + N: SIGINT/SIGTERM/SIGHUP to 
 SIGINT/SIGTERM/SIGUSR1 to a rank, which saves a checkpoint and exits 128 + N: whoever sent it, a user
 or a scheduler's preemption, decides whether the run continues, with ``--resume``).
 A rank ended by the hang watchdog (exit 124) is restarted like any failure.
+
+Nor is a deterministic error restarted for ever: when two attempts in a row end with the same unexpected error
+(exception type and message, as the first failing rank left it) in the same phase of the same step, the second
+resumed from the checkpoint the first did and met it again, and so would every other restart (each costing a
+start-up, and the error buried under them): the launch stops there with one line naming it. A lost node, a
+killed rank or an error at another step (a flaky file system, a collective that timed out) differs, or leaves
+no error (a signal), and is restarted as before.
 """
 from __future__ import annotations
 
@@ -25,16 +32,19 @@ NO_RESTART = {0, 2, 3, 4} | {128 + s for s in (signal.SIGINT, signal.SIGTERM, si
 
 
 def run_with_restarts(attempt: Callable[[bool], int], max_restarts: int, log: Callable[[str], None],
-                      latest: Callable[[], str | None] = lambda: None, pause: float = 1.0) -> int:
+                      latest: Callable[[], str | None] = lambda: None, pause: float = 1.0,
+                      error: Callable[[], str | None] = lambda: None) -> int:
     """Run ``attempt(resume)`` until it succeeds, is not retryable, or ``max_restarts`` restarts are spent.
 
     ``attempt(False)`` is the first run (it may itself resume, as the user asked);
     restarts call ``attempt(True)``. ``latest()`` names the checkpoint a restart will
-    continue from (for the log). Returns the last attempt's exit status.
+    continue from (for the log); ``error()`` the last attempt's first unexpected error and where
+    (None: none left, as for a rank killed by a signal). Returns the last attempt's exit status.
     """
     if max_restarts < 0:
         raise ValueError(f"max_restarts must not be negative, got {max_restarts}")
     code = attempt(False)
+    seen = error() if code not in NO_RESTART else None
     for n in range(1, max_restarts + 1):
         if code in NO_RESTART:
             return code
@@ -43,6 +53,14 @@ def run_with_restarts(attempt: Callable[[bool], int], max_restarts: int, log: Ca
             + (f"from checkpoint {where}" if where else "from the start (no complete checkpoint yet)"))
         time.sleep(pause)  # ports and shared memory of the dead attempt are released
         code = attempt(True)
+        now = error() if code not in NO_RESTART else None
+        if now is not None and now == seen:
+            left = max_restarts - n
+            log(f"dstrain: job failed again with the same error at the same point: {now}; not restarting it "
+                f"({left} restart(s) left unused: a deterministic error, which every restart would meet again): "
+                "fix it, then --resume")
+            return code
+        seen = now
     if code not in NO_RESTART and max_restarts:
         log(f"dstrain: job failed (exit {code}) after {max_restarts} restart(s); giving up")
     return code

@@ -140,11 +140,32 @@ class LMTrainer:
         saved = json.loads((self.ckpt_root / tag / "ds_config.json").read_text())  # micro x accum x dp, resolved
         old = int(saved.get("train_batch_size") or 0) or self.global_batch
         # Where the data order stands: the samples the checkpoint's run took (older checkpoints: step x its batch).
-        self.data_start = (self.start_step, int(state.get("samples", self.start_step * old)))
+        samples = int(state.get("samples", self.start_step * old))
+        self.data_start = (self.start_step, self._samples_at_this_length(tag, samples))
         warn_batch_change(self.world, self.ckpt_root / tag, self.start_step, self.cfg.train.steps,
                           saved.get("train_batch_size"), self.plan.ds_config.get("train_batch_size"),
                           data_at=self.data_start[1])
         self.guards.skipped = int(state.get("skipped_steps", 0))
+
+    def _samples_at_this_length(self, tag: str, samples: int) -> int:
+        """Where the data order continues when ``data.seq_len`` changed since checkpoint ``tag``: at the same number
+        of tokens into the data (the same point of the same epoch), in samples of the new length. Before, the
+        sample count was kept: doubling the length 90% through epoch 0 went on 80% through epoch 1 (most of
+        the data left out), halving it went back to 45% of epoch 0 (trained on again)."""
+        try:
+            saved = int(json.loads((self.ckpt_root / tag / "run_config.json").read_text())["data"]["seq_len"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return samples
+        now = self.cfg.data.seq_len
+        if saved <= 0 or saved == now:
+            return samples
+        moved = samples * saved // now
+        if self.world.is_main:
+            print(f"dstrain: note: data.seq_len {saved} -> {now}: the data order continues {samples * saved} tokens "
+                  f"in, as the checkpoint's {samples} samples of {saved} tokens left it (sample {moved} of {now}; the "
+                  "same epoch); windows of the new length come in another order, so the rest of this epoch may "
+                  "repeat or leave out some of the text already trained on", flush=True)
+        return moved
 
     @property
     def global_batch(self) -> int:

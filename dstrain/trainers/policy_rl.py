@@ -55,8 +55,40 @@ def export_policy_checkpoint(ckpt: str | Path, out: str | Path) -> Path | None:
     if args.get("path"):
         args["path"] = run_path_here(args["path"], Path(root).parent)
     mcfg = registry.make_model_config(model["name"], model.get("size"), args)
-    spec.rl.export_pretrained(state, mcfg, str(out))
+    write_folder_whole(Path(out), lambda folder: spec.rl.export_pretrained(state, mcfg, str(folder)))
     return Path(out)
+
+
+def write_folder_whole(out: Path, write) -> None:
+    """``write(folder)`` into a folder beside ``out`` (``.NAME.partial``), then moved into place, so that an
+    export killed halfway (Ctrl-C, the scheduler's kill, a full disk) never leaves ``out`` looking like a whole
+    Hugging Face checkpoint. Before, ``save_pretrained`` wrote straight into ``out``: a kill after
+    ``config.json`` left a folder that looked like one (weights cut short, or no tokenizer), which
+    ``--model.args.path`` failed on only once loading it. A new or empty ``out`` is renamed into place at once;
+    into one that holds files (an earlier export) the new files are moved one by one, its ``config.json``
+    removed first and the new one moved last: until then the folder is no checkpoint (a kill there is "not a
+    Hugging Face checkpoint directory"), and every file in it is whole. Files of ``out`` that the export does
+    not write stay."""
+    import shutil
+    out = Path(os.path.abspath(out))  # ("." has no name to put beside it)
+    partial = out.with_name(f".{out.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)  # an earlier export killed halfway
+    try:
+        partial.mkdir(parents=True)
+        write(partial)
+        if out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
+        if not out.exists():
+            os.replace(partial, out)
+            return
+        names = sorted((p.name for p in partial.iterdir()), key=lambda name: name == "config.json")
+        (out / "config.json").unlink(missing_ok=True)
+        for name in names:
+            if (out / name).is_dir() and not (out / name).is_symlink():
+                shutil.rmtree(out / name)
+            os.replace(partial / name, out / name)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 def run_path_here(path: str, run_dir: Path) -> str:

@@ -113,7 +113,7 @@ def test_the_holder_keeps_its_heartbeat_and_clears_it_when_it_ends(tmp_path, no_
     time.sleep(0.3)
     assert float(path.read_text().split()[2]) > first
     handles = [handle for _, handle in run_lock._HELD]
-    run_lock._release()  # (at exit) a run that ended normally: a copy of its folder is free at once
+    run_lock.release()  # (at exit) a run that ended normally: a copy of its folder is free at once
     assert path.read_text() == ""
     for handle in handles:
         handle.close()  # (the process ends: the kernel drops its flock)
