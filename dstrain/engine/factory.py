@@ -206,13 +206,14 @@ def _auto_pp(spec, mcfg, cfg, stats, hw, acts, world_size) -> tuple[int, str]:
     try:
         choose_plan(stats, hw, acts, world_size, t.micro_batch, precision=ds.precision,
                     activation_checkpointing=ds.activation_checkpointing, margin=ds.margin,
-                    profiles=("zero0", "zero1", "zero2"))
+                    profiles=("zero0", "zero1", "zero2"), mixed_precision=ds.mixed_precision)
         return 1, "parallel.pp auto -> 1: ZeRO-0/1/2 fits the whole model"
     except PlanError:
         pass
     from dstrain.parallel.pipeline import layer_activations
     pp = suggest_pp(spec.pipeline(mcfg, False).param_counts(), hw, acts, world_size, t.micro_batch, t.grad_accum,
-                    precision=ds.precision, margin=ds.margin, layer_acts=layer_activations(spec, mcfg, cfg.data.seq_len))
+                    precision=ds.precision, margin=ds.margin, layer_acts=layer_activations(spec, mcfg, cfg.data.seq_len),
+                    mixed_precision=ds.mixed_precision)
     if pp is None:
         return 1, "parallel.pp auto -> 1: ZeRO-0/1/2 does not fit and no pipeline degree fits with ZeRO-0/1"
     return pp, (f"parallel.pp auto -> {pp}: ZeRO-0/1/2 does not fit the whole model on {world_size} ranks, "
@@ -234,7 +235,8 @@ def _plan_or_suggest_pp(spec, mcfg, cfg, stats, hw, acts, dims, world_size):
         from dstrain.parallel.pipeline import layer_activations
         counts = spec.pipeline(mcfg, False).param_counts()
         return suggest_pp(counts, hw, acts, world_size, t.micro_batch, t.grad_accum, precision=ds.precision,
-                          margin=ds.margin, layer_acts=layer_activations(spec, mcfg, cfg.data.seq_len))
+                          margin=ds.margin, layer_acts=layer_activations(spec, mcfg, cfg.data.seq_len),
+                          mixed_precision=ds.mixed_precision)
     try:
         plan = choose_plan(stats, hw, acts, dims.replica_size, t.micro_batch, precision=ds.precision,
                            activation_checkpointing=ds.activation_checkpointing, margin=ds.margin,

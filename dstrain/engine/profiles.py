@@ -215,11 +215,22 @@ def model_state_bytes(profile: str, stats: ModelStats, world_size: int, precisio
     return int(round(device)), int(round(host))
 
 
+def states_precision(profile: str, precision: str, autocast: bool) -> str:
+    """The precision whose row of the table counts ``profile``'s model states: ``precision``, except under
+    torch.autocast, which keeps fp32 weights and gradients. Above ZeRO-0 DeepSpeed's fp32 ZeRO optimizer then holds
+    them beside its own fp32 master partition and the Adam moments (and gathers fp32 modules at ZeRO-3): the fp32
+    row. At ZeRO-0 an optimizer without a master copy updates the fp32 weights in place: 4 + 4 + 8 bytes, the
+    16-bit row's 16P."""
+    return "fp32" if autocast and profile != "zero0" else precision
+
+
 def _estimate(profile, ckpt, stats, hw, acts, world_size, micro_batch, precision, margin,
               mixed_precision: str = "auto", grad_accum: int = 1) -> ProfileEstimate:
-    device, host = model_state_bytes(profile, stats, world_size, precision, hw.ranks_per_node)
+    autocast = autocast_runs(profile, precision, hw.device_type, mixed_precision)
+    device, host = model_state_bytes(profile, stats, world_size, states_precision(profile, precision, autocast),
+                                     hw.ranks_per_node)
     device_total = None
-    if acts.autocast is not None and autocast_runs(profile, precision, hw.device_type, mixed_precision):
+    if acts.autocast is not None and autocast:
         per_sample, fixed = acts.autocast[ckpt]
         act = per_sample * micro_batch + fixed
         if profile == "zero0" and grad_accum == 1:
@@ -429,13 +440,15 @@ class StageEstimate:
 
 
 def stage_estimates(profile: str, layer_params, bounds, acts: Activations, dp: int, micro_batch: int,
-                    grad_accum: int, precision: str, ckpt: bool, layer_acts=None) -> list[StageEstimate]:
+                    grad_accum: int, precision: str, ckpt: bool, layer_acts=None,
+                    autocast: bool = False) -> list[StageEstimate]:
     """Per-stage bytes under 1F1B: stage s holds min(pp - s, grad_accum) micro-batches' activations.
 
     A stage's model states are the profile's bytes for its own parameters (ZeRO-1 partitions
     them over the dp ranks of the stage). Activations per sample: the stage's layers' traced
     bytes when ``layer_acts`` = (bytes per layer, bytes per layer with checkpointing) is
-    given, else the whole-model trace shared equally among the layers.
+    given, else the whole-model trace shared equally among the layers. ``autocast``: bf16 runs as
+    torch.autocast over fp32 weights (:func:`states_precision`).
     """
     if profile not in PIPELINE_PROFILES:
         raise ValueError(f"{profile} is incompatible with pipeline parallelism (DeepSpeed's pipeline engine "
@@ -449,7 +462,8 @@ def stage_estimates(profile: str, layer_params, bounds, acts: Activations, dp: i
     for s in range(pp):
         lo, hi = bounds[s], bounds[s + 1]
         params = int(sum(layer_params[lo:hi]))
-        states, _ = model_state_bytes(profile, ModelStats(max(params, 1), 0, 0, 0), dp, precision, 1)
+        states, _ = model_state_bytes(profile, ModelStats(max(params, 1), 0, 0, 0), dp,
+                                      states_precision(profile, precision, autocast), 1)
         flight = min(pp - s, grad_accum)
         act = int(round(sum(per_layer[lo:hi]) * micro_batch * flight * scale))
         out.append(StageEstimate(s, params, flight, states, act))
@@ -458,14 +472,17 @@ def stage_estimates(profile: str, layer_params, bounds, acts: Activations, dp: i
 
 def choose_pipeline_plan(layer_params, bounds, hw: Hardware, acts: Activations, dp: int, micro_batch: int,
                          grad_accum: int, precision: str = "auto", activation_checkpointing: str | bool = "auto",
-                         margin: float = 0.85, layer_acts=None) -> tuple[Plan, list[StageEstimate]]:
+                         margin: float = 0.85, layer_acts=None,
+                         mixed_precision: str = "auto") -> tuple[Plan, list[StageEstimate]]:
     """The profile (ZeRO-0, then ZeRO-1) and checkpointing under which the fullest stage fits.
 
     Same walk as :func:`choose_plan` over the two profiles the pipeline engine takes; each
     candidate is judged by its largest stage. Returns the plan and the chosen candidate's
-    per-stage estimates; PlanError when nothing fits.
+    per-stage estimates; PlanError when nothing fits. The pipeline engine runs bf16 as DeepSpeed's own
+    16-bit weights unless ``mixed_precision`` is ``autocast``.
     """
     prec, prec_reason = choose_precision(hw, precision)
+    autocast = prec == "bf16" and mixed_precision == "autocast"
     if activation_checkpointing == "auto":
         passes = [False, True]
     elif isinstance(activation_checkpointing, bool):
@@ -477,7 +494,7 @@ def choose_pipeline_plan(layer_params, bounds, hw: Hardware, acts: Activations, 
     for ckpt in passes:
         for profile in PIPELINE_PROFILES:
             stages = stage_estimates(profile, layer_params, bounds, acts, dp, micro_batch, grad_accum, prec, ckpt,
-                                     layer_acts)
+                                     layer_acts, autocast)
             worst = max(stages, key=lambda e: e.total)
             why = (f"stage {worst.stage} needs {format_bytes(worst.total)} > {format_bytes(budget)} budget"
                    if worst.total > budget else "")
@@ -495,7 +512,7 @@ def choose_pipeline_plan(layer_params, bounds, hw: Hardware, acts: Activations, 
 
 def suggest_pp(layer_params, hw: Hardware, acts: Activations, world_size: int, micro_batch: int,
                grad_accum: int, precision: str = "auto", margin: float = 0.85, split=None,
-               layer_acts=None) -> int | None:
+               layer_acts=None, mixed_precision: str = "auto") -> int | None:
     """The smallest pipeline degree (dividing the world, at most the layer count) whose plan fits, or None.
 
     ``split(pp) -> bounds`` cuts the layers (default: balanced parameter counts).
@@ -507,7 +524,7 @@ def suggest_pp(layer_params, hw: Hardware, acts: Activations, world_size: int, m
             continue
         try:
             choose_pipeline_plan(layer_params, split(pp), hw, acts, world_size // pp, micro_batch, grad_accum,
-                                 precision, "auto", margin, layer_acts)
+                                 precision, "auto", margin, layer_acts, mixed_precision)
         except PlanError:
             continue
         return pp

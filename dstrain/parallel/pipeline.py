@@ -292,7 +292,7 @@ def plan_stages(spec, model_cfg, cfg, dims, hw, acts):
     layer_acts = layer_activations(spec, model_cfg, cfg.data.seq_len)
     plan, stages = choose_pipeline_plan(counts, bounds, hw, acts, dims.dp, t.micro_batch, t.grad_accum,
                                         precision=ds.precision, activation_checkpointing=ds.activation_checkpointing,
-                                        margin=ds.margin, layer_acts=layer_acts)
+                                        margin=ds.margin, layer_acts=layer_acts, mixed_precision=ds.mixed_precision)
     lines = describe_split(parts, bounds, counts)
     setup = PipelineSetup(dims.pp, dims.dp, cfg.parallel.pp_partition, bounds, lines)
     text = (f"pipeline: {dims.pp} stages x dp {dims.dp}, split by {cfg.parallel.pp_partition}, 1F1B over "

@@ -321,13 +321,16 @@ class PolicyModel(nn.Module):
         return sum(getattr(p, "ds_numel", p.numel()) for p in self.parameters())
 
     def num_matmul_params(self) -> int:
-        """Weights a token is multiplied by: every ``nn.Linear`` (attention, MLP and output head, tied or not) and,
-        in a mixture of experts, the routers' weights and the share of the 3-D expert weights its
-        ``num_experts_per_tok`` experts hold."""
+        """Weights a token is multiplied by: every ``nn.Linear`` (attention, MLP and output head, tied or not) and
+        transformers' ``Conv1D`` (GPT-2's projections: a Linear with its weight transposed) and, in a mixture of
+        experts, the routers' weights and the share of the 3-D expert weights its ``num_experts_per_tok`` experts
+        hold."""
+        from transformers.pytorch_utils import Conv1D
+
         from .moe import expert_params, router_params
 
         return (sum(getattr(p, "ds_numel", p.numel()) for m in self.modules()
-                    if isinstance(m, nn.Linear) for p in m.parameters(recurse=False))
+                    if isinstance(m, (nn.Linear, Conv1D)) for p in m.parameters(recurse=False))
                 + router_params(self.hf) + expert_params(self.hf)[1])
 
     def flops_per_token(self, seq_len: int) -> int:
