@@ -181,6 +181,16 @@ def _bf16_loss_scaling_key(section: str, loc: tuple, block: dict | None) -> str 
             "start-up; remove them")
 
 
+def _apex_opt_level(section: str, loc: tuple, value) -> str | None:
+    """Apex AMP's ``opt_level`` in the fp16 section (``"fp16": {"enabled": true, "opt_level": "O2"}``, as configs of
+    the Apex era write it): DeepSpeed's fp16 section rejects it at start-up. None for any other key."""
+    if section != "fp16" or tuple(loc) != ("opt_level",):
+        return None
+    return (f"fp16.opt_level: file says {json.dumps(value)}, Apex AMP's optimisation level, which DeepSpeed's fp16 "
+            "section does not take (DeepSpeed's fp16 is one mode: fp16 weights with fp32 master copies in the "
+            "optimizer, as Apex's O2) and rejects at start-up; remove it")
+
+
 def _pydantic_problems(section: str, model, err: Exception, block: dict | None = None) -> list[str]:
     """One line per error of a pydantic ValidationError, named by dotted key (unknown keys with a hint)."""
     from dstrain.engine.ds_classes import deprecated_pair_problem
@@ -200,7 +210,8 @@ def _pydantic_problems(section: str, model, err: Exception, block: dict | None =
             hint = f" (did you mean {close!r}?)" if close else ""
             neox = (_neox_precision_type(section, item.get("loc", ()), value)
                     or _loss_scaler_argument(section, item.get("loc", ()), block)
-                    or _bf16_loss_scaling_key(section, item.get("loc", ()), block))
+                    or _apex_opt_level(section, item.get("loc", ()), value)
+                    or _bf16_loss_scaling_key(section, item.get("loc", ()), block))  # last: its "" means said
             if neox != "":  # "": said with another key of the section
                 out.append(neox or f"{loc}: unknown key{hint}; DeepSpeed rejects it")
         elif not item.get("loc"):  # a check of the whole section: its input is the parsed section, not the file's
@@ -339,16 +350,42 @@ def check_ds_file(path: str | Path, device_type: str | None = None, world_size: 
     ``device_type`` ("cpu" / "cuda", default: this machine's) decides what the device can
     run (fp16 on a CPU); ``world_size`` the batch derivation (default: inferred).
     """
-    from dstrain.engine.ds_classes import run_notes
-    from dstrain.engine.ds_sections import section_problems
     source = str(path)
     cfg = load_ds_json(path)
     if device_type is None:
         device_type = this_device()
     try:
         values = values_from_file(cfg, world_size=world_size)
+    except DSConfigError as err:  # the file's other problems too, all at once
+        raise DSConfigError(source, err.problems + _problems_beside(cfg, err.problems, device_type, world_size)) \
+            from None
+    return _check_values(cfg, values, source, device_type)
+
+
+def _problems_beside(cfg: dict, named: list[str], device_type: str, world_size: int | None) -> list[str]:
+    """The problems of ``cfg`` besides ``named`` (the numbers values_from_file refused: a quoted lr, batch size,
+    ...), checked with those keys set to "auto", so that one look at the file names every problem in it."""
+    import copy
+    keys = set().union(*map(_keys, named))
+    rest = copy.deepcopy(cfg)
+    for path in keys:
+        *parents, last = path.split(".")
+        node = rest
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and last in node:
+            node[last] = "auto"
+    try:
+        _check_values(rest, values_from_file(rest, world_size=world_size), "", device_type)
     except DSConfigError as err:
-        raise DSConfigError(source, err.problems) from None
+        return [p for p in err.problems if not _keys(p) & keys]
+    return []
+
+
+def _check_values(cfg: dict, values, source: str, device_type: str) -> str:
+    """:func:`check_ds_file` from the run numbers on: fill, check every section, parse as DeepSpeed does."""
+    from dstrain.engine.ds_classes import run_notes
+    from dstrain.engine.ds_sections import section_problems
     try:
         filled, problems = fill_ds_config(cfg, values, source), []
     except DSConfigError as err:

@@ -281,6 +281,9 @@ def _scheduler_problems(cfg: dict, problems: list[str]) -> list[str]:
                    "WarmupDecayLR, ...) or remove the block (dstrain's warm-up + cosine)")
     out += _step_size_problems(name, params)
     deepspeed_own = name in _WARMUP_SCHEDULERS + ("OneCycle", "LRRangeTest")
+    if deepspeed_own:
+        from dstrain.engine.ds_sched_text import quoted_scheduler_numbers
+        out += quoted_scheduler_numbers(name, params)
     start = params.get("last_batch_iteration", -1)
     if deepspeed_own and start != -1 and not _is_auto(start):
         out.append(f"scheduler.params.last_batch_iteration: {start!r} starts a fresh run partway into {name} (and "

@@ -53,7 +53,9 @@ REMOVED_TOP_LEVEL_KEYS: dict[str, str] = {
     "eigenvalue": "eigenvalue MoQ was removed from DeepSpeed",
     "sparse_attention": "sparse attention was removed from DeepSpeed",
     "graph_harvesting": "graph harvesting was removed from DeepSpeed",
-    "curriculum_learning": "use data_efficiency.data_sampling.curriculum_learning instead",
+    "curriculum_learning": "DeepSpeed's curriculum moved to data_efficiency.data_sampling.curriculum_learning, which "
+                           "only DeepSpeed's own dataloader applies (dstrain's samplers feed the data: no curriculum "
+                           "either way)",
     "progressive_layer_drop": "progressive layer drop was removed from DeepSpeed",
 }
 
@@ -416,7 +418,10 @@ def _top_level_problems(cfg: dict) -> list[str]:
                             "ignore it: move its keys to the top level")
             continue
         if key in REMOVED_TOP_LEVEL_KEYS:
-            problems.append(f"top-level key {key!r} is no longer supported: {REMOVED_TOP_LEVEL_KEYS[key]}")
+            off = isinstance(cfg[key], dict) and cfg[key].get("enabled") is False
+            problems.append(f"top-level key {key!r} is no longer supported: {REMOVED_TOP_LEVEL_KEYS[key]}; DeepSpeed "
+                            "stops at start-up on the key whatever it holds" + ("; the block is off (\"enabled\": "
+                            "false): remove it, and nothing changes" if off else "; remove it"))
             continue
         from dstrain.engine.ds_foreign import foreign_key_problem, ignored_key
         ignored = ignored_key(key, cfg) if isinstance(key, str) else None

@@ -108,9 +108,8 @@ def adopt_file_values(cfg: RunConfig, world_size: int) -> list[tuple[str, object
     t = ds_trainers.trainer_train(cfg, world_size)
     file_dp = dsc.file_data_parallel(template, dp) if cfg.parallel.sp == 1 else dp
     micro, accum, problems = dsc.implied_batch(template, file_dp, t.micro_batch, t.grad_accum)
-    if problems:
-        raise dsc.DSConfigError(source, problems)
-    ds_trainers.hrm_file_problems(cfg, template, dp, source)
+    if not problems:  # batch keys that disagree: named below with the file's other numbers, all at once
+        ds_trainers.hrm_file_problems(cfg, template, dp, source)
     wanted: list[tuple[str, object, str]] = []
     if micro is not None:
         key, value = ds_trainers.adopt_batch_key(cfg, "train.micro_batch", micro, world_size)
@@ -134,7 +133,7 @@ def adopt_file_values(cfg: RunConfig, world_size: int) -> list[tuple[str, object
             problems.append(bad)  # named by the file's key, not as the run key it would have become
         elif value is not None:
             wanted.append((key, tuple(value) if isinstance(value, list) else value, path))
-    if problems:  # a number written as a string, ...: named, not taken
+    if problems:  # a number written as a string, batch keys that disagree, ...: named, not taken
         raise dsc.DSConfigError(source, problems)
     wanted += _deepspeed_defaults(template, {key for key, _, _ in wanted})
     from dstrain.engine.ds_autocast import autocast_precision

@@ -144,9 +144,12 @@ def _zero_problems(cfg: dict, device_type: str, problems: list[str], notes: list
     if removed:
         problems.append(f"zero_optimization.{', '.join(removed)}: {REMOVED_ZERO_KEYS[removed[0]]}; remove "
                         f"{'it' if len(removed) == 1 else 'them'}")
-    for key, new in DEPRECATED_ZERO_KEYS.items():
+    for key, new in DEPRECATED_ZERO_KEYS.items():  # a false offload flag sets no offload (DeepSpeed's new_param_fn)
+        off = zo.get(key) is False and new.startswith("offload")
         if key in zo:
-            notes.append(f"zero_optimization.{key}: deprecated spelling, DeepSpeed reads it as {new}")
+            notes.append(f"zero_optimization.{key}: deprecated spelling, " + (f"and false sets no {new.split('.')[0]} "
+                         "(DeepSpeed offloads nothing for it); remove it" if off else
+                         f"DeepSpeed reads it as {new}"))
     quantized = sorted(k for k in ZERO_QUANTIZED if zo.get(k) is True)
     if stage == 3 and quantized and device_type == "cpu":
         them = "it" if len(quantized) == 1 else "them"

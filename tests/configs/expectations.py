@@ -30,8 +30,10 @@ EXPECT: dict[str, str | None] = {
     "hf_fp16_auto_cast_hysteresis.json": None,
     "hf_warmup_decay_linear_all_auto.json": None,
     "legacy_zero2_cpu_offload_flag.json": None,
-    "legacy_curriculum_learning_top_level.json": "top-level key 'curriculum_learning' is no longer supported: use "
-                                                 "data_efficiency.data_sampling.curriculum_learning instead",
+    # round 22: the fix no longer points at data_efficiency's curriculum, which dstrain refuses in turn
+    "legacy_curriculum_learning_top_level.json": "top-level key 'curriculum_learning' is no longer supported: "
+                                                 "DeepSpeed's curriculum moved to data_efficiency.data_sampling."
+                                                 "curriculum_learning, which only DeepSpeed's own dataloader applies",
     "lion_optimizer_no_offload.json": "optimizer.type: 'Lion' runs DeepSpeed's FusedLion CUDA kernel, which the CPU "
                                       "accelerator does not have; use \"AdamW\" (or offload the optimizer",
     "megatron_prescale_gradients_zero1.json": None,

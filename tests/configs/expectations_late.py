@@ -367,3 +367,33 @@ EXPECT.update({
     # prescale_gradients false, communication_data_type fp32 over bf16
     "zero2_predivide_reduce_scatter_false_comm_fp32.json": None,
 })
+
+# Round 22 (tests/unit/test_ds_realworld22.py): sources not covered before: DeepSpeedExamples' CIFAR-10 script's
+# in-code config, a protein language model (ESM) fine-tuning script's in-code config, a project scaffolding
+# generator's ds_config.json for two GPUs, Megatron-DeepSpeed's MoE template as its run scripts fill it, and a
+# language-model pruning example's ZeRO-3 config with Apex's opt_level in its fp16 block.
+EXPECT.update({
+    # DeepSpeedExamples training/cifar/cifar10_deepspeed.py get_ds_config() with --dtype bf16 --stage 0: a disabled
+    # fp16 block with fp16_master_weights_and_grads false, "cpu_offload": false (noted as DeepSpeed reading it as
+    # offload_optimizer "cpu" before; false sets no offload)
+    "dsexamples_cifar_bf16_stage0_cpu_offload_false.json": None,
+    # an ESM fine-tuning script's ds_config: fp32 (bf16 and fp16 off), OneCycle with cycle_min_lr above cycle_max_lr,
+    # a disabled comms_logger, offload_optimizer "none" at stage 0
+    "esm_finetune_onecycle_fp32_offload_none.json": None,
+    # a scaffolding generator's ds_config.json (json.dump of a dict, 2 GPUs): train_batch_size 32 beside micro 16 x
+    # accumulation 4, fp16 and bf16 both on, lr / warmup_min_lr / warmup_max_lr as text; check_ds_file named only the
+    # two quoted numbers values_from_file reads, and never warmup_min_lr (DeepSpeed's WarmupLR: TypeError)
+    "generated_two_gpu_zero2_quoted_lrs_batch_disagree.json": "batch keys disagree among themselves: "
+                                                              "train_batch_size 32 != train_micro_batch_size_per_gpu "
+                                                              "16 x gradient_accumulation_steps 4",
+    # Megatron-DeepSpeed examples_deepspeed/MoE/ds_config_gpt_TEMPLATE.json as ds_pretrain_gpt_*_MoE*.sh fill it
+    # (CL_ENABLED false): DeepSpeed 0.19 stops on the legacy curriculum key even when off; the fix said to move it
+    # to data_efficiency's curriculum, which dstrain refuses in turn; now: off, remove it, nothing changes
+    "megatron_ds_moe_template_filled_curriculum_off.json": "top-level key 'curriculum_learning' is no longer "
+                                                           "supported",
+    # a language-model pruning example's README (snip-momentum pruning under Accelerate), its
+    # config/zero_stage3_config.json: Apex's "opt_level": "O2" in the fp16 block (was "unknown key" with no why),
+    # WarmupDecayLR with warmup_type "cosine", torch_adam / adam_w_mode; the CPU refuses its fp16 too
+    "pruning_example_zero3_fp16_opt_level_cosine_warmup.json": "fp16.opt_level: file says \"O2\", Apex AMP's "
+                                                               "optimisation level",
+})
