@@ -219,6 +219,10 @@ def cmd_launch(args, overrides) -> int:
         print(f"dstrain: note: {fallback}", file=sys.stderr)
     problem = launch_check.rank_shortfall(launcher.spec_from_args(args, []), hosts.remote, accelerator,
                                           torchrun=args.launcher == "torchrun")
+    cores = None if problem else launch_check.cpu_cores_note(launcher.spec_from_args(args, []), hosts.remote,
+                                                               accelerator, torchrun=args.launcher == "torchrun")
+    if cores:  # --nproc 3 on 2 cores: allowed, said
+        print(f"dstrain: note: {cores}", file=sys.stderr)
     problem = problem or launch_check.nccl_problem(accelerator, hosts.remote)
     problem = problem or _output_problem(cfg, args.resume)
     if problem is None and args.resume:  # HRM: a checkpoint's ACT carry on another layout, refused by rank 0 too
@@ -482,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"dstrain: error: {err}", file=sys.stderr)
             rank_exit.note_failed(EXIT_CONFIG)  # (a refusal by one rank: not restarted either)
         return EXIT_CONFIG
-    except StoppedJobRestarted as err:  # torchrun restarted the ranks of a job a signal stopped
+    except (StoppedJobRestarted, rank_exit.StoppedBeforeTraining) as err:  # a stop before the steps, or after
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"dstrain: {err}", file=sys.stderr, flush=True)
         rank_exit.note_stopped(err.exit_code)

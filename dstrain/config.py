@@ -403,6 +403,9 @@ def read_json(path: str | Path) -> dict:
         raise ConfigError(str(path), "", folder_problem(path))
     try:
         text = path.read_text()
+    except FileNotFoundError:  # a typo in the path: the file meant, where one is close
+        from dstrain.config_text import missing_file_problem
+        raise ConfigError(str(path), "", missing_file_problem(path)) from None
     except (OSError, UnicodeDecodeError) as err:  # UnicodeDecodeError: a binary file (a checkpoint's .pt)
         raise ConfigError(str(path), "", f"cannot read: {getattr(err, 'strerror', None) or 'not UTF-8 text'}") from None
     try:

@@ -39,3 +39,27 @@ def folder_problem(path) -> str:
     files = sorted(Path(path).glob("*.json")) or sorted(Path(path).glob("*/*.json"))
     named = ", ".join(str(f) for f in files[:4]) + (", ..." if len(files) > 4 else "")
     return "is a folder, not a JSON file: name a file" + (f", e.g. {named}" if named else "")
+
+
+def missing_file_problem(path) -> str:
+    """What to say when a recipe path names nothing (``dstrain launch models/gpt/recipes/tine.json``): the OS's
+    words, and the file meant where each missing part of the path is close to one name beside it."""
+    import difflib
+    from pathlib import Path
+    path = Path(path)
+    guess = Path(path.anchor) if path.is_absolute() else Path()
+    for part in path.parts[1:] if path.anchor else path.parts:
+        if (guess / part).exists():
+            guess = guess / part
+            continue
+        try:
+            names = [p.name for p in guess.iterdir()] if str(guess) else []
+        except OSError:
+            names = []
+        close = difflib.get_close_matches(part, names, n=1, cutoff=0.6) if names else []
+        if not close:
+            return "cannot read: No such file or directory"
+        guess = guess / close[0]
+    if not guess.is_file():
+        return "cannot read: No such file or directory"
+    return f"cannot read: No such file or directory (did you mean {guess}?)"

@@ -123,6 +123,22 @@ def cpu_shortfall(spec: launcher.LaunchSpec, remote: bool, accelerator: str, tor
             f"{host_memory / 2**30:.1f} GiB: launch with --nproc {most} or fewer")
 
 
+def cpu_cores_note(spec: launcher.LaunchSpec, remote: bool, accelerator: str, torchrun: bool = False,
+                   cpus: int | None = None) -> str | None:
+    """More local CPU ranks than cores (``--nproc 3`` on 2 cores): allowed, since they share the cores, but said in
+    one line, since each step then waits for ranks that take turns on a core; None otherwise."""
+    if accelerator != "cpu" or remote or spec.include or spec.exclude:
+        return None
+    sizes = launcher.launch_world_size(spec, torchrun=torchrun)
+    if sizes is None:
+        return None
+    cores = launcher.available_cpus() if cpus is None else cpus
+    if sizes[1] <= cores:
+        return None
+    return (f"{sizes[1]} CPU ranks on this machine's {cores} core(s): ranks take turns on a core, so every step "
+            f"waits for them (slower than --nproc {cores}, which gives each rank a core); the run goes on")
+
+
 def gpus_short_of(ranks: int, gpu_count: Callable[[], int] | None = None) -> int | None:
     """The GPUs this machine shows (``gpu_count``, default ``torch.cuda.device_count``) when they are
     fewer than ``ranks``; None when there are enough, or none at all (nothing to judge by)."""

@@ -118,6 +118,26 @@ def stop_line(summary: dict, steps: int, ckpt_root: Path, code: int) -> str:
             f"(exit {code}, not a finished run): {where}")
 
 
+class StoppedBeforeTraining(RuntimeError):
+    """A stop signal that came in a phase before the training steps that a rank checks on its own (the GRPO /
+    SCoRe supervised warm start, minutes on a CPU): every rank leaves with 128 + N, rank 0 with this line."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def stopped_in_line(phase: str, signum: int, what_now: str) -> tuple[str, int]:
+    """Rank 0's line and the exit status for a stop by ``signum`` in ``phase`` (named as :func:`stop_line` names
+    it: ``by SIGINT to dstrain launch (exit 130, ...)`` when the launch passed the user's Ctrl-C on)."""
+    code = 128 + signum
+    by = signal_name(code)
+    forwarded = _forwarded_signal()
+    if forwarded:
+        by, code = f"{signal_name(128 + forwarded)} to dstrain launch", 128 + forwarded
+    return f"stopped {phase} by {by} (exit {code}, not a finished run): {what_now}", code  # after "dstrain: "
+
+
 def note_forwarded(folder: str | Path, signum: int) -> None:
     """``dstrain launch`` passes ``signum`` on to its job: left for rank 0's stop line (the first signal only)."""
     _write_first(folder, FORWARDED_FILE, int(signum))

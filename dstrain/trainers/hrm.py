@@ -259,8 +259,8 @@ class HRMTrainer:
 
     def run(self) -> dict:
         cfg, t = self.cfg, self.cfg.train
-        log = RunLogger(self.out, self.world.rank, t.steps, self.start_step,
-                        tensorboard=cfg.output.tensorboard, progress=cfg.output.progress)
+        log = RunLogger(self.out, self.world.rank, t.steps, self.start_step, tensorboard=cfg.output.tensorboard,
+                        progress=cfg.output.progress, time_limit_s=self.task.time_limit_s or 0.0)
         sums: dict[str, float] = {}
         losses, step, last_saved, stopped, val, val_step = [], self.start_step, None, False, None, None
         self.engine.train()

@@ -214,16 +214,28 @@ def warm_start(cfg: RunConfig, task: PolicyTaskConfig, tasks: list, world: runti
     if world.is_main and not (folder / WARM_START_DONE).is_file():
         error = _run_warm_start(cfg, task, tasks, folder, log)
     error = runtime.broadcast_object(error)  # also the barrier: the others load the warm start's files
+    if isinstance(error, tuple):  # ("stopped", step, signal): a stop signal came during it
+        from dstrain import rank_exit
+        line, code = rank_exit.stopped_in_line(
+            f"in the warm start at step {error[1]} of {task.warm_start_steps}", error[2],
+            f"the warm start is not saved; a launch into {out} (--resume too) starts it again")
+        if world.is_main:  # torchrun --max-restarts: its restarts leave at once, as after a stop in training
+            from dstrain import elastic
+            elastic.note_stopped_job(out, code, 0, None)
+        raise rank_exit.StoppedBeforeTraining(line, code)
     if error is not None:
         from dstrain.config import RunFolderError
         raise RunFolderError(error)
     return str(folder)
 
 
-def _run_warm_start(cfg: RunConfig, task: PolicyTaskConfig, tasks: list, folder: Path, log) -> str | None:
+def _run_warm_start(cfg: RunConfig, task: PolicyTaskConfig, tasks: list, folder: Path, log):
     """Rank 0's supervised phase, written to ``folder``; the one line when the disk cannot hold it (a full disk
     or quota: before, rank 0's ``OSError`` traceback with its peers waiting in a barrier, and the half-written
-    weights left to fill the disk), else None."""
+    weights left to fill the disk); ``("stopped", step, signal)`` when a stop signal (Ctrl-C to the launch, a
+    scheduler's SIGTERM) came, checked after each step (before, the signal waited for the end of the warm start,
+    minutes, and for the first RL step); else None."""
+    from dstrain import rank_exit
     _, mcfg, rl = policy_toolkit(cfg)
     runtime.seed_everything(cfg.train.seed)
     model = rl.build(mcfg)
@@ -235,6 +247,8 @@ def _run_warm_start(cfg: RunConfig, task: PolicyTaskConfig, tasks: list, folder:
     for step in range(task.warm_start_steps):
         batch = [tasks[rng.randrange(len(tasks))] for _ in range(task.warm_start_batch)]
         losses.append(supervised_step(model, opt, tokenizer, batch))
+        if rank_exit.PENDING_STOP[0]:  # kept for the trainer's StopFlag, which does not exist yet
+            return ("stopped", step + 1, rank_exit.PENDING_STOP[0])
         if (step + 1) % max(1, task.warm_start_steps // 5) == 0:
             log(f"warm start {step + 1}/{task.warm_start_steps}: loss {sum(losses) / len(losses):.3f}")
             losses = []

@@ -420,6 +420,21 @@ def _hf_deepspeed(ds_config: Mapping | None):
             hfds.set_hf_deepspeed_config(previous())
 
 
+@contextlib.contextmanager
+def no_hf_bars():
+    """transformers' progress bars off for one load or save: every rank drew "Loading weights" for the policy and
+    the reference, rank 0 "Writing model shards" for the warm start (five carriage-return bars in a 2-rank GRPO
+    run's log, between the plan and dstrain's own progress)."""
+    from transformers.utils import logging as hf_logging
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
 def _inside_zero_init() -> bool:
     try:
         from deepspeed.runtime.zero import partition_parameters as pp
@@ -535,7 +550,7 @@ def build_policy(cfg: PolicyConfig, ds_config: Mapping | None = None) -> PolicyM
     if cfg.path and not abstract:
         if outer and not zero3:
             ds_config, zero3 = _NESTED_ZERO3, True
-        with _hf_deepspeed(ds_config if zero3 else None) as hf_ds:
+        with _hf_deepspeed(ds_config if zero3 else None) as hf_ds, no_hf_bars():
             hf, info = AutoModelForCausalLM.from_pretrained(cfg.path, local_files_only=True, output_loading_info=True,
                                                             **kw)
         if (why := missing_weights_problem(cfg.path, hf_cfg, info.get("missing_keys"))):

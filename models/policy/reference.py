@@ -108,8 +108,10 @@ def save_pretrained(model: PolicyModel, directory: str, tokenizer=None) -> None:
         delattr(model.hf.config, EXPORT_DTYPE_KEY)
     if source != written:
         setattr(model.hf.config, EXPORT_DTYPE_KEY, str(source).replace("torch.", ""))
+    from .model import no_hf_bars
     try:
-        model.hf.save_pretrained(directory, state_dict={k[len("hf."):]: v for k, v in state.items()})
+        with no_hf_bars():
+            model.hf.save_pretrained(directory, state_dict={k[len("hf."):]: v for k, v in state.items()})
     finally:
         if hasattr(model.hf.config, EXPORT_DTYPE_KEY):
             delattr(model.hf.config, EXPORT_DTYPE_KEY)
