@@ -144,7 +144,10 @@ def compare(dstrain_median: float, plain_median: float, goal: float | None) -> d
 
 def rates(step_s: float, tokens_per_step: int, world: int, flops_per_token: float | None,
           peak_per_rank: float | None) -> dict:
-    """Global tokens/s and FLOP/s of one step time; MFU = per-rank FLOP/s / per-rank peak."""
+    """Global tokens/s and FLOP/s of one step time; MFU = per-rank FLOP/s / per-rank peak.
+
+    ``tokens_per_step``: the whole job's, counted once per data-parallel replica
+    (:func:`dstrain.bench_parallel.tokens_per_step`); ``world``: the devices (one per rank) sharing them."""
     tps = tokens_per_step / step_s
     flops = tps * flops_per_token if flops_per_token else None
     mfu = flops / world / peak_per_rank if flops and peak_per_rank else None
@@ -352,6 +355,7 @@ def assemble(opts: BenchOptions, argv: list[str], cfg, jobs: list[dict], device:
                   "params": first["params"], "flops_per_token": first["flops_per_token"]},
         "batch": {"seq_len": cfg.data.seq_len, "micro_batch": cfg.train.micro_batch,
                   "grad_accum": cfg.train.grad_accum, "tokens_per_step_global": tokens},
+        "parallel": first.get("parallel"),
         "precision": first["precision"], "precision_note": precision_note,
         "activation_checkpointing": first["activation_checkpointing"],
         "threads_per_rank": first["threads_per_rank"],
@@ -372,6 +376,8 @@ def assemble(opts: BenchOptions, argv: list[str], cfg, jobs: list[dict], device:
                        "processes; both include the Python/torch/deepspeed imports"
                        if device["type"] == "cpu" else "torch.cuda.max_memory_allocated, max over ranks"),
             "mfu": "achieved FLOP/s per rank (model.flops_per_token x tokens / step time) / peak_flops.per_rank",
+            "tokens": ("micro_batch x grad_accum x seq_len per data-parallel replica, counted once per replica "
+                       "(tp, sp and pp ranks of a replica share its tokens)"),
         },
         "profiles": build_profiles(jobs, tokens, first["world_size"], first["flops_per_token"], peak),
     }
@@ -382,6 +388,11 @@ def run_benchmark(opts: BenchOptions, argv: list[str]) -> int:
     from dstrain.engine.ds_config import resolve_profile_path
 
     cfg = load_run_config(opts.recipe, opts.overrides)  # config errors now, once
+    from dstrain.bench_parallel import refusal
+    problem = refusal(cfg, [opts.nproc])
+    if problem:
+        print(f"dstrain bench: error: {problem}", file=sys.stderr)
+        return 2
     cuda, overrides, note = job_overrides(opts, cfg)
     profiles = opts.profiles or default_profiles(cfg, opts.nproc)
     for p in profiles:

@@ -55,7 +55,8 @@ def point(kind: str, job: dict, base_step_s: float | None, seq_len: int, micro_b
     median = step["median"]
     world = job["world_size"]
     comm_ms = statistics.median(job["comm_ms"]) if job.get("comm_ms") else None
-    tokens = micro_batch * job["grad_accum"] * seq_len * world
+    dp = (job.get("parallel") or {}).get("dp", world)  # a job's data-parallel replicas share out the batch
+    tokens = micro_batch * job["grad_accum"] * seq_len * dp
     return {"kind": kind, "world_size": world, "grad_accum": job["grad_accum"], "tokens_per_step": tokens,
             "step_time_s": step, "tokens_per_s": tokens / median,
             "efficiency": efficiency(kind, world, median, base_step_s if base_step_s else median),
@@ -118,6 +119,11 @@ def run_scaling(opts, argv: list[str]) -> int:
     from dstrain.engine.ds_config import resolve_profile_path
 
     cfg = load_run_config(opts.recipe, opts.overrides)
+    from dstrain.bench_parallel import refusal
+    problem = refusal(cfg, sorted(set(opts.scaling)))
+    if problem:
+        print(f"dstrain bench: error: {problem}", file=sys.stderr)
+        return 2
     try:
         jobs = scaling_jobs(opts.scaling, cfg.train.grad_accum)
     except ValueError as err:  # a grad_accum the world sizes cannot split: one line, no traceback

@@ -28,23 +28,27 @@ def _rss_now() -> int:
     return int(psutil.Process().memory_info().rss)
 
 
-def _plain_step_fn(model, cfg, precision, device, world, compiled: bool = False):
+def _plain_step_fn(model, cfg, precision, device, world, compiled: bool = False, parallel=None):
     """The reference: torch DDP (world > 1), torch AdamW over dstrain's param groups, clipping.
 
     ``compiled``: the strongest plain loop: ``torch.compile`` on the model (in the run's
     ``train.compile_mode``, as the engine compiles) and AdamW's fused kernel on CUDA (foreach on CPU).
+    ``parallel`` (tensor or sequence parallelism: the model already parallelized on it): DDP averages the
+    gradients over its replica group (dp x sp ranks holding the same tensor shard), as the engine does; the
+    clipping norm is each rank's own (its tensor shard's), a plain loop's approximation of the global one.
     """
     import torch
     from dstrain.engine.factory import param_groups, scheduler_factory
     t = cfg.train
-    ddp = world > 1
+    group = parallel.replica_group if parallel is not None else None
+    ddp = (parallel.dims.replica_size if parallel is not None else world) > 1
     groups = param_groups(model, t.weight_decay)
     if compiled:
         from dstrain.engine.compiling import compile_kwargs
         model = torch.compile(model, **compile_kwargs(t.compile_mode))
     if ddp:
         ids = [device.index] if device.type == "cuda" else None
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids, process_group=group)
     fused = {"fused": True} if compiled and device.type == "cuda" else {}
     opt = torch.optim.AdamW(groups, lr=t.lr, betas=tuple(t.betas), eps=t.eps, **fused)
     sched = scheduler_factory(t)(opt)
@@ -97,12 +101,12 @@ def run_worker(opts: BenchOptions) -> int:
     import torch
     import torch.distributed as dist
     from dstrain import runtime
+    from dstrain.bench_parallel import bench_dims, local_batches, tokens_per_step
     from dstrain.config import load_run_config
-    from dstrain.data.sampler import WindowSampler, get_batch
     from dstrain.engine import hardware
     from dstrain.engine.factory import create_engine, plan_engine
     from dstrain.metrics import peak_memory_bytes
-    from dstrain.trainers.lm import load_token_streams
+    from dstrain.trainers.lm import _parallel_layout, load_token_streams
     from models import registry
 
     cfg = load_run_config(opts.recipe, opts.overrides)
@@ -115,6 +119,12 @@ def run_worker(opts: BenchOptions) -> int:
     plan = plan_engine(cfg, world.world_size, ranks_per_node=world.local_world_size,
                        device_type=world.device.type) if world.is_main else None
     plan = runtime.broadcast_object(plan)
+    if plan.pipeline is not None:  # the parent refuses parallel.pp > 1 (bench_parallel.refusal) before any launch
+        raise RuntimeError(f"the throughput benchmark runs no pipeline stages (pp = {plan.pipeline.pp})")
+    # The recipe's layout, as `dstrain train` builds it: batches per data-parallel replica, sequences sliced
+    # across sp ranks, tensor shards over tp ranks (trainers/lm.py).
+    dims = bench_dims(cfg, world.world_size)
+    parallel = _parallel_layout(cfg, world)[0]
 
     # Every rank measures the matmul peak at the same time: what one rank gets while all are busy.
     runtime.barrier()
@@ -126,28 +136,27 @@ def run_worker(opts: BenchOptions) -> int:
         peaks = box
 
     t, seq = cfg.train, cfg.data.seq_len
-    sampler = WindowSampler(len(train_tokens), seq, cfg.data.seed)
     total = opts.warmup + opts.steps
-    batches = []
-    for s in range(total):
-        idx = sampler.local_batch_indices(s, t.micro_batch, t.grad_accum, world.rank, world.world_size)
-        batches.append([tuple(v.to(world.device) for v in get_batch(train_tokens, row, seq)) for row in idx])
+    batches = [[tuple(v.to(world.device) for v in xy) for xy in micro]
+               for micro in local_batches(train_tokens, cfg, dims, world.rank, total)]
 
     runtime.seed_everything(t.seed)  # identical initial weights on every rank and in both jobs
     check = None
     if opts.mode in ("plain", "plain_compiled"):
-        model = spec.parallelize(spec.build(mcfg), activation_checkpointing=plan.activation_checkpointing)
+        on = {"state": parallel, "sp_mode": cfg.parallel.sp_mode} if parallel is not None else {}
+        model = spec.parallelize(spec.build(mcfg), activation_checkpointing=plan.activation_checkpointing, **on)
         step, optimizer = _plain_step_fn(model.to(world.device), cfg, plan.precision, world.device,
-                                         world.world_size, compiled=opts.mode == "plain_compiled")
+                                         world.world_size, compiled=opts.mode == "plain_compiled", parallel=parallel)
     else:
-        engine = create_engine(lambda: spec.build(mcfg), spec.parallelize, plan, t)
+        engine = create_engine(lambda: spec.build(mcfg), spec.parallelize, plan, t, parallel=parallel,
+                               sp_mode=cfg.parallel.sp_mode)
         if t.nonfinite != "off":  # what `dstrain train` runs: the gradient watch and its per-step check
             from dstrain.resilience import NonFiniteGuard
             engine.watch(NonFiniteGuard(t.nonfinite, t.max_consecutive_skips, world.rank, world.world_size),
                          check=t.nonfinite_check)  # its loop has no per-step updates of its own
         step, optimizer = _dstrain_step_fn(engine)
         check = engine.nonfinite_check
-    runtime.seed_everything(t.seed + 7919 * (world.rank + 1))
+    runtime.seed_everything(t.seed + 7919 * (world.rank // dims.tp + 1))  # tp ranks share dropout, as in training
 
     times, cpu_times, losses, comm = [], [], [], []
     from dstrain.comms import CommsMeter
@@ -196,7 +205,8 @@ def run_worker(opts: BenchOptions) -> int:
                "flops_per_token": fpt, "comm_ms": [c.get("total_ms", 0.0) for c in comm[opts.warmup:]],
                "comm_bytes": [c.get("total_bytes", 0.0) for c in comm[opts.warmup:]],
                "comm_logged": meter.active(), "params": sum(p.numel() for p in meta_model.parameters()),
-               "tokens_per_step": cfg.tokens_per_step * world.world_size, "world_size": world.world_size}
+               "tokens_per_step": tokens_per_step(cfg, dims), "world_size": world.world_size,
+               "parallel": {"dp": dims.dp, "tp": dims.tp, "sp": dims.sp, "pp": dims.pp}}
         Path(opts.result).write_text(json.dumps(job))
     runtime.barrier()
     if world.device.type == "cpu":

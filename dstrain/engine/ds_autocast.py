@@ -71,6 +71,20 @@ def autocast_precision_problem(cfg: dict, precision: str) -> str | None:
             "for a run in the run's precision)")
 
 
+def planned_mixed_precision(template: dict, mode: str) -> str:
+    """The ``deepspeed.mixed_precision`` the memory plan assumes for a run of the DeepSpeed JSON ``template``: "autocast"
+    where the file turns ``torch_autocast`` on itself (its bf16 not enabled), as :func:`dstrain.engine.factory.mixed_precision`
+    then runs bf16: torch.autocast over fp32 weights, whose model states above ZeRO-0 take the fp32 row (DeepSpeed's
+    ZeRO optimizer keeps fp32 weights, fp32 gradients and its own fp32 partition; ``profiles.states_precision``).
+    Before, a file's own section left ``mixed_precision`` auto planned the 16-bit row. ``mode`` otherwise."""
+    block = template.get("torch_autocast")
+    if not isinstance(block, dict) or block.get("enabled") is not True or _on(template, "bf16"):
+        return mode
+    if mode == "auto" or autocast_precision(template) == "bf16":  # the section is the run's bf16 in every mode
+        return "autocast"
+    return mode
+
+
 def _on(cfg: dict, key: str) -> bool:
     return isinstance(cfg.get(key), dict) and cfg[key].get("enabled") is True
 

@@ -120,11 +120,12 @@ def plan_engine(cfg: RunConfig, world_size: int, hw=None, hw_notes: str = "",
     if par.pp == "auto":
         pp, auto_note = _auto_pp(spec, mcfg, cfg, stats, hw, acts, world_size)
         dims = ParallelDims.from_world(world_size, par.tp, par.sp, pp)
+    plan_cfg = _planned_amp(cfg, dims.pp)
     if dims.pp > 1:
         from dstrain.parallel.pipeline import plan_stages
-        pipe, plan, stage_text = plan_stages(spec, mcfg, cfg, dims, hw, acts)
+        pipe, plan, stage_text = plan_stages(spec, mcfg, plan_cfg, dims, hw, acts)
     else:
-        plan, stage_text = _plan_or_suggest_pp(spec, mcfg, cfg, stats, hw, acts, dims, world_size)
+        plan, stage_text = _plan_or_suggest_pp(spec, mcfg, plan_cfg, stats, hw, acts, dims, world_size)
     if ds.profile == "auto":
         profile, precision, ckpt = plan.profile, plan.precision, plan.activation_checkpointing
         why = f"profile {profile}: {plan.reason}"
@@ -186,6 +187,22 @@ def plan_engine(cfg: RunConfig, world_size: int, hw=None, hw_notes: str = "",
                       compile_mode=cfg.train.compile_mode, pipeline=pipe,
                       compile_regions=spec.compile_regions if scope == "regions" else None,
                       attention_backend=cfg.train.attention_backend)
+
+
+def _planned_amp(cfg: RunConfig, pp: int) -> RunConfig:
+    """``cfg`` as the memory plan reads it: with ``deepspeed.mixed_precision`` "autocast" where a named DeepSpeed JSON
+    turns ``torch_autocast`` on itself and :func:`mixed_precision` will run bf16 as that section (fp32 weights and
+    gradients: the fp32 row of model states above ZeRO-0; ``ds_autocast.planned_mixed_precision``)."""
+    ds = cfg.deepspeed
+    if ds.profile == "auto":
+        return cfg
+    from dstrain.engine.ds_autocast import planned_mixed_precision
+    mode = "deepspeed" if pp > 1 and ds.mixed_precision == "auto" else ds.mixed_precision  # as plan_engine runs it
+    planned = planned_mixed_precision(dsc.load_ds_json(dsc.resolve_profile_path(ds.profile)), mode)
+    if planned == ds.mixed_precision:
+        return cfg
+    import dataclasses
+    return dataclasses.replace(cfg, deepspeed=dataclasses.replace(ds, mixed_precision=planned))
 
 
 def _auto_pp(spec, mcfg, cfg, stats, hw, acts, world_size) -> tuple[int, str]:

@@ -147,6 +147,16 @@ class ParallelDims:
         return PipeDataParallelTopology(num_pp=self.pp, num_dp=self.dp)
 
 
+def sequence_chunk(x, y, sp: int, sp_rank: int):
+    """This rank's part of a batch under sequence parallelism: columns ``[sp_rank * n / sp, (sp_rank + 1) * n / sp)``
+    of inputs and targets (``sp`` 1: the batch itself). ``dstrain train`` and ``dstrain bench`` both slice so."""
+    if sp == 1:
+        return x, y
+    chunk = x.shape[1] // sp
+    start = sp_rank * chunk
+    return x[:, start:start + chunk], y[:, start:start + chunk]
+
+
 def _check_degree(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"parallel degree {name} must be a positive integer, got {value!r}")

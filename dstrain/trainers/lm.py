@@ -186,9 +186,8 @@ class LMTrainer:
         sp = self.cfg.parallel.sp
         if sp == 1:
             return x, y
-        chunk = x.shape[1] // sp
-        start = self.parallel.sp_rank * chunk
-        return x[:, start:start + chunk], y[:, start:start + chunk]
+        from dstrain.parallel.dims import sequence_chunk
+        return sequence_chunk(x, y, sp, self.parallel.sp_rank)
 
     def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """One optimizer step (grad_accum micro-batches); returns this rank's mean loss (a device tensor: read
