@@ -51,6 +51,10 @@ def _sum_all(value: float) -> float:
     return runtime.all_reduce(torch.tensor([value], dtype=torch.float64)).item()
 
 
+def _sum_each(values: list[float]) -> list[float]:
+    return runtime.all_reduce(torch.tensor(values, dtype=torch.float64)).tolist()
+
+
 class GRPOTrainer(RLLoop):
     RATE_KEYS = ("gen_tokens_per_s", "train_tokens_per_s")  # every rank generates and trains its share
     RATES = {"gen_tokens_per_s": ("gen_tokens", "time/generation"),  # tokens over seconds of the log window
@@ -216,9 +220,12 @@ class GRPOTrainer(RLLoop):
                     sums["clip_fraction"] += stats["clip_fraction"]
                     counted += 1
         train_seconds = time.perf_counter() - start
-        out = {"loss": sums["loss"] / count, "kl": sums["kl"] / max(counted, 1),
-               "clip_fraction": sums["clip_fraction"] / max(counted, 1),
-               "entropy": ent_sum / max(mask.sum().item() * self.task.num_iterations, 1.0)}
+        # over every rank's micro-batch passes and tokens (a rank whose rows all weigh 0, as dynamic sampling can
+        # leave one, trains no token: it logged 0 for each before, pulling the mean over ranks down)
+        kl_sum, clip_sum, counted, ent_sum = _sum_each([sums["kl"], sums["clip_fraction"], counted, ent_sum])
+        out = {"loss": sums["loss"] / count, "kl": kl_sum / max(counted, 1),
+               "clip_fraction": clip_sum / max(counted, 1),
+               "entropy": ent_sum / max(tokens_global * self.task.num_iterations, 1.0)}
         if self.reference is None:
             out.pop("kl")
         if aux_sum is not None:  # train/router_aux_loss: the mean over micro-batches, without its coefficient

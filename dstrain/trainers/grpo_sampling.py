@@ -332,18 +332,21 @@ def dynamic_batch(tr, step: int) -> StepBatch:
     rows = kept + filler.filler_items[:n - len(kept)]
     weights = torch.cat([row_weights(kept, task), torch.zeros(len(rows) - len(kept))])
     adv = torch.zeros(n)
+    flat_groups = 0.0
     if kept:
         kept_rewards = torch.tensor(filler.kept_rewards)
         adv[:len(kept)] = gm.group_advantages(kept_rewards, G, scale=task.scale_rewards)
-        log["trained_zero_variance_groups"] = gm.zero_variance_fraction(kept_rewards, G)
-    else:
-        log["trained_zero_variance_groups"] = 0.0
+        flat_groups = gm.zero_variance_fraction(kept_rewards, G) * (len(kept) // G)
+    # over every rank's trained rows (ranks keep different numbers of them; one keeping none logged 0 before)
+    flat_groups, groups, cut, trained = _sum_all(
+        [flat_groups, float(len(kept) // G), float(len(kept)) - weights[:len(kept)].sum().item(), float(len(kept))])
+    log["trained_zero_variance_groups"] = flat_groups / groups if groups else 0.0
     log.update({f"dynamic/{k}": v for k, v in filler.stats().items()})
     log.update({"dynamic/round0_groups": float(round0), "dynamic/keep_rate_estimate": log_estimate,
                 "dynamic/generated_per_trained": filler.generated / filler.needed,
                 "dynamic/refill_seconds": refill_s})  # generation + verifiers of the rounds after the first
     if task.overlong_filter:
-        log["overlong_filtered"] = 1.0 - weights[:len(kept)].mean().item() if kept else 0.0
+        log["overlong_filtered"] = cut / trained if trained else 0.0
     packed = tr.rl.pack(rows, tr.tokenizer.pad_token_id)
     old = None
     if carried_old:

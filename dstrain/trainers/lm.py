@@ -148,10 +148,13 @@ class LMTrainer:
         self.guards.skipped = int(state.get("skipped_steps", 0))
 
     def _samples_at_this_length(self, tag: str, samples: int) -> int:
-        """Where the data order continues when ``data.seq_len`` changed since checkpoint ``tag``: at the same number
-        of tokens into the data (the same point of the same epoch), in samples of the new length. Before, the
+        """Where the data order continues when ``data.seq_len`` changed since checkpoint ``tag``: in the same epoch,
+        as many tokens into it (the same point of the same epoch), in samples of the new length. Before, the
         sample count was kept: doubling the length 90% through epoch 0 went on 80% through epoch 1 (most of
-        the data left out), halving it went back to 45% of epoch 0 (trained on again)."""
+        the data left out), halving it went back to 45% of epoch 0 (trained on again). An epoch holds
+        ``(tokens - 1) // seq_len`` windows, so its tokens depend on the length: counting tokens from the start of
+        the data drifted by up to a window an epoch (``seq_len`` 3 -> 7 on a 1,001-token stream: 10 epochs in,
+        the order went on in the next epoch)."""
         try:
             saved = int(json.loads((self.ckpt_root / tag / "run_config.json").read_text())["data"]["seq_len"])
         except (OSError, ValueError, KeyError, TypeError):
@@ -159,12 +162,17 @@ class LMTrainer:
         now = self.cfg.data.seq_len
         if saved <= 0 or saved == now:
             return samples
-        moved = samples * saved // now
+        stream = len(self.train_tokens)
+        windows_then, windows_now = (stream - 1) // saved, (stream - 1) // now
+        if windows_then <= 0 or windows_now <= 0:  # (the new length holds no window: the sampler says so)
+            return samples * saved // now
+        epoch, within = divmod(samples, windows_then)
+        moved = epoch * windows_now + within * saved // now
         if self.world.is_main:
-            print(f"dstrain: note: data.seq_len {saved} -> {now}: the data order continues {samples * saved} tokens "
-                  f"in, as the checkpoint's {samples} samples of {saved} tokens left it (sample {moved} of {now}; the "
-                  "same epoch); windows of the new length come in another order, so the rest of this epoch may "
-                  "repeat or leave out some of the text already trained on", flush=True)
+            print(f"dstrain: note: data.seq_len {saved} -> {now}: the data order continues {within * saved} tokens "
+                  f"into epoch {epoch}, as the checkpoint's {samples} samples of {saved} tokens left it (sample "
+                  f"{moved} of {now}; the same epoch); windows of the new length come in another order, so the rest "
+                  "of this epoch may repeat or leave out some of the text already trained on", flush=True)
         return moved
 
     @property
@@ -222,20 +230,38 @@ class LMTrainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean loss on the first eval_batches x micro_batch x world validation windows."""
+        """Mean loss over the first ``eval_batches x micro_batch x dp world`` validation windows of the seeded
+        order, each window once: a validation stream holding fewer windows is evaluated whole (the last batch
+        ragged), every window weighing the same (``micro_batch`` or fewer of them per forward; a rank with none
+        left runs one window at weight 0, so that ZeRO-3's gathers stay in step). Before, the order wrapped into
+        a reshuffled second epoch and counted some windows twice. The pipeline engine keeps its micro-batch
+        shape: it evaluates whole batches only (the last, ragged one left out where there are more)."""
         t, seq = self.cfg.train, self.cfg.data.seq_len
         val = WindowSampler(len(self.val_tokens), seq, self.cfg.data.seed)
+        per_batch = t.micro_batch * self.dp_world
+        total = min(t.eval_batches * per_batch, val.num_windows)
+        if self.pipelined and total >= per_batch:
+            total -= total % per_batch
+        order = val.global_indices(0, max(total, per_batch))  # (fewer windows than one batch: wrapped, as before)
         self.engine.eval()
-        losses = []
-        for b in range(t.eval_batches):
-            idx = val.local_batch_indices(b, t.micro_batch, 1, self.dp_rank, self.dp_world)[0]
+        sums = torch.zeros(2, dtype=torch.float64)  # loss x windows, windows
+        for b in range(-(-total // per_batch)):
+            first = b * per_batch + self.dp_rank * t.micro_batch
+            idx = order[first:min(first + t.micro_batch, total)]
+            weight = len(idx)
+            if self.pipelined:
+                idx, weight = order[first:first + t.micro_batch], t.micro_batch
+            elif weight == 0:
+                idx = order[:1]
             x, y = self._local(*get_batch(self.val_tokens, idx, seq))
             if self.pipelined:
-                losses.append(self.engine.eval_batch(iter([(x, y)])))
-                continue
-            losses.append(self.engine(x.to(self.engine.device), y.to(self.engine.device)).item())
+                loss = self.engine.eval_batch(iter([(x, y)]))
+            else:
+                loss = self.engine(x.to(self.engine.device), y.to(self.engine.device)).item()
+            sums += torch.tensor([loss * weight, weight], dtype=torch.float64)
         self.engine.train()
-        return reduce_mean({"loss": sum(losses) / len(losses)})["loss"]
+        sums = runtime.all_reduce(sums)
+        return sums[0].item() / max(sums[1].item(), 1e-30)
 
     def run(self) -> dict:
         cfg, t = self.cfg, self.cfg.train

@@ -329,6 +329,7 @@ def test_a_resume_with_another_seq_len_continues_as_many_tokens_in(tmp_path, mon
     monkeypatch.setattr(lm, "warn_batch_change", lambda *args, **kwargs: None)
     trainer = lm.LMTrainer.__new__(lm.LMTrainer)
     trainer.engine, trainer.ckpt_root, trainer.world = None, tmp_path, SimpleNamespace(is_main=True)
+    trainer.train_tokens = range(230_401)  # 1,800 windows of 128 tokens: every case within epoch 0
     trainer.cfg = SimpleNamespace(data=SimpleNamespace(seq_len=seq_len), train=SimpleNamespace(steps=100))
     trainer.plan, trainer.guards = SimpleNamespace(ds_config={"train_batch_size": 90}), SimpleNamespace()
     trainer._resume(tag.name)
