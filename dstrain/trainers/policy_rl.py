@@ -462,11 +462,13 @@ def experts_note(cfg: RunConfig) -> str | None:
     line = (f"experts: {path} is a mixture of experts ({k} of {fields['experts']} experts per token): "
             f"{total:,} parameters, {total - experts + active:,} of them used per token (FLOPs and MFU count "
             f"these); ZeRO-3 gathers each layer's experts as one module ({gathered:,} parameters)")
-    from models.policy.moe import resolve_aux_coef
+    from models.policy.moe import computes_router_loss
     setting = getattr(mcfg, "router_aux_loss_coef", None)
-    coef = resolve_aux_coef(setting, fields["output_router_logits"], fields["router_aux_loss_coef"])
+    coef = model.router_aux_coef  # the config's only where transformers' forward computes the loss
     asked = (f"config.json output_router_logits={str(fields['output_router_logits']).lower()}, "
              f"router_aux_loss_coef={fields['router_aux_loss_coef']}")
+    if not computes_router_loss(model.hf):
+        asked = f"transformers' {type(model.hf).__name__} computes no load-balancing loss"
     if coef > 0:
         whose = f"model.args.router_aux_loss_coef; {asked}" if setting is not None else asked
         line += (f". The router's load-balancing loss is added to the training loss with coefficient {coef:g} "
@@ -475,7 +477,9 @@ def experts_note(cfg: RunConfig) -> str | None:
     else:
         why = "model.args.router_aux_loss_coef=0" if setting is not None else asked
         line += (f". The router's load-balancing loss is not added (coefficient 0: {why}), so the routers are "
-                 "trained by the trainer's loss alone; model.args.router_aux_loss_coef sets one")
+                 "trained by the trainer's loss alone; " + ("model.args.router_aux_loss_coef sets one"
+                                                            if computes_router_loss(model.hf) else
+                                                            "model.args.router_aux_loss_coef is refused for it"))
     return line
 
 

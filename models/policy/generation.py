@@ -170,7 +170,8 @@ def generate(model: PolicyModel, tokenizer, prompts: list[str], *, num_samples: 
     """Sample ``num_samples`` completions per prompt; returns them prompt-major.
 
     ``model`` is a :class:`PolicyModel`, or a (dstrain or DeepSpeed) engine around one.
-    Prompts are left-padded. ``greedy`` takes
+    Prompts are left-padded (for a model whose recurrence reads the padding, :func:`left_padding_leaks`, the
+    prompts of each length are generated as a batch of their own, unpadded). ``greedy`` takes
     the argmax (temperature and top_p unused); otherwise sampling from
     ``softmax(logits / temperature)`` restricted to the ``top_p`` nucleus (no top-k).
     Prompts get the special tokens the tokenizer puts in front (:func:`encode_prompt`);
@@ -223,6 +224,21 @@ def never_generated(tok, vocab: int) -> list[int]:
     return sorted(banned | set(range(len(tok), vocab)))
 
 
+LEFT_PADDING_LEAKS = ("recurrent_gemma",)
+"""``model_type``s whose recurrent layers read the padding of a left-padded batch: RecurrentGemma's temporal
+convolution runs over the pad positions before a row's first token (its RG-LRU resets there, the convolution does
+not), so a short prompt batched with a long one was continued from another state than alone (0.7 nats per token
+on a tiny checkpoint) and GRPO's no-cache scoring disagreed with the sampler. Mamba, Mamba-2, Jamba, Bamba,
+Falcon-H1, Zamba2, LFM2, Qwen3-Next and Granite-MoE-hybrid mask it (tests/unit/test_hf_checkpoints7.py)."""
+
+
+def left_padding_leaks(hf) -> bool:
+    """Whether ``hf`` (a transformers model) must generate without left padding (:data:`LEFT_PADDING_LEAKS`):
+    :func:`generate` then runs the prompts of each length as one batch."""
+    cfg = hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
+    return getattr(cfg, "model_type", None) in LEFT_PADDING_LEAKS
+
+
 def _generate(policy, tok, prompts, num_samples, temperature, top_p, max_new_tokens, stops,
               greedy, seed) -> list[Completion]:
     from transformers import GenerationConfig, StoppingCriteriaList
@@ -241,35 +257,43 @@ def _generate(policy, tok, prompts, num_samples, temperature, top_p, max_new_tok
                          f"vocabulary ({vocab} embedding rows): tokenizer and checkpoint do not belong together")
     device = next(policy.parameters()).device
     pad, ends = tok.pad_token_id, eos_token_ids(tok)
-    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(input_ids)
-    for i, r in enumerate(rows):
-        if r:
-            input_ids[i, width - len(r):] = torch.tensor(r)
-            mask[i, width - len(r):] = 1
     banned = never_generated(tok, vocab)
     sampling = {} if greedy else dict(temperature=float(temperature), top_p=float(top_p), top_k=0)
     gen_cfg = GenerationConfig(do_sample=not greedy, max_new_tokens=max_new_tokens,
                                pad_token_id=pad, eos_token_id=ends,
                                suppress_tokens=banned or None, **sampling)
-    criteria = StoppingCriteriaList([StopOnStrings(tok, stops, width)] if stops else [])
+    # rows generated together: all (left-padded), or, where padding leaks into the state, those of one length
+    groups = ([list(range(len(rows)))] if not left_padding_leaks(policy.hf) else
+              [[i for i, r in enumerate(rows) if max(len(r), 1) == n] for n in sorted({max(len(r), 1) for r in rows})])
     fork = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [],
                                  enabled=seed is not None)
     # transformers fills every option left unset from the model's own generation_config
     # (a checkpoint's repetition_penalty, top_k, min_p...): blank it so that sampling is
     # exactly softmax(logits / temperature) within the top_p nucleus.
     saved, policy.hf.generation_config = policy.hf.generation_config, GenerationConfig()
+    generated: list[list[int]] = [[] for _ in rows]
     try:
         with fork:
             if seed is not None:
                 torch.manual_seed(seed)
-            out = policy.hf.generate(input_ids=input_ids.to(device), attention_mask=mask.to(device),
-                                     generation_config=gen_cfg, stopping_criteria=criteria,
-                                     synced_gpus=False, **no_router_logits(policy.hf))
+            for group in groups:
+                width = max(1, *(len(rows[i]) for i in group))
+                input_ids = torch.full((len(group), width), pad, dtype=torch.long)
+                mask = torch.zeros_like(input_ids)
+                for j, i in enumerate(group):
+                    if rows[i]:
+                        input_ids[j, width - len(rows[i]):] = torch.tensor(rows[i])
+                        mask[j, width - len(rows[i]):] = 1
+                criteria = StoppingCriteriaList([StopOnStrings(tok, stops, width)] if stops else [])
+                out = policy.hf.generate(input_ids=input_ids.to(device), attention_mask=mask.to(device),
+                                         generation_config=gen_cfg, stopping_criteria=criteria,
+                                         synced_gpus=False, **no_router_logits(policy.hf))
+                for i, seq in zip(group, out[:, width:].tolist()):
+                    generated[i] = seq
     finally:
         policy.hf.generation_config = saved
     results = []
-    for i, seq in enumerate(out[:, width:].tolist()):
+    for i, seq in enumerate(generated):
         ids, finished, hit = seq, False, None
         end = next((j for j, t in enumerate(ids) if t in ends), None)
         if end is not None:

@@ -8,6 +8,7 @@ transformers inside every rank (or, for custom code, by an interactive prompt).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -171,3 +172,18 @@ def ignored_generation_settings(path: str) -> dict:
     if not isinstance(data, dict):
         return {}
     return {k: v for k, v in data.items() if k in IGNORED_GENERATION_KEYS and v is not None and v != []}
+
+
+@contextlib.contextmanager
+def no_hf_bars():
+    """transformers' progress bars off for one load or save: every rank drew "Loading weights" for the policy and
+    the reference, rank 0 "Writing model shards" for the warm start (five carriage-return bars in a 2-rank GRPO
+    run's log, between the plan and dstrain's own progress)."""
+    from transformers.utils import logging as hf_logging
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import PolicyConfig
+from .hf_files import no_hf_bars
 from .tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
 
 _CHUNK_ELEMENTS = 1 << 26
@@ -334,13 +335,14 @@ class PolicyModel(nn.Module):
                 + router_params(self.hf) + expert_params(self.hf)[1])
 
     def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token: ``6 * matmul params + 12 * layers * heads * head_dim * seq_len``."""
+        """Training FLOPs per token: ``6 * matmul params + 12 * layers * heads * head_dim * seq_len``, the second
+        term over the layers with softmax attention only and with multi-latent attention's query/key and value head
+        sizes (:func:`~models.policy.flops.attention_flops_per_token`; 0 for Mamba)."""
+        from .flops import attention_flops_per_token
+
         if seq_len <= 0:
             raise ValueError(f"seq_len must be positive, got {seq_len}")
-        c = self.hf.config
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        attn_width = c.num_attention_heads * head_dim
-        return 6 * self.num_matmul_params() + 12 * c.num_hidden_layers * attn_width * seq_len
+        return 6 * self.num_matmul_params() + attention_flops_per_token(self.hf, seq_len)
 
     def set_activation_checkpointing(self, flag: bool) -> None:
         """transformers' activation (gradient) checkpointing per decoder layer, non-reentrant.
@@ -420,21 +422,6 @@ def _hf_deepspeed(ds_config: Mapping | None):
             hfds.set_hf_deepspeed_config(previous())
 
 
-@contextlib.contextmanager
-def no_hf_bars():
-    """transformers' progress bars off for one load or save: every rank drew "Loading weights" for the policy and
-    the reference, rank 0 "Writing model shards" for the warm start (five carriage-return bars in a 2-rank GRPO
-    run's log, between the plan and dstrain's own progress)."""
-    from transformers.utils import logging as hf_logging
-    was_on = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_on:
-            hf_logging.enable_progress_bar()
-
-
 def _inside_zero_init() -> bool:
     try:
         from deepspeed.runtime.zero import partition_parameters as pp
@@ -472,17 +459,21 @@ def set_dropout(hf: nn.Module, p: float) -> int:
     (``attention_dropout``, OPT's ``dropout``, Phi's ``resid_pdrop``...). A mixture of
     experts' router jitter (Mixtral's ``router_jitter_noise``: hidden states scaled by
     random factors before routing, in train mode) is switched off, whatever ``p``: like
-    dropout it made train-mode log-probs differ from the sampler's. The checkpoint's
+    dropout it made train-mode log-probs differ from the sampler's. PhiMoE's routers sample
+    their experts in train mode: they route as in eval mode (its ``router_jitter_noise``, a
+    routing threshold there, is kept; ``moe.deterministic_routers``). The checkpoint's
     ``config.json`` is left as it is.
     """
-    changed = 0
+    from .moe import deterministic_routers
+
+    changed, sampling = 0, deterministic_routers(hf)  # PhiMoE: routes as in eval mode, its threshold kept
     for module in hf.modules():
         if isinstance(module, nn.Dropout):
             changed += module.p != p
             module.p = p
             continue
         for name, value in list(vars(module).items()):
-            if not isinstance(value, float):
+            if not isinstance(value, float) or (id(module) in sampling and name == "router_jitter_noise"):
                 continue
             want = 0.0 if "jitter" in name else p if ("dropout" in name or "pdrop" in name) else value
             if value != want:

@@ -108,7 +108,7 @@ def save_pretrained(model: PolicyModel, directory: str, tokenizer=None) -> None:
         delattr(model.hf.config, EXPORT_DTYPE_KEY)
     if source != written:
         setattr(model.hf.config, EXPORT_DTYPE_KEY, str(source).replace("torch.", ""))
-    from .model import no_hf_bars
+    from .hf_files import no_hf_bars
     try:
         with no_hf_bars():
             model.hf.save_pretrained(directory, state_dict={k[len("hf."):]: v for k, v in state.items()})
