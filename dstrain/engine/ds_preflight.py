@@ -227,12 +227,18 @@ def check_run(cfg: RunConfig, world_size: int, device_type: str, strict: bool = 
         return []
     zero = template.get("zero_optimization")  # (not an object: refused below with the file's other problems)
     stage = zero.get("stage", 0) if isinstance(zero, dict) else None
-    if cfg.parallel.pp not in (1, "auto") and isinstance(stage, int):  # as the factory checks it (check-config did
-        from dstrain.parallel.pipeline import check_profile  # not plan, and called pp 2 with zero3 valid)
-        try:
-            check_profile(template, source)
-        except ValueError as err:
-            raise ConfigError(source, "", str(err).removeprefix(f"{source}: ")) from None
+    if cfg.parallel.pp not in (1, "auto") and isinstance(stage, int) and stage >= 2:  # as the factory checks it
+        from dstrain.engine.profiles import PROFILE_ORDER  # (check-config did not, and called pp 2 with zero3 valid)
+        from dstrain.parallel.pipeline import check_profile
+        if cfg.deepspeed.profile in PROFILE_ORDER:  # a shipped profile: named by its profile
+            try:
+                check_profile(template, source)
+            except ValueError as err:
+                raise ConfigError(source, "", str(err).removeprefix(f"{source}: ")) from None
+        raise ConfigError(source, "zero_optimization.stage",  # a user's file: by the key, the fix in the file
+                          f"{stage}, but DeepSpeed's pipeline engine (parallel.pp={cfg.parallel.pp}) takes ZeRO-0 or "
+                          f"ZeRO-1 only; set the file's zero_optimization.stage to 1 (or 0), or run without pipeline "
+                          f"parallelism (--parallel.pp=1)")
     from dstrain.engine import ds_trainers
     dp = data_parallel_size(cfg, world_size)
     ds_trainers.hrm_file_problems(cfg, template, dp, source)

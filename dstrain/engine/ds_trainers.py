@@ -84,6 +84,42 @@ def updates_per_step(cfg: RunConfig) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 1 else 1
 
 
+def _peak_number(value) -> float | None:
+    if isinstance(value, list) and value and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+        value = max(value)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
+
+
+def schedule_reference_lr(ds_config: dict, run_lr: float) -> float:
+    """The learning rate a DeepSpeed JSON's schedule treats as its full rate: the scheduler block's own peak
+    (WarmupLR / WarmupDecayLR ``warmup_max_lr``; OneCycle's larger of ``cycle_min_lr`` / ``cycle_max_lr``;
+    torch's OneCycleLR / CyclicLR ``max_lr``; LRRangeTest's starting ``lr_range_test_min_lr``), else ``run_lr``
+    (dstrain's own schedule, WarmupCosineLR's ratios and torch's schedules that scale the optimizer's lr).
+    HRM's puzzle embedding follows the engine's rate as a fraction of it: measured against train.lr, a
+    OneCycle whose range is not train.lr (ESM's 1e-4 over an optimizer lr of 1e-7) gave the table 1000x its lr."""
+    sched = ds_config.get("scheduler")
+    params = sched.get("params") if isinstance(sched, dict) else None
+    if not isinstance(params, dict):
+        return run_lr
+    kind = str(sched.get("type", "")).lower()
+    if kind == "onecycle":
+        found = [v for v in map(_peak_number, (params.get("cycle_min_lr"), params.get("cycle_max_lr"))) if v]
+        return max(found) if found else run_lr
+    for key in ("warmup_max_lr", "max_lr", "lr_range_test_min_lr"):
+        if (value := _peak_number(params.get(key))) is not None:
+            return value
+    return run_lr
+
+
+def scale_schedule_horizon(ds_config: dict, updates_per_step: int) -> None:
+    """A DeepSpeed ``scheduler`` block counts optimizer updates; its ``total_num_steps`` was filled
+    from (or checked against) ``train.steps``. A trainer that takes ``updates_per_step`` updates per
+    run step (GRPO's ``num_iterations``) stretches it to match, as its fallback cosine does."""
+    params = (ds_config.get("scheduler") or {}).get("params")
+    if updates_per_step != 1 and isinstance(params, dict) and isinstance(params.get("total_num_steps"), int):
+        params["total_num_steps"] *= updates_per_step
+
+
 def rl_batch_problems(cfg: RunConfig, template: dict, world_size: int, source: str) -> None:
     """GRPO / SCoRe: a step's samples (micro-batch x accumulation x ranks, DeepSpeed's train_batch_size) are
     whole groups of task.num_generations completions. The trainer refused other sizes only inside the

@@ -7,6 +7,7 @@ calls ``deepspeed.initialize``; trainers see the narrow :class:`Engine`.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -99,7 +100,10 @@ def run_values(cfg: RunConfig, world_size: int, precision: str, hidden_size: int
 def plan_engine(cfg: RunConfig, world_size: int, hw=None, hw_notes: str = "",
                 ranks_per_node: int | None = None, device_type: str | None = None) -> EnginePlan:
     """Choose profile, precision and activation checkpointing and fill the DeepSpeed JSON."""
+    from dstrain.engine.ds_trainers import scale_schedule_horizon, trainer_train, updates_per_step
     from dstrain.parallel.dims import ParallelDims
+    if (train := trainer_train(cfg, world_size)) is not cfg.train:  # HRM: task.global_batch / ranks per rank
+        cfg = dataclasses.replace(cfg, train=train)
     spec, mcfg = _model_parts(cfg)
     par = cfg.parallel
     dims = ParallelDims.from_world(world_size, par.tp, par.sp, 1 if par.pp == "auto" else par.pp)
@@ -154,6 +158,7 @@ def plan_engine(cfg: RunConfig, world_size: int, hw=None, hw_notes: str = "",
     resolved, overflow_note = bf16_overflow_check(resolved, template, cfg.train.nonfinite)
     resolved, section_notes = user_sections(resolved, cfg.output.dir, source)
     resolved, comm_notes = comms_sections(resolved, cfg.output.comms, ds.comm_dtype, source)
+    scale_schedule_horizon(resolved, updates_per_step(cfg))  # GRPO: task.num_iterations updates a step
     section_notes += comm_notes
     compile_, compile_why = compiling.compile_choice(cfg, hw.device_type, pipe is not None)
     scope = compiling.compile_scope(cfg, spec.compile_regions) if compile_ else "model"

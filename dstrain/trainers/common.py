@@ -221,15 +221,6 @@ def pin_plan(cfg: RunConfig, ckpt_root: Path, tag: str) -> None:
             setattr(ds, key, state[key])
 
 
-def scale_schedule_horizon(ds_config: dict, updates_per_step: int) -> None:
-    """A DeepSpeed ``scheduler`` block counts optimizer updates; its ``total_num_steps`` was filled
-    from (or checked against) ``train.steps``. A trainer that takes ``updates_per_step`` updates per
-    run step (GRPO's ``num_iterations``) stretches it to match, as its fallback cosine does."""
-    params = (ds_config.get("scheduler") or {}).get("params")
-    if updates_per_step != 1 and isinstance(params, dict) and isinstance(params.get("total_num_steps"), int):
-        params["total_num_steps"] *= updates_per_step
-
-
 def eval_and_save_due(cfg: RunConfig, step: int, device) -> tuple[bool, bool]:
     """Whether ``step`` evaluates (``train.eval_every``) and saves (``checkpoint.every``). When it does either, the
     device's queued work is waited for first (:func:`dstrain.metrics.wait_for_device`), so the time a trainer sets
@@ -243,18 +234,17 @@ def eval_and_save_due(cfg: RunConfig, step: int, device) -> tuple[bool, bool]:
 
 
 def plan_and_record(cfg: RunConfig, world: runtime.World, out: Path, extra_text: str = "",
-                    resume: tuple[Path, str] | None = None, updates_per_step: int = 1):
+                    resume: tuple[Path, str] | None = None):
     """Rank 0 plans the engine (``plan_engine``); every rank gets the plan. Rank 0 writes
     ``run_config.json``, ``ds_config.json`` and ``plan.txt`` (plus ``extra_text``) and prints the plan.
     ``resume``: ``(checkpoint root, tag)`` the run will load, refused first if its ZeRO stage or precision cannot
     (:func:`resume_plan_problem`); a record the disk cannot hold is refused too (``run_files.write_run_records``).
-    ``updates_per_step``: optimizer updates per run step (:func:`scale_schedule_horizon`)."""
+    A DeepSpeed scheduler's horizon counts the trainer's optimizer updates (``plan_engine`` stretches it: GRPO)."""
     from dstrain.engine.factory import plan_engine
     plan, problem = None, None
     if world.is_main:
         plan = plan_engine(cfg, world.world_size, ranks_per_node=world.local_world_size,
                            device_type=world.device.type)
-        scale_schedule_horizon(plan.ds_config, updates_per_step)
         problem = resume_plan_problem(*resume, plan) if resume is not None and resume[1] else None
         if problem is None:
             text = plan.explanation + (f"\n{extra_text}" if extra_text else "")

@@ -87,8 +87,7 @@ class GRPOTrainer(RLLoop):
         self.model_cfg = registry.make_model_config(cfg.model.name, cfg.model.size, cfg.model.args)
         if resume_tag is not None:
             pin_plan(cfg, self.ckpt_root, resume_tag)
-        self.plan = plan_and_record(cfg, self.world, self.out, resume=(self.ckpt_root, resume_tag),
-                                    updates_per_step=self.task.num_iterations)
+        self.plan = plan_and_record(cfg, self.world, self.out, resume=(self.ckpt_root, resume_tag))
         for note in prl.plan_notes(source_cfg, self.plan):
             prl.append_plan_note(self.out, self.world, note)
 

@@ -30,6 +30,7 @@ from dstrain.config import ConfigError, RunConfig, RunFolderError
 from dstrain.trainers.run_files import write_summary
 from dstrain.data import sudoku
 from dstrain.data.prefetch import StepPrefetcher
+from dstrain.engine.ds_trainers import schedule_reference_lr
 from dstrain.engine.factory import create_engine
 from dstrain.metrics import RunLogger, reduce_mean
 from dstrain.optim.ema import EMA
@@ -129,6 +130,8 @@ class HRMTrainer:
         self.engine = create_engine(lambda: self.spec.build(self.model_cfg), self.spec.parallelize,
                                     self.plan, cfg.train)
         self.device = self.engine.device
+        # the engine's rate as a fraction of its schedule's full rate scales the puzzle embedding's lr
+        self.full_lr = schedule_reference_lr(self.plan.ds_config, cfg.train.lr)
         self.guards = RunGuards(cfg, self.world, {"": self.engine}, deferrable=True)  # step_ok followed below
         self.saver = CheckpointSaver(self.engine, self.ckpt_root, self.world, cfg, self.plan)
         emb_len = getattr(self.model_cfg, "puzzle_emb_len", 0)
@@ -230,7 +233,7 @@ class HRMTrainer:
         loss, out = self.engine(rows["inputs"], rows["labels"], emb,
                                 carry.get("z_H"), carry.get("z_L"), carry.get("steps"), rows["reset"])
         self.engine.backward(loss)
-        lr_factor = self.engine.next_lr / self.cfg.train.lr if self.cfg.train.lr > 0 else 1.0  # this update's
+        lr_factor = self.engine.next_lr / self.full_lr if self.full_lr > 0 else 1.0  # this update's
         taken = self.engine.step()  # False: skipped under train.nonfinite=skip (the table is left too)
         ok = self.engine.step_ok  # the deferred check's verdict on the device (None: taken says it)
         if self.sparse_opt is not None and taken:
@@ -291,7 +294,7 @@ class HRMTrainer:
                     stats.update(loss=reduced["step_loss"], lr=self.engine.lr, skipped_steps=self.guards.skipped,
                                  segments_per_s=len(losses) * self.global_batch / max(now - window, 1e-9))
                     if self.sparse_opt is not None:
-                        stats["puzzle_emb_lr"] = self.task.puzzle_emb_lr * self.engine.lr / max(t.lr, 1e-30)
+                        stats["puzzle_emb_lr"] = self.task.puzzle_emb_lr * self.engine.lr / max(self.full_lr, 1e-30)
                     norm = self.engine.grad_norm
                     if norm is not None:
                         stats["grad_norm"] = norm

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dstrain.engine import ds_config as dsc
-from dstrain.trainers.common import scale_schedule_horizon
+from dstrain.engine.ds_trainers import scale_schedule_horizon
 
 LR, MIN_RATIO = 3e-4, 0.1
 
