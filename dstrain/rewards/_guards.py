@@ -472,4 +472,6 @@ def _operators() -> dict:
         "mod", "pow", "lshift", "rshift", "and_", "or_", "xor", "matmul", "getitem")}
     ops["in_"] = lambda a, b: a in b
     ops["not_in"] = lambda a, b: a not in b
+    ops["is_str"] = lambda a, b: type(a) is str and type(b) is str and a == b  # (see _rewrite._op_name)
+    ops["is_not_str"] = lambda a, b: not (type(a) is str and type(b) is str and a == b)
     return ops

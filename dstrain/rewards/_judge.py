@@ -392,6 +392,9 @@ def _make_trust(snapshot: dict, modules: dict | None = None, codes: dict | None 
     # the value types' yes/no methods (``startswith``, ``isdigit``, ``issubset``): a test asserts their answer itself
     predicates = frozenset(n for b in value_bases for n in dir(b) if n.startswith(("is", "startswith", "endswith")))
 
+    def data_descriptor(f) -> bool:
+        return type(f) is getset or type(f) is member
+
     def overridden(obj, name: str) -> bool:
         """Whether reading ``obj.name`` would reach code the program supplied in place of a
         builtin's: a method of a class that existed before the program ran and was replaced
@@ -404,12 +407,14 @@ def _make_trust(snapshot: dict, modules: dict | None = None, codes: dict | None 
         if name in predicates and not any(name in dict_of(c) for c in mro_of(tp)
                                           if snapshot.get(id(c), (None,))[0] is c):
             return True  # no library class answers it for this value: the program's code would (a look-alike ``str``)
-        for cls in mro_of(tp):  # an instance attribute hiding a library class's (``c.most_common = ...``)
-            f = dict_of(cls).get("__dict__")
-            if type(f) is getset:
+        for cls in mro_of(tp):  # an instance attribute hiding a library class's (``c.most_common = ...``), but
+            f = dict_of(cls).get("__dict__")  # for a C data descriptor of library classes only, which no instance
+            if type(f) is getset:  # attribute hides (``C.__name__`` of a test's class ``C``: ``type``'s getset)
                 inst = f.__get__(obj)
                 if inst is not None and (type(inst) is not dict or name in inst) and any(
-                        name in dict_of(c) for c in mro_of(tp) if snapshot.get(id(c), (None,))[0] is c):
+                        name in dict_of(c) for c in mro_of(tp) if snapshot.get(id(c), (None,))[0] is c) and not (
+                        all(snapshot.get(id(c), (None,))[0] is c for c in mro_of(tp))
+                        and data_descriptor(next(dict_of(c)[name] for c in mro_of(tp) if name in dict_of(c)))):
                     return True
                 break
         # a builtin value type ``tp`` descends from that has ``name`` (``str.startswith``)

@@ -50,10 +50,21 @@ def _guard_visit(node, state):
     return _guard_rewrite(node, state)
 
 
+def _op_name(op: str, left, right) -> str:
+    """The guards' name of a comparison: ``is`` with a string constant of the test compares as ``==`` does, for a
+    ``str`` only (``is_str``): the test's strings are made as it runs (:func:`_fresh_strings`), and the identity with
+    a constant the program returned, CPython's interning, that ``f(x) is 'word'`` relied on, is gone."""
+    import ast
+
+    if op in ("Is", "IsNot") and any(type(e) is ast.Constant and type(e.value) is str for e in (left, right)):
+        return "is_str" if op == "Is" else "is_not_str"
+    return _OP_NAMES[op]
+
+
 def _guard_operate(op: str, left, right):
     import ast
 
-    return ast.Call(ast.Name(_OP, ast.Load()), [ast.Constant(_OP_NAMES[op]), left, right], [])
+    return ast.Call(ast.Name(_OP, ast.Load()), [ast.Constant(_op_name(op, left, right)), left, right], [])
 
 
 def _guard_wrap(expr):
@@ -75,9 +86,11 @@ def _guard_rewrite(node, state):
             and not (isinstance(node.slice, ast.Tuple) and any(isinstance(e, ast.Slice) for e in node.slice.elts)):
         return _guard_operate("Subscript", node.value, node.slice)  # (a slice is no expression: left as it is)
     if isinstance(node, ast.Compare):  # a chain (a < b < c): every operand first, then each comparison guarded
-        ops = ast.Tuple([ast.Constant(_OP_NAMES[type(o).__name__]) for o in node.ops], ast.Load())
+        operands = [node.left, *node.comparators]
+        ops = ast.Tuple([ast.Constant(_op_name(type(o).__name__, *operands[i:i + 2])) for i, o in enumerate(node.ops)],
+                        ast.Load())
         return ast.Call(ast.Name(_OP, ast.Load()), [ast.Constant("chain"), ops,
-                                                    ast.List([node.left, *node.comparators], ast.Load())], [])
+                                                    ast.List(operands, ast.Load())], [])
     if isinstance(node, ast.UnaryOp):
         node.operand = w(node.operand)
     elif isinstance(node, ast.BoolOp):
@@ -264,6 +277,7 @@ def _prepare_test(src: str):
 
     tree = ast.parse(src, "<test>", "exec")
     _super_explicit(tree)
+    _fresh_locals(tree)
     # what the test binds itself is its own (but a module or builtin name it imports or defines, read as the real one)
     bound = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load)}
     bound |= {node.arg for node in ast.walk(tree) if isinstance(node, ast.arg)}
@@ -275,6 +289,7 @@ def _prepare_test(src: str):
     state = (frozenset(bound), set(), [])
     body = [y for stmt in tree.body for x in [_guard_visit(stmt, state)] for y in (x if type(x) is list else [x])] \
         or [ast.Pass()]
+    body = _failed_asserts(body)
     args = ast.arguments(posonlyargs=[], args=[ast.arg(a) for a in (_V, _CALL, _NAME, _ATTR, _OP)], kwonlyargs=[],
                          kw_defaults=[], defaults=[])
     fn = ast.FunctionDef(name="_sbx_test_", args=args, body=body, decorator_list=[], returns=None)
@@ -284,6 +299,86 @@ def _prepare_test(src: str):
     # (the names as copies: the parser's own are interned, and kept they told a program a name the test reads)
     return next(c for c in code.co_consts if type(c) is type(code)), tuple(sorted(n.encode().decode()
                                                                                 for n in state[1]))
+
+
+def _failed_asserts(body: list) -> list:
+    """A test's body with every ``assert`` of its own (its functions' too) noting that it failed before it raises, and
+    the test failing at its end if one did: the program's code that caught the ``AssertionError`` (the ``__exit__``
+    of a context manager it handed to the test's ``with``, ``contextlib.suppress(AssertionError)``, its function
+    calling a checking function of the test's) passed the test (red-team round 29). One the test catches itself
+    fails it too."""
+    import ast
+
+    flag = "_sbx_failed"
+
+    def visit(node):  # (statements hold statements, an expression none: a lambda's body is one)
+        for field, old in ast.iter_fields(node):
+            if type(old) is list and old and isinstance(old[0], (ast.stmt, ast.excepthandler, ast.match_case)):
+                for x in old:
+                    visit(x)
+                old[:] = [mark(x) if type(x) is ast.Assert else x for x in old]
+
+    def mark(a):  # ``if not t: failed.append(1); assert False, msg`` (``t`` as guarded, evaluated once)
+        note = ast.Call(ast.Attribute(ast.Name(flag, ast.Load()), "append", ast.Load()), [ast.Constant(1)], [])
+        return ast.If(ast.UnaryOp(ast.Not(), a.test), [ast.Expr(note), ast.Assert(ast.Constant(False), a.msg)], [])
+
+    holder = ast.Module(body, [])
+    visit(holder)
+    end = ast.Assert(ast.UnaryOp(ast.Not(), ast.Name(flag, ast.Load())),
+                     ast.Constant("an assertion of the test failed and did not end it"))
+    return [ast.Assign([ast.Name(flag, ast.Store())], ast.List([], ast.Load())), ast.Try(holder.body, [], [], [end])]
+
+
+def _fresh_locals(tree) -> None:
+    """Renames the variables a test binds at its top level or in a comprehension (``mango = f(...)``, a ``for``
+    target, ``[fig for fig in ...]``) ``_sbx_l0``, ``_sbx_l1``...: the compiled test keeps its variables' names
+    interned while the program runs, and a program that found the word of its input already interned returned the
+    name a test gave its expected value (red-team round 29). Only a name no function, lambda or class of the test
+    binds, nor a ``global`` or ``nonlocal`` names, that nothing binds otherwise (a function, class, import,
+    parameter, ``except ... as`` or ``match`` capture keeps its name, and these stay interned: a ``__name__``, a
+    keyword argument), and, bound in comprehensions only, read nowhere else (a global of the program's)."""
+    import ast
+
+    defs = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
+    comps = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+    nodes = list(ast.walk(tree))
+    if not any(type(n) is ast.Name and type(n.ctx) is not ast.Load for n in nodes):
+        return  # (most tests, one ``assert``: nothing to rename)
+    top, todo, inside, reads = set(), list(tree.body), {}, {}
+    while todo:  # the names the test's own scope binds as plain variables
+        node = todo.pop()
+        if type(node) is ast.Name and type(node.ctx) is not ast.Load:
+            top.add(node.id)
+        todo.extend(c for c in ast.iter_child_nodes(node) if not isinstance(c, defs + comps))
+    for node in nodes:  # a comprehension's targets, and where they mean its variable (not its first iterable)
+        if type(node) is ast.Name:
+            reads[node.id] = reads.get(node.id, 0) + 1
+        elif isinstance(node, comps):
+            targets = {n.id for g in node.generators for n in ast.walk(g.target) if type(n) is ast.Name}
+            outer = {id(n) for n in ast.walk(node.generators[0].iter)}
+            for n in ast.walk(node):
+                if type(n) is ast.Name and n.id in targets and id(n) not in outer:
+                    inside.setdefault(n.id, set()).add(id(n))
+    mine = top | {n for n, ids in inside.items() if len(ids) == reads[n]}
+    for node in nodes:  # what else binds a name, anywhere in the test
+        if isinstance(node, defs):
+            inner = ast.walk(node)
+            next(inner)
+            mine -= {n.id for n in inner if type(n) is ast.Name and type(n.ctx) is not ast.Load}
+        if type(node) in (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef):
+            mine.discard(node.name)
+        elif type(node) in (ast.Global, ast.Nonlocal):
+            mine -= set(node.names)
+        elif type(node) in (ast.Import, ast.ImportFrom):
+            mine -= {(a.asname or a.name).partition(".")[0] for a in node.names}
+        elif type(node) is ast.arg or type(node) is ast.ExceptHandler or type(node) is ast.keyword:
+            mine.discard(node.arg if type(node) is not ast.ExceptHandler else node.name)
+        elif type(node) in (ast.MatchAs, ast.MatchStar) or type(node) is ast.MatchMapping:
+            mine.discard(node.name if type(node) is not ast.MatchMapping else node.rest)
+    names = {n: f"_sbx_l{i}" for i, n in enumerate(sorted(mine - {"__class__"}))}
+    for node in nodes:
+        if type(node) is ast.Name and node.id in names:
+            node.id = names[node.id]
 
 
 def _fresh_strings(tree) -> None:

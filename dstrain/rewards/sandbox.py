@@ -528,9 +528,18 @@ class SandboxPool:
     """Runs several sandboxed programs at once: ``workers`` threads, each managing one
     child process at a time (in fork-server mode, each through its own warm server,
     started on first use and stopped by :meth:`close`). Use as a context manager or
-    call :meth:`close`. ``mode`` overrides ``limits.mode``."""
+    call :meth:`close`. ``mode`` overrides ``limits.mode``.
 
-    def __init__(self, workers: int = 4, limits: SandboxLimits | None = None, mode: str | None = None) -> None:
+    :meth:`run_many`'s batch has ``batch_seconds`` (default two wall limits) plus ``late_wall_seconds`` (default
+    0.5 s with a fork server, 1.5 s spawning a process per program; never more than the wall limit) per ``workers``
+    of its jobs: a job that starts with less than its wall limit left of that runs with what is left, at least
+    ``late_wall_seconds``. Programs that sleep or loop until just under the limit no longer cost a batch a wall limit
+    per ``workers`` of them (64 at 5 s on 2 workers: 157 s, now 39 s), while an honest program late in such a
+    batch still runs, and a batch of honest ones (milliseconds each) never meets its budget.
+    """
+
+    def __init__(self, workers: int = 4, limits: SandboxLimits | None = None, mode: str | None = None,
+                 batch_seconds: float | None = None, late_wall_seconds: float | None = None) -> None:
         if workers < 1:
             raise ValueError(f"SandboxPool needs at least one worker, got {workers}")
         self.workers = workers
@@ -538,6 +547,12 @@ class SandboxPool:
         if mode is not None:
             self.limits = dataclasses.replace(self.limits, mode=mode)
         self.mode = self.limits.mode or default_mode()
+        self.batch_seconds = 2 * self.limits.wall_seconds if batch_seconds is None else float(batch_seconds)
+        late = (0.5 if self.mode == "fork_server" else 1.5) if late_wall_seconds is None else late_wall_seconds
+        self.late_wall_seconds = min(float(late), self.limits.wall_seconds)
+        if not self.batch_seconds > 0 or not self.late_wall_seconds > 0:
+            raise ValueError(f"SandboxPool needs positive batch_seconds and late_wall_seconds, got "
+                             f"{self.batch_seconds} and {late_wall_seconds}")
         check_tmp_root(self.limits)  # before any work: a bad folder would make every reward 0
         self.servers = None
         if self.mode == "fork_server":
@@ -549,9 +564,19 @@ class SandboxPool:
         return self._executor.submit(run_program, program, tests, setup, self.limits, self.servers).result()
 
     def run_many(self, jobs: Sequence[tuple[str, Sequence[str], str]]) -> list[ExecResult]:
-        """Runs ``(program, tests, setup)`` jobs concurrently; results in job order."""
-        futures = [self._executor.submit(run_program, program, tests, setup, self.limits, self.servers)
-                   for program, tests, setup in jobs]
+        """Runs ``(program, tests, setup)`` jobs concurrently; results in job order. A job that starts when less than
+        its wall limit is left of the batch's budget (see the class) gets what is left, at least
+        ``late_wall_seconds``."""
+        rounds = -(-len(jobs) // self.workers)
+        deadline = time.monotonic() + self.batch_seconds + rounds * self.late_wall_seconds
+
+        def one(program, tests, setup):
+            limits, left = self.limits, deadline - time.monotonic()
+            if left < limits.wall_seconds:
+                limits = dataclasses.replace(limits, wall_seconds=max(self.late_wall_seconds, left))
+            return run_program(program, tests, setup, limits, self.servers)
+
+        futures = [self._executor.submit(one, program, tests, setup) for program, tests, setup in jobs]
         return [f.result() for f in futures]
 
     def close(self) -> None:
