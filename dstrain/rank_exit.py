@@ -188,9 +188,25 @@ at forward of step 150``), which ``--max-restarts`` compares from one attempt to
 def error_signature(err: BaseException, where: tuple[str | None, int] | None) -> str:
     """One line naming an unexpected error and the phase and step it came in (the same for the same error at the
     same point of a resumed attempt)."""
-    first = (str(err).strip().splitlines() or [""])[0][:240]
+    first = _steady_part(err, (str(err).strip().splitlines() or [""])[0])[:240]
     at = f" (in {where[0]} of step {where[1]})" if where and where[0] else " (before the first step)"
     return f"{type(err).__name__}{': ' + first if first else ''}{at}"
+
+
+_OOM_REQUEST = re.compile(r"^(.*?out of memory\.?(?: Tried to allocate [0-9.]+ ?[KMGT]?i?B\.?)?)")
+
+
+def _steady_part(err: BaseException, line: str) -> str:
+    """What of an error's first line stays the same when the same error comes again in another process. A CUDA
+    out-of-memory message goes on with this moment's numbers (``GPU 0 has a total capacity of 79.1 GiB of which
+    1.2 GiB is free. Process 81234 has 77.9 GiB memory in use...``: another process id, free memory and GPU index
+    on every attempt), so it is cut after the request (``CUDA out of memory. Tried to allocate 2.00 GiB.``),
+    which a deterministic OOM repeats."""
+    if "OutOfMemoryError" in {t.__name__ for t in type(err).__mro__} or "out of memory" in line[:40].lower():
+        match = _OOM_REQUEST.match(line)
+        if match:
+            return match.group(1)
+    return line
 
 
 def note_error(signature: str) -> None:

@@ -273,10 +273,13 @@ def exit_rank(code: int) -> None:
     import sys
 
     from dstrain import run_lock
-    run_lock.release()  # (os._exit runs no atexit handler: the lock record would stay, as a run still going)
     _end_helper_processes()
     sys.stdout.flush()
     sys.stderr.flush()
+    # Last, once nothing of this rank runs but the threads os._exit ends with it (a failed rank's asynchronous
+    # checkpoint writer among them): the folder is not free while a helper process, waited for up to 5 s, still
+    # goes. (os._exit runs no atexit handler: without this the lock record would stay, as a run still going.)
+    run_lock.release()
     os._exit(code)
 
 

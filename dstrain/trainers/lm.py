@@ -233,8 +233,9 @@ class LMTrainer:
         """Mean loss over the first ``eval_batches x micro_batch x dp world`` validation windows of the seeded
         order, each window once: a validation stream holding fewer windows is evaluated whole (the last batch
         ragged), every window weighing the same (``micro_batch`` or fewer of them per forward; a rank with none
-        left runs one window at weight 0, so that ZeRO-3's gathers stay in step). Before, the order wrapped into
-        a reshuffled second epoch and counted some windows twice. The pipeline engine keeps its micro-batch
+        left runs a whole micro-batch at weight 0, so that ZeRO-3's gathers stay in step: one window was another
+        shape, which a CUDA run's static-shape compiled forward compiled again). Before, the order wrapped into a
+        reshuffled second epoch and counted some windows twice. The pipeline engine keeps its micro-batch
         shape: it evaluates whole batches only (the last, ragged one left out where there are more)."""
         t, seq = self.cfg.train, self.cfg.data.seq_len
         val = WindowSampler(len(self.val_tokens), seq, self.cfg.data.seed)
@@ -251,8 +252,8 @@ class LMTrainer:
             weight = len(idx)
             if self.pipelined:
                 idx, weight = order[first:first + t.micro_batch], t.micro_batch
-            elif weight == 0:
-                idx = order[:1]
+            elif weight == 0:  # a whole micro-batch: the shape a compiled forward (CUDA, static shapes) has
+                idx = order[:t.micro_batch]
             x, y = self._local(*get_batch(self.val_tokens, idx, seq))
             if self.pipelined:
                 loss = self.engine.eval_batch(iter([(x, y)]))
