@@ -201,6 +201,9 @@ def cmd_launch(args, overrides) -> int:
     if hosts.remote and not args.master_addr:
         args.master_addr = hosts.master_addr  # the first host's address as resolved here (see launch_check)
     port_problem = None if args.dry_run else launch_check.master_port_problem(args.master_addr, args.master_port)
+    if hosts.remote and args.launcher != "torchrun" and not args.dry_run:
+        from dstrain.hostfile import pdsh_problem
+        port_problem = port_problem or pdsh_problem()  # else DeepSpeed's traceback, after the launch began
     if port_problem:  # rank 0's store could not listen there (and the other ranks would reach whoever does)
         print(f"dstrain: error: {port_problem}", file=sys.stderr)
         return EXIT_CONFIG
@@ -312,6 +315,9 @@ def cmd_launch(args, overrides) -> int:
             return stopped
         if failed and code:  # the first rank's reason (3, 4, 124), not a peer's exit 1 the launcher saw first
             return failed
+        if code == 255 and hosts.remote and args.launcher != "torchrun":  # pdsh -S: ssh's own failure
+            print(f"dstrain: {launch_check.ssh_ended_line(hosts.hosts)}", file=sys.stderr, flush=True)
+            return code  # a failure, restarted (not 128 + SIGHUP, a stop)
         if 128 + 64 < code < 256:  # DeepSpeed's launcher exits with -N when a rank died of signal N
             print(f"dstrain: a rank was killed by signal {256 - code} ({signal.Signals(256 - code).name}"
                   f"{': out of memory, or killed by hand' if code == 256 - 9 else ''})", file=sys.stderr, flush=True)
@@ -323,6 +329,10 @@ def cmd_launch(args, overrides) -> int:
             return run_once(argv, env)
         if args.hostfile is None and (args.num_nodes or 1) == 1:
             args.master_port = launcher.find_free_port()  # the dead attempt's port may linger
+        elif hosts.remote and args.launcher != "torchrun" and not args.no_ssh_check and \
+                (gone := launch_check.gone_hosts_problem(hosts.hosts, args.hostfile)):
+            print(f"dstrain: error: {gone}", file=sys.stderr, flush=True)
+            return EXIT_CONFIG
         again, again_env = build(launcher.spec_from_args(args, [*overrides, "--resume"]))
         print(launcher.format_command(again, launcher.env_delta(again_env)), flush=True)
         return run_once(again, again_env)

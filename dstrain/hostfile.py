@@ -215,6 +215,10 @@ def check_reachable(host: str, timeout: int = SSH_CONNECT_TIMEOUT) -> str | None
     if done.returncode == 0:
         return None
     lines = done.stderr.strip().splitlines()
+    if any("IDENTIFICATION HAS CHANGED" in line for line in lines):  # a banner of @ lines before the last one
+        remove = [line.strip() for line in lines if line.strip().startswith("ssh-keygen ")]
+        return ("REMOTE HOST IDENTIFICATION HAS CHANGED" + (f", remove the old key with: {remove[0]}" if remove else "")
+                + f"; {lines[-1]}")
     return lines[-1] if lines else f"ssh exited with status {done.returncode}"
 
 
@@ -233,8 +237,35 @@ def check_hosts(hosts: Hosts, path: str, reach: bool, resolve: Callable[[str], R
             for name, why in zip(names, pool.map(probe, names)):
                 if why is not None:
                     raise HostfileError(f"hostfile {path}: host {name!r} is unreachable by passwordless ssh "
-                                        f"({why}); --no-ssh-check skips this check")
+                                        f"({why}); {ssh_fix(why, name)}")
     return found
+
+
+def ssh_fix(why: str, host: str) -> str:
+    """What to do about ssh's complaint ``why`` for ``host``. DeepSpeed's pdsh runner meets the same failure
+    later (its ssh has no terminal to ask on), so skipping the check is the advice only where nothing is known."""
+    low = why.lower()
+    if "remote host identification has changed" in low:
+        removal = "remove the old key as ssh says" if "ssh-keygen " in why else f"'ssh-keygen -R {host}'"
+        return (f"its host key changed (a reinstalled machine? else someone in between): {removal}, then "
+                f"'ssh {host} true' once")
+    if "host key verification failed" in low or "authenticity of host" in low:
+        return (f"its host key is not in known_hosts: run 'ssh {host} true' once here and accept it "
+                f"(or 'ssh-keyscan {host} >> ~/.ssh/known_hosts')")
+    if "permission denied" in low:
+        return (f"it refuses every key ssh offers without a password: 'ssh-copy-id {host}' (or name the key with "
+                "IdentityFile in ~/.ssh/config)")
+    return "--no-ssh-check skips this check"
+
+
+def pdsh_problem(which: Callable[[str], "str | None"] = shutil.which) -> str | None:
+    """DeepSpeed's multi-host runner starts every host's ranks through ``pdsh`` on this machine; without it
+    DeepSpeed stops with a traceback (``launcher 'pdsh' not installed``) after dstrain has started the launch."""
+    if which("pdsh"):
+        return None
+    return ("pdsh is not installed on this machine, and DeepSpeed starts the ranks of other hosts through it: "
+            "install it ('apt-get install pdsh', 'dnf install pdsh'), or start one agent per host with "
+            "--launcher torchrun")
 
 
 def _one_entry_per_machine(names: Sequence[str], found: Mapping[str, Resolved], path: str) -> None:
@@ -262,6 +293,19 @@ def choose_master(hosts: Hosts, path: str, found: Mapping[str, Resolved],
         return None, (f"the first host {first.host!r} resolves to loopback {first.address} here but other hosts do "
                       "not: DeepSpeed asks it for its address ('ssh HOST hostname -I'); set --master-addr to choose")
     return first.address, f"the first host ({first.host}) of hostfile {path}, resolved via {first.how}"
+
+
+def source_address_towards(address: str) -> str | None:
+    """The address of this machine that packets to ``address`` leave from (a UDP socket's connect sends
+    nothing); None without a route there."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as sock:
+            sock.connect((address, 9))
+            mine = sock.getsockname()[0]
+    except OSError:
+        return None
+    return None if _is_loopback(mine) else mine
 
 
 def _is_loopback(address: str) -> bool:

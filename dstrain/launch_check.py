@@ -33,7 +33,8 @@ class HostCheck:
 def check_hosts_for_launch(spec: launcher.LaunchSpec, reach: bool, torchrun: bool = False,
                            resolve: Callable[[str], hf.Resolved | None] | None = None,
                            probe: hf.Probe | None = None,
-                           local_hosts: Sequence[str] | None = None) -> HostCheck:
+                           local_hosts: Sequence[str] | None = None,
+                           route: Callable[[str], str | None] | None = None) -> HostCheck:
     """Check the hostfile of ``spec``; raise HostfileError before anything starts.
 
     Nothing is checked without a hostfile, or when the file is missing (the launch
@@ -63,8 +64,21 @@ def check_hosts_for_launch(spec: launcher.LaunchSpec, reach: bool, torchrun: boo
     check.master_addr, check.master_why = hf.choose_master(hosts, spec.hostfile, check.found, spec.master_addr)
     here = [h for h, _ in hosts if h in local]
     if here:
-        check.local_addr = check.found[here[0]].address
+        check.local_addr = _routable_local_addr(here[0], hosts, check.found, route or hf.source_address_towards)
     return check
+
+
+def _routable_local_addr(name: str, hosts: Sequence[tuple[str, int]], found: Mapping[str, hf.Resolved],
+                         route: Callable[[str], str | None]) -> str | None:
+    """This machine's address for torchrun's ``--local-addr``, which the agent that becomes rendezvous rank 0
+    hands every rank as MASTER_ADDR. Its hostfile name resolving to loopback (Debian's ``127.0.1.1 HOSTNAME`` in
+    /etc/hosts) while other hosts do not: the address this machine leaves by towards them, else None (torchrun's
+    own guess, the host's name), never the loopback address every rank on the other hosts would wait on."""
+    addr = found[name].address
+    if not hf._is_loopback(addr):
+        return addr
+    peers = [found[h].address for h, _ in hosts if not hf._is_loopback(found[h].address)]
+    return route(peers[0]) if peers else addr
 
 
 def gpu_shortfall(spec: launcher.LaunchSpec, remote: bool, accelerator: str, torchrun: bool = False,
@@ -268,3 +282,37 @@ def nccl_problem(accelerator: str, remote: bool, nccl_available: bool | None = N
         return None
     return (f"torch {torch.__version__} has no NCCL, which GPU ranks talk through: install a CUDA build of torch "
             "with NCCL (Linux wheels have it), or --accelerator cpu for CPU ranks with gloo")
+
+
+def ssh_ended_line(hosts: Sequence[tuple[str, int]], probe: hf.Probe | None = None) -> str:
+    """What a multi-host DeepSpeed launch that ended with status 255 says. ``pdsh -S`` returns the largest of the
+    hosts' statuses, and 255 is ssh's own failure: a host that vanished mid-run (power, network, a panic: its
+    session ended by ssh's keep-alive, :func:`dstrain.launcher.ssh_keepalive`). Read as a signal (256 - 255: SIGHUP)
+    it was "a rank was killed by signal 1", exit 129, a stop that ``--max-restarts`` never restarts. The hosts are
+    asked again (passwordless ssh, in parallel) to name the ones gone."""
+    gone = _unanswered(hosts, probe)
+    if gone:
+        return ("the ranks of " + ", ".join(f"host {h!r} ({why})" for h, why in gone) + " were lost: "
+                f"{'it no longer answers' if len(gone) == 1 else 'they no longer answer'} ssh (powered off, "
+                "rebooted, or its network went down); the other hosts' ranks ended")
+    return ("an ssh session to a host ended with status 255 (its network dropped, or a rank there was killed by "
+            "SIGHUP); the pdsh@ line above names the host")
+
+
+def gone_hosts_problem(hosts: Sequence[tuple[str, int]], path: str, probe: hf.Probe | None = None) -> str | None:
+    """Before a restart of a multi-host job: a host that passwordless ssh no longer reaches would only fail the
+    restart (pdsh's connect timeout, exit 255 again, restart after restart); None when every host answers."""
+    gone = _unanswered(hosts, probe)
+    if not gone:
+        return None
+    return ("not restarting: " + ", ".join(f"host {h!r} of {path} is unreachable by passwordless ssh ({why})"
+                                           for h, why in gone)
+            + f"; take it out of {path} (keeping the global batch: train.grad_accum or train.micro_batch) and "
+            "launch again with --resume")
+
+
+def _unanswered(hosts: Sequence[tuple[str, int]], probe: hf.Probe | None) -> list[tuple[str, str]]:
+    from concurrent.futures import ThreadPoolExecutor
+    names = [h for h, _ in hosts]
+    with ThreadPoolExecutor(max_workers=min(32, len(names) or 1)) as pool:
+        return [(h, why) for h, why in zip(names, pool.map(probe or hf.check_reachable, names)) if why is not None]

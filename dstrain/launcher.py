@@ -122,7 +122,8 @@ def deepspeed_env_file(env: Mapping[str, str], accelerator: str = "cpu") -> str:
     no comments, no blank lines (so values with a newline are left out).
     """
     prefixes = DEEPSPEED_EXPORTED_PREFIXES + (DEEPSPEED_CUDA_EXPORTED_PREFIXES if accelerator == "cuda" else ())
-    lines = [f"{k}={v}" for k, v in env.items() if not k.startswith(prefixes) and "\n" not in v]
+    lines = [f"{k}={v}" for k, v in env.items()
+             if not k.startswith(prefixes) and not k.startswith("PDSH_") and "\n" not in v]  # (pdsh: this machine's)
     return "".join(line + "\n" for line in lines)
 
 
@@ -145,6 +146,19 @@ def deepspeed_executable(python: str) -> str:
     """The ``deepspeed`` script next to ``python`` if there is one, else "deepspeed" (from PATH)."""
     candidate = Path(python).parent / "deepspeed"
     return str(candidate) if candidate.is_file() else "deepspeed"
+
+
+SSH_ALIVE = ("-o", "ServerAliveInterval=15", "-o", "ServerAliveCountMax=4")
+
+
+def ssh_keepalive(append: str) -> str:
+    """pdsh's extra ssh options (``PDSH_SSH_ARGS_APPEND``) with a keep-alive, unless they set one. pdsh waits for
+    every host's ssh session; a host that vanishes (power, network, a kernel panic) sends nothing more, and without
+    one ssh waits for TCP to give up (hours), so the job never ended even after the other hosts' ranks did (their
+    watchdog, a collective's timeout). With it, that session ends 60 s after the host's last answer."""
+    if "serveraliveinterval" in append.lower():
+        return append
+    return " ".join([*append.split(), *SSH_ALIVE])
 
 
 def build_deepspeed_command(
@@ -202,6 +216,7 @@ def build_deepspeed_command(
         if spec.nproc > 1:
             argv += ["--num_gpus", str(spec.nproc)]
         argv.append("--force_multi")  # else DeepSpeed runs a single remaining host on this machine
+        env["PDSH_SSH_ARGS_APPEND"] = ssh_keepalive(env.get("PDSH_SSH_ARGS_APPEND", ""))
     elif not (include or exclude):
         visible = env.get("CUDA_VISIBLE_DEVICES", "").strip()
         if accel == "cuda" and visible:

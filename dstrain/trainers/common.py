@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Callable
 
 from dstrain import checkpoint as ckpt
-from dstrain import run_lock, runtime
+from dstrain import run_lock, runtime, shared_folder
 from dstrain.faults import fault, fault_hang, fault_raise  # noqa: F401  (fault_hang, fault_raise: the trainers import them from here)
 from dstrain.config import RunConfig, RunFolderError
 from dstrain.trainers.run_files import write_run_records
@@ -23,7 +23,7 @@ def decide_resume(cfg: RunConfig, world: runtime.World, out: Path, ckpt_root: Pa
     from the checkpoint's says what changed (:func:`changed_settings_note`).
     """
     from dstrain import elastic
-    decision, job_agents = None, elastic.gather_agents()
+    decision, job_agents, marker = None, elastic.gather_agents(), None
     if world.is_main:
         latest = ckpt.find_latest(ckpt_root)
         busy = _lock_run_folder(out)
@@ -51,9 +51,12 @@ def decide_resume(cfg: RunConfig, world: runtime.World, out: Path, ckpt_root: Pa
             with contextlib.suppress(OSError):  # speak for this one, which writes its own when it ends
                 (out / "summary.json").unlink(missing_ok=True)
             elastic.clear_stopped_job(out)
-    kind, value = runtime.broadcast_object(decision)
+            marker = shared_folder.write_marker(out) if world.world_size > 1 else None
+    (kind, value), marker = runtime.broadcast_object((decision, marker))
     if kind == "error":
         raise RunFolderError(value)
+    if (unshared := shared_folder.problem(out, marker, world.is_main)) is not None:  # each host its own folder
+        raise RunFolderError(unshared)
     if kind == "stopped":
         raise elastic.StoppedJobRestarted(*value)
     if kind == "resume" and value is None and world.is_main:

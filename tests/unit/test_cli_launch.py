@@ -133,6 +133,7 @@ def reachable(monkeypatch):
     monkeypatch.setattr(hostfile, "resolve_host", lambda h: hostfile.Resolved(h, ADDRESSES[h], "DNS / hosts file")
                         if h in ADDRESSES else None)
     monkeypatch.setattr(hostfile, "check_reachable", lambda h: probed.append(h))
+    monkeypatch.setattr(hostfile, "pdsh_problem", lambda: None)  # whether or not this machine has pdsh
     return probed
 
 
