@@ -129,19 +129,18 @@ def model_stats(build: Callable[[], torch.nn.Module]) -> ModelStats:
     """Count parameters of a model built on the meta device.
 
     The largest module is the one owning the most parameters directly (what
-    ZeRO-3 gathers at once); tied parameters are counted once.
+    ZeRO-3 gathers at once: a parameter tied to another module's counts in both,
+    as DeepSpeed's ``model_to_params`` counts it); tied parameters are counted
+    once in the total.
     """
     with torch.device("meta"):
         model = build()
     seen, total, largest = set(), 0, 0
     for module in model.modules():
-        own = 0
-        for p in module.parameters(recurse=False):
-            if id(p) not in seen:
-                seen.add(id(p))
-                own += p.numel()
-        total += own
-        largest = max(largest, own)
+        own = {id(p): p.numel() for p in module.parameters(recurse=False)}
+        total += sum(n for k, n in own.items() if k not in seen)
+        seen.update(own)
+        largest = max(largest, sum(own.values()))
     return ModelStats(params=total, largest_module_params=largest,
                       hidden_size=int(getattr(model, "hidden_size", 0)),
                       num_layers=int(getattr(model, "num_layers", 0)))

@@ -9,11 +9,13 @@ With P parameters, L parameters in the largest module, N data-parallel ranks and
     zero2                     wP + (g+12)P/N             -
     zero3                     (w+g+12)P/N + (w+g)L       -
     zero2_offload             (w+g)P                     12P
-    zero3_offload_optimizer   (w+g)P/N + (w+g)L          12P
+    zero3_offload_optimizer   wP/N + (w+g)L              (12+g)P
     zero3_offload             (w+g)L                     (12+w+g)P
 
 w = g = 2 bytes in bf16/fp16 and 4 in fp32 (fp32 doubles the 2-byte terms); 12 bytes are
-the fp32 master weights and Adam moments. The 16-bit table is the ZeRO paper's.
+the fp32 master weights and Adam moments. The 16-bit table is the ZeRO paper's, except that ZeRO-3 with the
+optimizer offloaded keeps its gradient partition on the host (DeepSpeed allocates its flat gradient buffer on the
+optimizer's device: ``estimate_zero3_model_states_mem_needs`` counts 4L + 2P/N on the GPU).
 """
 from __future__ import annotations
 
@@ -188,7 +190,8 @@ def model_state_bytes(profile: str, stats: ModelStats, world_size: int, precisio
                       ranks_per_node: int) -> tuple[int, int]:
     """Model-state bytes ``(device bytes per rank, host bytes per node)`` for Adam (module table).
 
-    Host bytes of the offload profiles are 12P (optimizer offload) or (12+w+g)P = 16P in
+    Host bytes of the offload profiles are 12P (ZeRO-2's optimizer offload), (12+g)P (ZeRO-3's, which
+    keeps the gradient partition on the host too) or (12+w+g)P = 16P in
     16-bit (parameter and optimizer offload) for the whole model; each rank holds only its
     1/N partition, so a node holding ``ranks_per_node`` of the N ranks holds
     ``min(1, ranks_per_node / N)`` of that.
@@ -209,7 +212,7 @@ def model_state_bytes(profile: str, stats: ModelStats, world_size: int, precisio
         "zero2": (w * p + (g + opt) * p / n, 0),
         "zero3": ((w + g + opt) * p / n + (w + g) * big, 0),
         "zero2_offload": ((w + g) * p, opt * p * node_share),
-        "zero3_offload_optimizer": ((w + g) * p / n + (w + g) * big, opt * p * node_share),
+        "zero3_offload_optimizer": (w * p / n + (w + g) * big, (opt + g) * p * node_share),
         "zero3_offload": ((w + g) * big, (opt + w + g) * p * node_share),
     }[profile]
     return int(round(device)), int(round(host))

@@ -81,7 +81,7 @@ def _design_bytes(profile: str, P: int, L: int, N: int, rpn: int, weight_bytes: 
     return {"zero0": ((2 * b + 12) * P, 0), "zero1": (2 * b * P + 12 * P / N, 0),
             "zero2": (b * P + (b + 12) * P / N, 0), "zero3": ((2 * b + 12) * P / N + 2 * b * L, 0),
             "zero2_offload": (2 * b * P, 12 * P * share),
-            "zero3_offload_optimizer": (2 * b * P / N + 2 * b * L, 12 * P * share),
+            "zero3_offload_optimizer": (b * P / N + 2 * b * L, (12 + b) * P * share),  # grads on the host
             "zero3_offload": (2 * b * L, (12 + 2 * b) * P * share)}[profile]
 
 

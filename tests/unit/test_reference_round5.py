@@ -389,7 +389,7 @@ def test_model_state_bytes_are_the_zero_papers_counts():
             table = {"zero0": ((2 * b + 12) * P, 0), "zero1": (2 * b * P + 12 * P / N, 0),
                      "zero2": (b * P + (b + 12) * P / N, 0), "zero3": ((2 * b + 12) * P / N + 2 * b * L, 0),
                      "zero2_offload": (2 * b * P, 12 * P * share),
-                     "zero3_offload_optimizer": (2 * b * P / N + 2 * b * L, 12 * P * share),
+                     "zero3_offload_optimizer": (b * P / N + 2 * b * L, (12 + b) * P * share),  # grads on the host
                      "zero3_offload": (2 * b * L, (12 + 2 * b) * P * share)}
             stats = ModelStats(params=P, largest_module_params=L, hidden_size=64, num_layers=4)
             for profile, (device, host) in table.items():
