@@ -92,9 +92,16 @@ def compile_engine(ds_engine, mode: str = "default", regions: Callable | None = 
         region.compile(backend=get_accelerator().get_compile_backend(), **compile_kwargs(mode))
 
 
-def attention_note(cfg: RunConfig) -> str:
-    """The plan's line for ``train.attention_backend`` (none for PyTorch's own order)."""
+def attention_note(cfg: RunConfig, device_type: str = "cpu", precision: str = "bf16") -> str:
+    """The plan's line for ``train.attention_backend``: on a GPU what PyTorch's own order runs first (on a CPU,
+    where no FlashAttention kernel exists, none)."""
     if cfg.train.attention_backend == "auto":
-        return ""
+        if device_type != "cuda":
+            return ""
+        if precision == "fp32":
+            return ("attention: PyTorch's SDPA order on the GPU, its memory-efficient kernel for fp32 "
+                    "(FlashAttention-2 takes bf16/fp16 only; train.attention_backend=auto)")
+        return ("attention: FlashAttention-2 first on the GPU (PyTorch's SDPA order, train.attention_backend=auto; "
+                "=cudnn tries cuDNN's fused attention first)")
     return (f"attention: SDPA tries {cfg.train.attention_backend}'s kernels first in every forward "
             "(train.attention_backend; falls back in PyTorch's order where they cannot serve)")

@@ -177,7 +177,8 @@ def plan_engine(cfg: RunConfig, world_size: int, hw=None, hw_notes: str = "",
                                         f" (train.compile={cfg.train.compile}{compile_why}"
                                         f"{', mode ' + cfg.train.compile_mode if compile_ else ''}"
                                         f"{compiling.describe(scope, cfg.model.name) if compile_ else ''})",
-                                        amp_note, overflow_note, optimizer.description, compiling.attention_note(cfg),
+                                        amp_note, overflow_note, optimizer.description,
+                                        compiling.attention_note(cfg, hw.device_type, precision),
                                         "learning-rate schedule: the DeepSpeed JSON's scheduler block"
                                         if "scheduler" in resolved else "learning-rate schedule: dstrain's "
                                         "warm-up + cosine (the JSON has no scheduler block)",

@@ -110,6 +110,9 @@ def detect_hardware(device_memory=None, host_memory=None, ranks_per_node: int | 
         # Planning for GPUs from a machine without one: assume a modern (bf16) GPU.
         mem, bf16, name = parse_bytes(device_memory or "80GB"), True, "cuda (assumed)"
         notes.append("no GPU here: planning for a bf16-capable GPU")
+        if host_memory is None:  # the offload profiles' host budget would silently be this machine's RAM
+            notes.append(f"host memory per node: this machine's {host / 1e9:.1f} GB "
+                         "(--deepspeed.host_memory=512GB plans for the GPU nodes' own)")
     else:
         mem = host // max(ranks, 1)
         bf16, speed = cpu_bf16_is_fast()

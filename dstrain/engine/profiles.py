@@ -19,6 +19,7 @@ optimizer's device: ``estimate_zero3_model_states_mem_needs`` counts 4L + 2P/N o
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -300,10 +301,44 @@ def choose_plan(stats: ModelStats, hw: Hardware, acts: Activations, world_size: 
             if est.fits:
                 return Plan(name, prec, ckpt, tuple(tried), _reason(est, tried[:-1], activation_checkpointing, hw),
                             prec_reason, margin)
-    raise PlanError(_nothing_fits(tried, hw, margin), tuple(tried))
+    ways = _what_would_fit(tried, stats, hw, acts, world_size, micro_batch, prec, margin, mixed_precision,
+                           grad_accum)
+    raise PlanError(_nothing_fits(tried, hw, margin, ways), tuple(tried))
 
 
-def _nothing_fits(tried: list[ProfileEstimate], hw: Hardware, margin: float) -> str:
+def _what_would_fit(tried, stats, hw, acts, world_size, micro_batch, prec, margin, mixed_precision,
+                    grad_accum) -> list[str]:
+    """What would fit where nothing does, with numbers: more ranks (the fewest, by doubling), micro-batch 1,
+    and more host memory per node, each re-estimated with the profiles and checkpointing just tried."""
+    def first_fit(world, micro, hw_=hw):
+        for e in tried:
+            est = _estimate(e.profile, e.activation_checkpointing, stats, hw_, acts, world, micro, prec, margin,
+                            mixed_precision, grad_accum)
+            if est.fits:
+                return est
+        return None
+
+    ways = []
+    world = world_size * 2
+    while world <= max(2 ** 24, world_size * 2):
+        if est := first_fit(world, micro_batch):
+            ways.append(f"{world} ranks at {min(hw.ranks_per_node, world)} a node ({_label(est)}: "
+                        f"{format_bytes(est.device_total)} per rank)")
+            break
+        world *= 2
+    if micro_batch > 1 and (est := first_fit(world_size, 1)):
+        ways.append(f"--train.micro_batch=1 with a larger grad_accum ({_label(est)}: "
+                    f"{format_bytes(est.device_total)} per rank)")
+    dev_ok = [e for e in tried if e.device_total <= margin * hw.device_memory and hw.device_type != "cpu"]
+    if dev_ok:
+        need = min(dev_ok, key=lambda e: e.host_total)
+        host = need.host_total / margin
+        ways.append(f"{format_bytes(host)} host memory per node ({_label(need)}; planned with "
+                    f"{format_bytes(hw.host_memory)}: --deepspeed.host_memory={math.ceil(host / 1e9)}GB)")
+    return ways
+
+
+def _nothing_fits(tried: list[ProfileEstimate], hw: Hardware, margin: float, ways=()) -> str:
     dev_budget, host_budget = margin * hw.device_memory, margin * hw.host_memory
     best = min(tried, key=lambda e: (e.device_total, e.host_total))
     msg = (f"no profile fits: the smallest per-rank need is {_label(best)} with {format_bytes(best.device_total)} "
@@ -315,6 +350,8 @@ def _nothing_fits(tried: list[ProfileEstimate], hw: Hardware, margin: float) -> 
         if host_ok:
             alt = min(host_ok, key=lambda e: e.device_total)
             msg += f"; within the host budget the smallest is {_label(alt)} with {format_bytes(alt.device_total)}"
+    if ways:
+        return msg + "; what would fit: " + "; or ".join(ways)
     return msg + "; use more ranks, a smaller micro-batch or a machine with more memory"
 
 
