@@ -81,4 +81,14 @@ def problem(out: Path, name: str | None, is_main: bool, gather: Callable | None 
     return (f"output.dir {out} is not one folder for every rank: the ranks on {', '.join(blind)} (rank"
             f"{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}) do not see the file rank 0 on {first} "
             "wrote there, and each rank writes its part of every checkpoint into it; put output.dir on a file system "
-            "every host mounts at the same path (NFS, Lustre, ...)")
+            "every host mounts at the same path (NFS, Lustre, ...)" + _same_host_note(out, first, blind))
+
+
+def _same_host_note(out: Path, first: str, blind: list[str]) -> str:
+    """Ranks on rank 0's own host that do not see its file share that host's disks: their ``output.dir`` names
+    another folder (a relative path read from another working directory, or a container of their own)."""
+    if first not in blind:
+        return ""
+    relative = "" if out.is_absolute() else f" ({out} is relative: each rank reads it from its own working directory)"
+    return (f"; ranks on {first}, rank 0's own host, do not see it either: they resolve output.dir to another "
+            f"folder{relative}; start every rank in one working directory or give output.dir as an absolute path")

@@ -19,16 +19,25 @@ Nor is a deterministic error restarted for ever: when two attempts in a row end 
 resumed from the checkpoint the first did and met it again, and so would every other restart (each costing a
 start-up, and the error buried under them): the launch stops there with one line naming it. A lost node, a
 killed rank or an error at another step (a flaky file system, a collective that timed out) differs, or leaves
-no error (a signal), and is restarted as before.
+no error (a signal), and is restarted as before. So is an error that names its environment rather than the
+job (:data:`TRANSIENT`: a full disk or quota, a timeout, a dropped connection, NCCL/the process group), even
+when two attempts print the same line: the user may be clearing the disk, the fabric may recover.
 """
 from __future__ import annotations
 
+import re
 import signal
 import time
 from typing import Callable
 
 #: Exit statuses that are not failures to retry.
 NO_RESTART = {0, 2, 3, 4} | {128 + s for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)}
+
+#: What in an error's line names a cause outside the job, which a restart may no longer meet.
+TRANSIENT = re.compile(r"no space left on device|errno 28\b|disk quota exceeded|errno 122\b|file write failed|"
+                       r"timed? ?out|timeout|watchdog|connection (?:reset|refused|aborted|closed)|broken pipe|"
+                       r"nccl|distbackenderror|distnetworkerror|gloo|stale file handle|input/output error",
+                       re.IGNORECASE)
 
 
 def run_with_restarts(attempt: Callable[[bool], int], max_restarts: int, log: Callable[[str], None],
@@ -54,7 +63,7 @@ def run_with_restarts(attempt: Callable[[bool], int], max_restarts: int, log: Ca
         time.sleep(pause)  # ports and shared memory of the dead attempt are released
         code = attempt(True)
         now = error() if code not in NO_RESTART else None
-        if now is not None and now == seen:
+        if now is not None and now == seen and not TRANSIENT.search(now):
             left = max_restarts - n
             log(f"dstrain: job failed again with the same error at the same point: {now}; not restarting it "
                 f"({left} restart(s) left unused: a deterministic error, which every restart would meet again): "
