@@ -191,6 +191,42 @@ def _apex_opt_level(section: str, loc: tuple, value) -> str | None:
             "optimizer, as Apex's O2) and rejects at start-up; remove it")
 
 
+#: PyTorch's GradScaler / ColossalAI's DynamicGradScaler names for the loss scaler's settings (configs of projects
+#: that moved from either write them in DeepSpeed's fp16 section): what DeepSpeed's fp16 section calls each.
+_GRAD_SCALER_KEYS = {"init_scale": "initial_scale_power", "initial_scale": "initial_scale_power",
+                     "growth_interval": "loss_scale_window", "min_scale": "min_loss_scale", "max_scale": None,
+                     "growth_factor": None, "backoff_factor": None}
+
+
+def _grad_scaler_key(section: str, loc: tuple, value) -> str | None:
+    """A GradScaler-style key in the fp16 section (``"fp16": {"initial_scale": 65536, "growth_interval": 1000}``):
+    DeepSpeed's fp16 section rejects it at start-up; the refusal names DeepSpeed's key with the value converted (the
+    starting scale as a power of two), or why there is none (DeepSpeed's scaler always doubles and halves, and has
+    no ceiling). None for any other key."""
+    name = str(loc[0]) if len(loc) == 1 else ""
+    if section != "fp16" or name not in _GRAD_SCALER_KEYS:
+        return None
+    head = (f"fp16.{name}: file says {json.dumps(value)}, PyTorch GradScaler's / ColossalAI's name for a loss-scaler "
+            "setting, which DeepSpeed's fp16 section does not take (it rejects it at start-up)")
+    ours = _GRAD_SCALER_KEYS[name]
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    if ours == "initial_scale_power":
+        power = math.log2(value) if number else None
+        if power is not None and power == int(power) and power >= 0:
+            n = int(power)
+            return f"{head}; write \"initial_scale_power\": {n} in its place (DeepSpeed starts at 2**{n})"
+        return f"{head}; write \"initial_scale_power\": N in its place (DeepSpeed starts at 2**N, a power of two)"
+    if ours is not None:
+        return f"{head}; write {json.dumps(ours)}: {json.dumps(value)} in its place (the same setting)"
+    if name == "max_scale":
+        return f"{head}; DeepSpeed's dynamic scaler has no ceiling; remove it"
+    same = (name == "growth_factor" and value == 2) or (name == "backoff_factor" and value == 0.5)
+    what = ("DeepSpeed's scaler does the same (it doubles the scale after loss_scale_window clean steps and halves it "
+            "on an overflow)" if same else "DeepSpeed's scaler always doubles the scale after loss_scale_window clean "
+            "steps and halves it on an overflow, a factor its config does not set")
+    return f"{head}; {what}; remove it"
+
+
 def _pydantic_problems(section: str, model, err: Exception, block: dict | None = None) -> list[str]:
     """One line per error of a pydantic ValidationError, named by dotted key (unknown keys with a hint)."""
     from dstrain.engine.ds_classes import deprecated_pair_problem
@@ -211,6 +247,7 @@ def _pydantic_problems(section: str, model, err: Exception, block: dict | None =
             neox = (_neox_precision_type(section, item.get("loc", ()), value)
                     or _loss_scaler_argument(section, item.get("loc", ()), block)
                     or _apex_opt_level(section, item.get("loc", ()), value)
+                    or _grad_scaler_key(section, item.get("loc", ()), value)
                     or _bf16_loss_scaling_key(section, item.get("loc", ()), block))  # last: its "" means said
             if neox != "":  # "": said with another key of the section
                 out.append(neox or f"{loc}: unknown key{hint}; DeepSpeed rejects it")

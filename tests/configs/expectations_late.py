@@ -397,3 +397,25 @@ EXPECT.update({
     "pruning_example_zero3_fp16_opt_level_cosine_warmup.json": "fp16.opt_level: file says \"O2\", Apex AMP's "
                                                                "optimisation level",
 })
+
+# Round 24 (tests/unit/test_ds_realworld24.py): sources not covered before: kohya-ss sd-scripts' DeepSpeed plugin
+# dicts (Accelerate's dump with the batch it computes), a ColossalAI / torch.amp migrant's fp16 block, DeepSpeed's
+# ZeRO++ tutorial block with hpZ alone (quantization off), DeepSpeed-Chat step 2's generated reward-model config.
+EXPECT.update({
+    # sd-scripts' prepare_deepspeed_plugin with bf16: train_batch_size = micro x accumulation x ranks, a stage-3 key
+    # at stage 2 (noted), zero_allow_untested_optimizer for its own optimizers
+    "kohya_sdscripts_zero2_bf16_accelerate_dump.json": None,
+    # the same with fp16: sd-scripts sets initial_scale_power 0 (a starting scale of 1); the CPU refuses fp16, a GPU
+    # takes it (tests/unit/test_ds_realworld24.py)
+    "kohya_sdscripts_zero2_fp16_initial_scale_power_zero.json": "fp16.enabled: fp16 does not run on the CPU",
+    # GradScaler's / ColossalAI's initial_scale, growth_interval, min_scale, growth_factor, backoff_factor in the
+    # fp16 block and ColossalAI's overlap_communication: each was "unknown key; DeepSpeed rejects it" (min_scale and
+    # initial_scale with a misleading "did you mean"); now each names DeepSpeed's key with the value converted
+    "colossalai_migrant_zero2_fp16_gradscaler_keys.json": "fp16.initial_scale: file says 65536, PyTorch "
+                                                          "GradScaler's / ColossalAI's name",
+    # the ZeRO++ tutorial's block with hpZ 16 and both quantizations off, on 2 ranks (hpZ groups min(16, 2))
+    "dsdocs_zeropp_tutorial_hpz_only_multinode.json": None,
+    # DeepSpeed-Chat get_train_ds_config(dtype="bf16", stage=2) for step 2: "bfloat16", stage-3 keys at stage 2,
+    # hybrid_engine off, tensorboard off, train_batch_size 64 over micro 8 (accumulation 4 on 2 ranks)
+    "dschat_step2_reward_zero2_bfloat16_stage3_keys_hybrid_off.json": None,
+})
