@@ -5,7 +5,10 @@ and maps them through ``Linear(hidden, 1)``:
 
 * per sequence (default): the value at each row's last real token, found from
   ``attention_mask`` (the last position where it is 1, so right padding, and left
-  padding too, index correctly);
+  padding too, index correctly; a model whose recurrent layers read left padding,
+  :data:`~models.policy.generation.LEFT_PADDING_LEAKS`, runs the rows of each left-pad
+  length as their own batch with the pads cut off: RecurrentGemma's convolution ran over
+  the pads and a left-padded row's value moved by 0.09 on a tiny checkpoint);
 * per token (``per_token=True``): ``[B, T]``, every position.
 
 The critic reads "prompt + action" text, the value function the state text alone.
@@ -16,6 +19,12 @@ with ``.hidden_states``). When it has a separate ``base_model`` (LlamaForCausalL
 ``.model``), that is called instead and its ``last_hidden_state`` used: the same tensor
 as ``hidden_states[-1]``, without computing the ``[B, T, vocab]`` logits nor keeping
 every layer's hidden states.
+
+Router load-balancing loss (mixture-of-experts backbones): none is added to the critic's or
+the value function's loss. transformers computes that loss in the causal-LM head's forward
+only (``MixtralForCausalLM``; its base model returns the router logits, no loss) and its own
+scalar heads (``MixtralForSequenceClassification``) add none; the critics' regression is what
+they train on, as for a reward model.
 
 Initialisation: ``init="normal"`` (default) draws the head's weight from
 N(0, 1 / (hidden + 1)) with zero bias, as reward heads are commonly initialised
@@ -31,6 +40,14 @@ import torch
 from torch import nn
 
 from .model import positions_from_mask
+
+
+def left_padding_leaks_model(backbone) -> bool:
+    """Whether ``backbone`` (a transformers model, or anything else) reads left padding (``generation``)."""
+    if not hasattr(getattr(backbone, "config", None), "model_type"):
+        return False
+    from .generation import left_padding_leaks
+    return left_padding_leaks(backbone)
 
 
 def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -61,7 +78,22 @@ class ValueHead(nn.Module):
             self.head.bias.zero_()
 
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``[B, T, hidden]``: the backbone's final hidden states."""
+        """``[B, T, hidden]``: the backbone's final hidden states (0 on the left pads of a model that leaks them)."""
+        if attention_mask is not None and left_padding_leaks_model(self.backbone):
+            lead = (attention_mask != 0).long().cumsum(-1).eq(0).sum(-1)  # [B] left pads per row
+            lead = lead.clamp(max=input_ids.shape[-1] - 1)  # a row with no real token keeps its last
+            if bool(lead.any()):
+                out = None
+                for p in lead.unique().tolist():
+                    rows = (lead == p).nonzero(as_tuple=True)[0]
+                    h = self._hidden(input_ids[rows, p:], attention_mask[rows, p:])
+                    if out is None:
+                        out = h.new_zeros(input_ids.shape + h.shape[-1:])
+                    out[rows, p:] = h
+                return out
+        return self._hidden(input_ids, attention_mask)
+
+    def _hidden(self, input_ids, attention_mask):
         body = getattr(self.backbone, "base_model", None)
         if isinstance(body, nn.Module) and body is not self.backbone:
             extra = positions_from_mask(body, attention_mask)
