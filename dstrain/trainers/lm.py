@@ -124,6 +124,7 @@ class LMTrainer:
         self.start_step = 0
         self.router_aux: list = []  # (mean load-balancing loss, verdict) of the steps since the last log (policy MoE)
         self.data_start = (0, 0)  # (step, sample): the data order continues from the checkpoint's position
+        self.window: list = []  # (loss, verdict) of the steps since the last log (checkpoints carry them)
         self.saver = CheckpointSaver(self.engine, self.ckpt_root, self.world, cfg, self.plan)
         self.guards = RunGuards(cfg, self.world, {"": self.engine}, deferrable=True)  # no updates of its own
         if resume_tag is not None:
@@ -146,6 +147,10 @@ class LMTrainer:
                           saved.get("train_batch_size"), self.plan.ds_config.get("train_batch_size"),
                           data_at=self.data_start[1])
         self.guards.skipped = int(state.get("skipped_steps", 0))
+        # the steps since the last log, already averaged over ranks (older checkpoints: none, so the first log of
+        # the resumed run averages only the steps after the checkpoint)
+        self.window = [(torch.tensor(v, dtype=torch.float32), None) for v in state.get("log_window", [])]
+        self.router_aux = [(torch.tensor(v, dtype=torch.float32), None) for v in state.get("router_aux_window", [])]
 
     def _samples_at_this_length(self, tag: str, samples: int) -> int:
         """Where the data order continues when ``data.seq_len`` changed since checkpoint ``tag``: in the same epoch,
@@ -186,7 +191,9 @@ class LMTrainer:
 
     def save(self, step: int) -> None:
         self.guards.phase("save", step)
-        self.saver.save(step, state={"skipped_steps": self.guards.skipped, "samples": self.first_sample(step)})
+        self.saver.save(step, state={"skipped_steps": self.guards.skipped, "samples": self.first_sample(step),
+                                     "log_window": window_state(self.window),
+                                     "router_aux_window": window_state(self.router_aux)})
 
     # ---------------------------------------------------------------- steps
     def _local(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -270,7 +277,7 @@ class LMTrainer:
                         tensorboard=cfg.output.tensorboard, progress=cfg.output.progress)
         meter = Throughput(self.flops_per_token)
         tokens_per_step = cfg.tokens_per_step
-        losses, step, last_saved, stopped = [], self.start_step, None, False
+        step, last_saved, stopped = self.start_step, None, False
         self.engine.train()
         start = time.perf_counter()
         try:
@@ -282,18 +289,18 @@ class LMTrainer:
                     self.guards.keep_last_good(step, self.start_step, last_saved, self.save, self.saver, err)
                     raise
                 if loss is not None:
-                    losses.append(loss)
+                    self.window.append(loss)
                 meter.add(tokens_per_step)
                 log.advance()
                 if step % t.log_every == 0 or step == t.steps or self.guards.stop_agreed:  # a stop: log, save, leave
                     self.guards.phase("log", step)
                     rates = meter.read()
-                    mean = mean_of_taken(losses)  # empty: every update skipped
+                    mean = mean_of_taken(self.window)  # empty: every update skipped
                     mean.update(mean_of_taken(self.router_aux, "router_aux_loss"))  # a policy MoE's
                     self.router_aux = []
                     stats = reduce_mean({**mean, "stop": float(self.stop.set),
                                          "memory_gb": peak_memory_bytes() / 1e9, **rates})
-                    losses = []
+                    self.window = []
                     stats["tokens_per_s"] *= self.dp_world  # whole job (a replica's ranks share its tokens)
                     stats["flops_per_s"] *= self.dp_world
                     stats.pop("mfu", None)
@@ -351,6 +358,18 @@ def mean_of_taken(losses: list[tuple[torch.Tensor, torch.Tensor | None]], name: 
     count = sum(ok.float() for _, ok in kept)
     total, count = torch.stack([total, count]).tolist()
     return {name: total / count} if count > 0 else {}
+
+
+def window_state(window: list[tuple[torch.Tensor, torch.Tensor | None]]) -> list[float]:
+    """The losses of the steps since the last log whose update was taken, each averaged over the ranks (one
+    all-reduce; every rank holds the same steps): a checkpoint carries them so that the resumed run's first
+    log averages the same steps as the uninterrupted run's (bit-exact on one rank)."""
+    kept = [loss.float() for loss, ok in window if ok is None or float(ok) > 0]
+    if not kept:
+        return []
+    from dstrain.metrics import reduce_mean
+    means = reduce_mean({f"{i:06d}": float(v) for i, v in enumerate(torch.stack(kept).cpu().tolist())})
+    return [means[k] for k in sorted(means)]
 
 
 def _parallel_layout(cfg: RunConfig, world: runtime.World, pp: int = 1):
