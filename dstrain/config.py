@@ -31,6 +31,10 @@ ATTENTION_BACKENDS = ("auto", "cudnn")
 """``train.attention_backend`` values: PyTorch's own SDPA order, or cuDNN's kernels first."""
 
 
+INT64_MAX = 2**63 - 1
+"""Largest integer a run config takes (JSON's integers are exact and unbounded in Python)."""
+
+
 class ConfigError(ValueError):
     """A run config problem; ``str(err)`` is one line naming the source and the key."""
 
@@ -298,6 +302,8 @@ def _convert(value: Any, typ: Any, source: str, key: str) -> Any:
     if typ is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise bad("an integer")
+        if abs(value) > INT64_MAX:  # (torch sizes, seeds and step counters are 64-bit: 1e30 as an exact integer)
+            raise bad(f"an integer of at most {INT64_MAX} (64 bits)")
         return value
     if typ is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -355,8 +361,9 @@ def _parse_override(text: str) -> tuple[str, Any]:
     if not text.startswith("--") or "=" not in text:
         raise ConfigError("command line", text, "overrides look like --section.key=value")
     key, raw = text[2:].split("=", 1)
+    from dstrain.config_text import duplicate_keys_hook
     try:
-        value = json.loads(raw)
+        value = json.loads(raw, object_pairs_hook=duplicate_keys_hook(raw, "command line"))
     except json.JSONDecodeError:
         value = raw
     return key, value
@@ -402,14 +409,16 @@ def read_json(path: str | Path) -> dict:
     if path.is_dir():
         raise ConfigError(str(path), "", folder_problem(path))
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except FileNotFoundError:  # a typo in the path: the file meant, where one is close
         from dstrain.config_text import missing_file_problem
         raise ConfigError(str(path), "", missing_file_problem(path)) from None
     except (OSError, UnicodeDecodeError) as err:  # UnicodeDecodeError: a binary file (a checkpoint's .pt)
         raise ConfigError(str(path), "", f"cannot read: {getattr(err, 'strerror', None) or 'not UTF-8 text'}") from None
+    from dstrain.config_text import decode_recipe, duplicate_keys_hook
+    text = decode_recipe(raw, str(path))  # (a UTF-8 BOM is dropped; UTF-16 and binary files are named)
     try:
-        data = json.loads(text)
+        data = json.loads(text, object_pairs_hook=duplicate_keys_hook(text, str(path)))
     except json.JSONDecodeError as err:
         raise ConfigError(str(path), "", invalid_json_problem(text, err)) from None
     if not isinstance(data, dict):

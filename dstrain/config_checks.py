@@ -8,8 +8,18 @@ from __future__ import annotations
 import json
 import os
 
-from dstrain.config import (ATTENTION_BACKENDS, COMPILE_MODES, COMPILE_SCOPES, ConfigError, RunConfig,
+from dstrain.config import (ATTENTION_BACKENDS, COMPILE_MODES, COMPILE_SCOPES, INT64_MAX, ConfigError, RunConfig,
                             build_section)
+
+
+MAX_LAYERS = 10_000
+"""Layer counts above this are refused: the plan builds the model on the meta device, one Python object per layer
+(``n_layer=1e30`` as an exact integer hung ``dstrain plan``; the deepest published networks have about 1000)."""
+
+
+def _auto_or_bool(value) -> bool:
+    """``auto``, true or false: not 1 or 0, which equal True and False in Python (``1 in (True,)``)."""
+    return value == "auto" or isinstance(value, bool)
 
 
 def _check(cond: bool, source: str, key: str, problem: str) -> None:
@@ -45,10 +55,10 @@ def validate(cfg: RunConfig, source: str) -> None:
            f"must be positive, got {t.collective_timeout_s}")
     _check(ds.precision in ("auto", "fp32", "bf16", "fp16"), source, "deepspeed.precision",
            f"must be auto, fp32, bf16 or fp16, got {ds.precision!r}")
-    _check(ds.activation_checkpointing in ("auto", True, False), source,
+    _check(_auto_or_bool(ds.activation_checkpointing), source,
            "deepspeed.activation_checkpointing",
            f"must be auto, true or false, got {json.dumps(ds.activation_checkpointing)}")
-    _check(t.compile in ("auto", True, False), source, "train.compile",
+    _check(_auto_or_bool(t.compile), source, "train.compile",
            f"must be auto, true or false, got {json.dumps(t.compile)}")
     _check(t.compile_mode in COMPILE_MODES, source, "train.compile_mode",
            f"must be one of {', '.join(COMPILE_MODES)}, got {json.dumps(t.compile_mode)}")
@@ -65,7 +75,7 @@ def validate(cfg: RunConfig, source: str) -> None:
     from dstrain.comms import COMM_DTYPES
     _check(ds.comm_dtype in COMM_DTYPES, source, "deepspeed.comm_dtype",
            f"must be {', '.join(COMM_DTYPES[:-1])} or {COMM_DTYPES[-1]}, got {ds.comm_dtype!r}")
-    _check(ds.zero_init in ("auto", True, False), source, "deepspeed.zero_init",
+    _check(_auto_or_bool(ds.zero_init), source, "deepspeed.zero_init",
            f"must be auto, true or false, got {json.dumps(ds.zero_init)}")
     _check(0.0 < ds.margin <= 1.0, source, "deepspeed.margin", f"must be in (0, 1], got {ds.margin}")
     for key in ("device_memory", "host_memory"):
@@ -83,6 +93,8 @@ def validate(cfg: RunConfig, source: str) -> None:
         except DSConfigError as err:
             raise ConfigError(source, "deepspeed.profile", str(err)) from None
     _check(bool(cfg.output.dir), source, "output.dir", "must not be empty")
+    _check(bool(d.corpus.strip()), source, "data.corpus",  # ("" is the current folder: its files, silently)
+           "must not be empty: stdlib or the path of a .txt/.jsonl file or a folder")
     _validate_parallel(cfg, source)
     _validate_model(cfg, source)
     _validate_task(cfg, source)
@@ -109,6 +121,10 @@ def _validate_parallel(cfg: RunConfig, source: str) -> None:
     ro = cfg.rollout
     _check(ro.backend in ("local", "ray"), source, "rollout.backend", f"must be local or ray, got {ro.backend!r}")
     _check(ro.cpus_per_worker > 0, source, "rollout.cpus_per_worker", f"must be positive, got {ro.cpus_per_worker}")
+    _check(ro.num_cpus is None or (type(ro.num_cpus) is int and ro.num_cpus >= 1), source, "rollout.num_cpus",
+           f"must be a positive integer or null (the machine's), got {json.dumps(ro.num_cpus)}")
+    _check(ro.address is None or (isinstance(ro.address, str) and ro.address.strip() != ""), source,
+           "rollout.address", f"must be a Ray address such as auto or host:6379, or null, got {json.dumps(ro.address)}")
     _check(ro.threads_per_worker >= 0, source, "rollout.threads_per_worker",
            f"must be 0 (the rank's) or more, got {ro.threads_per_worker}")
     _check(ro.backend == "local" or cfg.trainer in ("grpo", "score"), source, "rollout.backend",
@@ -181,6 +197,14 @@ def _validate_model(cfg: RunConfig, source: str) -> None:
     except (ValueError, TypeError) as err:  # the key it names, so that a typo in an override names the command line
         bad = next((k for k in cfg.model.args if repr(k) in str(err) or str(err).startswith(f"{k} ")), None)
         raise ConfigError(source, "model.args" + (f".{bad}" if bad else ""), str(err)) from None
+    for name, value in sorted(vars(mcfg).items()) if hasattr(mcfg, "__dict__") else ():
+        if type(value) is int and abs(value) > INT64_MAX:  # (a tensor size past 64 bits: torch's TypeError)
+            key = f"model.args.{name}" if name in cfg.model.args else "model.size"
+            raise ConfigError(source, key, f"expected an integer of at most {INT64_MAX} (64 bits), got {value}")
+        if name.lower().endswith(("layer", "layers")) and type(value) is int and value > MAX_LAYERS:
+            key = f"model.args.{name}" if name in cfg.model.args else "model.size"  # (building them would not end)
+            raise ConfigError(source, key, f"{value} layers is past any model dstrain can build or plan (at most "
+                                           f"{MAX_LAYERS}); use a smaller {name}")
     par = cfg.parallel
     if spec.layout_problem is not None and (found := spec.layout_problem(mcfg, par.tp, par.sp, par.sp_mode,
                                                                            cfg.data.seq_len)):

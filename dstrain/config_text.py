@@ -63,3 +63,35 @@ def missing_file_problem(path) -> str:
     if not guess.is_file():
         return "cannot read: No such file or directory"
     return f"cannot read: No such file or directory (did you mean {guess}?)"
+
+
+def decode_recipe(raw: bytes, source: str) -> str:
+    """A recipe file's bytes as text: UTF-8, with a leading byte-order mark dropped (editors on Windows write one);
+    UTF-16 (PowerShell's ``>``: a BOM, or a NUL byte beside each ASCII character) is named rather than refused as
+    a JSON position."""
+    from dstrain.config import ConfigError
+    if raw.startswith((b"\xff\xfe", b"\xfe\xff")) or (len(raw) > 1 and (raw[0] == 0) != (raw[1] == 0)):
+        raise ConfigError(source, "", "cannot read: UTF-16 text, not UTF-8; save the file as UTF-8")
+    try:
+        return raw.decode("utf-8").removeprefix("\ufeff")
+    except UnicodeDecodeError:  # a binary file (a checkpoint's .pt)
+        raise ConfigError(source, "", "cannot read: not UTF-8 text") from None
+
+
+def duplicate_keys_hook(text: str, source: str):
+    """``json.loads``'s object_pairs_hook refusing a key written twice in one object (Python's json keeps the last
+    silently, dropping e.g. a whole ``"train"`` section written earlier), naming the key and the line of each."""
+    def hook(pairs):
+        seen = set()
+        for key, _ in pairs:
+            if key in seen:
+                import re
+                from dstrain.config import ConfigError
+                lines = [text.count("\n", 0, m.start()) + 1
+                         for m in re.finditer(re.escape(json.dumps(key)) + r"\s*:", text)]
+                where = f" (lines {', '.join(map(str, lines))})" if len(set(lines)) > 1 else ""
+                raise ConfigError(source, key, f"written twice in one object{where}; JSON keeps only the last "
+                                               "silently: keep one")
+            seen.add(key)
+        return dict(pairs)
+    return hook
