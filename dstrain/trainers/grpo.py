@@ -44,7 +44,7 @@ from dstrain.trainers.common import (CheckpointSaver, RunGuards, StopFlag, decid
                                      plan_and_record, warn_batch_change)
 from dstrain.trainers.grpo_config import PolicyTaskConfig
 from dstrain.trainers.grpo_sampling import StepBatch, load_reserve, save_reserve, step_batch, with_stored
-from dstrain.trainers.rl_loop import RLLoop, batch_layout, sandbox_pool
+from dstrain.trainers.rl_loop import RLLoop, batch_layout, sandbox_pool, window_state
 
 
 def _sum_all(value: float) -> float:
@@ -121,6 +121,7 @@ class GRPOTrainer(RLLoop):
         if resume_tag is not None:
             state = load_checkpoint(self.engine, self.ckpt_root, resume_tag, self.world)
             self.start_step, self.guards.skipped = int(state["step"]), int(state.get("skipped_steps", 0))
+            self.take_log_window(state)
             warn_batch_change(self.world, self.ckpt_root / resume_tag, self.start_step, t.steps,
                               state.get("samples_per_step"), self.samples_per_step)
             from dstrain.rl.dapo import KeepRate, PromptRest
@@ -246,7 +247,8 @@ class GRPOTrainer(RLLoop):
 
     # ---------------------------------------------------------------- loop
     def save(self, step: int) -> None:
-        state = {"samples_per_step": self.samples_per_step, "skipped_steps": self.guards.skipped}
+        state = {"samples_per_step": self.samples_per_step, "skipped_steps": self.guards.skipped,
+                 "log_window": window_state(self.window)}  # the steps since the last log
         if self.keep_rate is not None:
             state["dynamic_keep_rate"] = self.keep_rate.rate
         if self.prompt_rest is not None:

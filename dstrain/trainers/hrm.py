@@ -91,6 +91,10 @@ def carry_layout_problem(ckpt_root: Path, tag: str, global_batch: int, world_siz
 
 class HRMTrainer:
     """Owns the engine, the puzzle table, the data and the carries of one HRM run."""
+    log_sums: dict[str, torch.Tensor] = {}
+    """The metric sums of the steps since the last log (a resume sets them from the checkpoint; ``run`` copies)."""
+    log_losses: list[torch.Tensor] = []
+    """The losses of the steps since the last log, likewise."""
 
     def __init__(self, cfg: RunConfig):
         self.world = runtime.init_distributed(timeout_s=torch_timeout_s(cfg.train.collective_timeout_s))
@@ -171,7 +175,8 @@ class HRMTrainer:
             if self.world.is_main and self.ema is not None:
                 torch.save(self.ema.state_dict(), state_dir / "ema.pt")
         self.guards.phase("save", step)
-        self.saver.save(step, {"global_batch": self.global_batch, "skipped_steps": self.guards.skipped}, write_state)
+        self.saver.save(step, {"global_batch": self.global_batch, "skipped_steps": self.guards.skipped,
+                               "log_window": hrm_window_state(self.log_sums, self.log_losses)}, write_state)
 
     def _resume(self, tag: str) -> None:
         self._check_carry_layout(tag)
@@ -185,6 +190,12 @@ class HRMTrainer:
         if self.ema is not None:
             self.ema.load_state_dict(torch.load(state_dir / "ema.pt", weights_only=True, map_location=self.device))
         self.start_step, self.guards.skipped = int(state["step"]), int(state.get("skipped_steps", 0))
+        # the steps since the last log (older checkpoints: none, so the first log of the resumed run averages only
+        # the steps after the checkpoint)
+        window = state.get("log_window") or {}
+        self.log_sums = {k: torch.tensor(v, dtype=torch.float32, device=self.device)
+                         for k, v in window.get("sums", {}).items()}
+        self.log_losses = [torch.tensor(v, dtype=torch.float32, device=self.device) for v in window.get("losses", [])]
 
     def _check_carry_layout(self, tag: str) -> None:
         """Refuse, before loading, a checkpoint whose ACT carry (each rank's rows, mid-puzzle) this run cannot take
@@ -264,8 +275,8 @@ class HRMTrainer:
         cfg, t = self.cfg, self.cfg.train
         log = RunLogger(self.out, self.world.rank, t.steps, self.start_step, tensorboard=cfg.output.tensorboard,
                         progress=cfg.output.progress, time_limit_s=self.task.time_limit_s or 0.0)
-        sums: dict[str, float] = {}
-        losses, step, last_saved, stopped, val, val_step = [], self.start_step, None, False, None, None
+        timed, step, last_saved, stopped, val, val_step = 0, self.start_step, None, False, None, None
+        self.log_sums, self.log_losses = dict(self.log_sums), list(self.log_losses)  # a resume's, or none
         self.engine.train()
         start = window = time.perf_counter()
         try:
@@ -277,13 +288,14 @@ class HRMTrainer:
                 except NonFiniteError as err:  # train.nonfinite=stop, or too many skips in a row
                     self.guards.keep_last_good(step, self.start_step, last_saved, self.save, self.saver, err)
                     raise
-                losses.append(loss)
+                self.log_losses.append(loss)
+                timed += 1
                 for k, v in metrics.items():
-                    sums[k] = sums[k] + v if k in sums else v.clone()
+                    self.log_sums[k] = self.log_sums[k] + v if k in self.log_sums else v.clone()
                 log.advance()
                 if step % t.log_every == 0 or step == t.steps or self.guards.stop_agreed:  # a stop: log, save, leave
-                    sums = {k: float(v) for k, v in sums.items()}  # the one wait for the device per log step
-                    losses = torch.stack(losses).double().cpu().tolist()
+                    sums = {k: float(v) for k, v in self.log_sums.items()}  # the one wait for the device per log step
+                    losses = torch.stack(self.log_losses).double().cpu().tolist()
                     now = time.perf_counter()
                     limit = self.task.time_limit_s
                     out_of_time = bool(limit) and now - start > limit
@@ -292,14 +304,14 @@ class HRMTrainer:
                     out_of_time = reduced.pop("out_of_time") > 0
                     stats = summarise({k: v for k, v in reduced.items() if k not in ("step_loss", "stop")})
                     stats.update(loss=reduced["step_loss"], lr=self.engine.lr, skipped_steps=self.guards.skipped,
-                                 segments_per_s=len(losses) * self.global_batch / max(now - window, 1e-9))
+                                 segments_per_s=timed * self.global_batch / max(now - window, 1e-9))
                     if self.sparse_opt is not None:
                         stats["puzzle_emb_lr"] = self.task.puzzle_emb_lr * self.engine.lr / max(self.full_lr, 1e-30)
                     norm = self.engine.grad_norm
                     if norm is not None:
                         stats["grad_norm"] = norm
                     log.log(step, stats)
-                    sums, losses, window = {}, [], now
+                    self.log_sums, self.log_losses, timed, window = {}, [], 0, now
                     if reduced["stop"] > 0:
                         log.message(f"stop requested: saving step {step} and leaving")
                         self.save(step)
@@ -345,6 +357,19 @@ class HRMTrainer:
         if self.world.is_main:
             write_summary(self.out, summary)
         return summary
+
+
+def hrm_window_state(sums: dict[str, torch.Tensor], losses: list[torch.Tensor]) -> dict:
+    """The metric sums and per-step losses of the steps since the last log, averaged over the ranks (one
+    all-reduce; every rank holds the same steps): a checkpoint carries them so that the resumed run's first log
+    averages the same steps as the uninterrupted run's (bit-exact on one rank)."""
+    flat = {f"sum/{k}": float(v) for k, v in sums.items()}
+    flat.update({f"loss/{i:06d}": v for i, v in enumerate(torch.stack(losses).cpu().tolist() if losses else [])})
+    if not flat:
+        return {}
+    means = reduce_mean(flat)
+    return {"sums": {k[4:]: v for k, v in means.items() if k.startswith("sum/")},
+            "losses": [means[k] for k in sorted(means) if k.startswith("loss/")]}
 
 
 @torch.no_grad()

@@ -85,6 +85,8 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 class LMTrainer:
     """Owns the engine, data and sinks of one supervised LM run."""
+    window: list = []
+    """(loss, verdict) of the steps since the last log (checkpoints carry them; a resume sets them, ``run`` copies)."""
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
@@ -124,7 +126,6 @@ class LMTrainer:
         self.start_step = 0
         self.router_aux: list = []  # (mean load-balancing loss, verdict) of the steps since the last log (policy MoE)
         self.data_start = (0, 0)  # (step, sample): the data order continues from the checkpoint's position
-        self.window: list = []  # (loss, verdict) of the steps since the last log (checkpoints carry them)
         self.saver = CheckpointSaver(self.engine, self.ckpt_root, self.world, cfg, self.plan)
         self.guards = RunGuards(cfg, self.world, {"": self.engine}, deferrable=True)  # no updates of its own
         if resume_tag is not None:
@@ -278,6 +279,7 @@ class LMTrainer:
         meter = Throughput(self.flops_per_token)
         tokens_per_step = cfg.tokens_per_step
         step, last_saved, stopped = self.start_step, None, False
+        self.window = list(self.window)  # the checkpoint's steps since its last log, on a resume
         self.engine.train()
         start = time.perf_counter()
         try:

@@ -6,7 +6,9 @@ metrics of step ``step``, 0-based), ``evaluate(step) -> dict``, ``save(step)``,
 plus the attributes set in its ``__init__``: ``cfg``, ``task``, ``world``, ``out``,
 ``start_step``, ``stop`` (a StopFlag), ``pool`` (the sandbox), ``samples_per_step``, ``plan``,
 ``guards`` (``common.RunGuards`` over its trained engines: ``train.nonfinite`` and the hang
-watchdog) and ``saver`` (``common.CheckpointSaver``, which its ``save`` uses).
+watchdog) and ``saver`` (``common.CheckpointSaver``, which its ``save`` uses). Its ``save`` puts
+``window_state(self.window)`` in the checkpoint's state as ``log_window`` and its resume passes that
+state to :meth:`RLLoop.take_log_window`.
 """
 from __future__ import annotations
 
@@ -89,17 +91,39 @@ def format_time_split(split: dict[str, dict[str, float]]) -> str:
     return f"step time split over {split['step']['seconds']:.1f} s: " + ", ".join(parts)
 
 
+def window_state(window: list[dict]) -> list[dict[str, float]]:
+    """Each step of a log window with its values averaged over the ranks (one all-reduce; every rank holds the
+    same steps and keys): a checkpoint carries them so that the resumed run's first log averages the same steps
+    as the uninterrupted run's (bit-exact on one rank)."""
+    if not window:
+        return []
+    means = reduce_mean({f"{i:06d}\t{k}": float(v) for i, x in enumerate(window) for k, v in x.items()})
+    out: list[dict[str, float]] = [{} for _ in window]
+    for key, value in means.items():
+        i, _, k = key.partition("\t")
+        out[int(i)][k] = value
+    return out
+
+
 class RLLoop:
     RATE_KEYS: tuple[str, ...] = ()
     """Per-rank rates that are multiplied by the world size when logged (whole-job rates)."""
     RATES: dict[str, tuple[str, str]] = {}
     """Rates formed over a log window from a count and a seconds key of each step (:func:`window_stats`)."""
+    window: list[dict] = []
+    """This rank's metrics of the steps since the last log (:meth:`take_log_window` sets it on a resume)."""
+
+    def take_log_window(self, state: dict) -> None:
+        """Start the log window with the steps a checkpoint carries (an older one without them: none, so the
+        first log of the resumed run averages only the steps after the checkpoint)."""
+        self.window = [dict(x) for x in state.get("log_window", [])]
 
     def run(self) -> dict:
         cfg, t = self.cfg, self.cfg.train
         log = RunLogger(self.out, self.world.rank, t.steps, self.start_step,
                         tensorboard=cfg.output.tensorboard, progress=cfg.output.progress)
-        window: list[dict] = []
+        self.window = list(self.window)  # the checkpoint's steps since its last log, on a resume
+        carried = list(self.window)  # their time went into the previous run's time split, not this one's
         time_sums: dict[str, float] = {}
         step, last_saved, stopped = self.start_step, None, False
         before = after = None
@@ -111,13 +135,13 @@ class RLLoop:
             for step in range(self.start_step + 1, t.steps + 1):
                 self.guards.begin(step, "rollout")
                 try:
-                    window.append(self.one_step(step - 1))
+                    self.window.append(self.one_step(step - 1))
                 except NonFiniteError:  # train.nonfinite=stop, or too many skips in a row
                     self.guards.keep_last_good(step, self.start_step, last_saved, self.save, self.saver)
                     raise
                 log.advance()
                 if step % t.log_every == 0 or step == t.steps or self.guards.stop_agreed:  # a stop: log, save, leave
-                    len_window = len(window)
+                    window, len_window = self.window, len(self.window)
                     limit = self.task.time_limit_s
                     out_of_time = float(bool(limit) and time.perf_counter() - start > limit)
                     stats = reduce_mean({**window_stats(window, self.RATES), "stop": float(self.stop.set),
@@ -131,8 +155,8 @@ class RLLoop:
                         log.log(step, values, prefix=prefix)
                     for k, v in stats.items():
                         if k.startswith("time/"):
-                            time_sums[k] = time_sums.get(k, 0.0) + v * len_window
-                    window = []
+                            time_sums[k] = time_sums.get(k, 0.0) + v * len_window - sum(x.get(k, 0.0) for x in carried)
+                    self.window, carried = [], []
                     if stop or out_of_time:
                         log.message(("stop requested" if stop else f"time limit of {limit:.0f} s reached")
                                     + f": saving step {step} and leaving")

@@ -37,7 +37,7 @@ from dstrain.resilience import torch_timeout_s
 from dstrain.trainers.common import (CheckpointSaver, RunGuards, StopFlag, decide_resume, load_checkpoint, pin_plan,
                                      resume_plan_problem, warn_batch_change)
 from dstrain.trainers.run_files import write_run_records
-from dstrain.trainers.rl_loop import RLLoop, batch_layout, sandbox_pool
+from dstrain.trainers.rl_loop import RLLoop, batch_layout, sandbox_pool, window_state
 from dstrain.trainers.score_config import ScoreTaskConfig
 from dstrain.trainers.score_step import ScoreModels, ScoreStep
 
@@ -113,6 +113,7 @@ class ScoreTrainer(RLLoop):
         if resume_tag is not None:
             state = load_checkpoint(self.models.policy, self.ckpt_root, resume_tag, w)
             self.start_step, self.guards.skipped = int(state["step"]), int(state.get("skipped_steps", 0))
+            self.take_log_window(state)
             warn_batch_change(w, self.ckpt_root / resume_tag, self.start_step, cfg.train.steps,
                               state.get("samples_per_step"), self.samples_per_step)
             sc.load_extra(self.ckpt_root / resume_tag, self._extra_engines(), self.models.critic_target)
@@ -228,7 +229,8 @@ class ScoreTrainer(RLLoop):
     def save(self, step: int) -> None:
         engines = self._extra_engines()
         self.saver.save(step, {"samples_per_step": self.samples_per_step, "engines": sorted(engines),
-                               "skipped_steps": self.guards.skipped},
+                               "skipped_steps": self.guards.skipped,
+                               "log_window": window_state(self.window)},
                         write_extra=lambda d: sc.save_extra(d, engines, self.models.critic_target,
                                                             self.world.is_main))
 

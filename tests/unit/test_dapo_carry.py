@@ -177,6 +177,7 @@ def test_kept_groups_go_into_the_checkpoint_through_write_extra(tmp_path):
         if write_extra is not None:
             write_extra(tmp_path)
     fake = types.SimpleNamespace(samples_per_step=32, guards=types.SimpleNamespace(skipped=0), keep_rate=None,
+                                 window=[],
                                  prompt_rest=None, dynamic_reserve=[], world=types.SimpleNamespace(rank=1),
                                  saver=types.SimpleNamespace(save=save))
     GRPOTrainer.save(fake, 4)

@@ -118,6 +118,7 @@ def test_the_running_estimate_goes_into_the_checkpoint_state():
     from dstrain.trainers.grpo import GRPOTrainer
     saved = {}
     fake = types.SimpleNamespace(samples_per_step=32, guards=types.SimpleNamespace(skipped=0), keep_rate=None,
+                                 window=[],
                                  prompt_rest=None,
                                  saver=types.SimpleNamespace(save=lambda step, state: saved.update(state, step=step)))
     GRPOTrainer.save(fake, 5)
@@ -202,6 +203,7 @@ def test_rest_steps_need_dynamic_sampling_and_go_into_the_checkpoint_state():
         PolicyTaskConfig(dynamic_sampling=True, dynamic_sampling_rest_steps=-1)
     saved = {}
     fake = types.SimpleNamespace(samples_per_step=32, guards=types.SimpleNamespace(skipped=0), keep_rate=None,
+                                 window=[],
                                  prompt_rest=dapo.PromptRest(5, {3: 12}),
                                  saver=types.SimpleNamespace(save=lambda step, state: saved.update(state, step=step)))
     GRPOTrainer.save(fake, 7)
