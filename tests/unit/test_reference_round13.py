@@ -65,6 +65,7 @@ from models.policy.config import PolicyConfig
 from models.policy.model import build_policy
 from tests.dilated_reference import reference_dilated
 from tests.hf_checkpoints import _ARCHS, build_checkpoint
+from tests.unit.grpo_recording import RecordingSGD, next_token
 
 GB = 10 ** 9
 ROOT = Path(__file__).resolve().parents[2]
@@ -274,45 +275,6 @@ def test_gpt2_checkpoint_flops_per_token_count_its_conv1d_projections(tie, tmp_p
 
 # ---------------------------------------------------------------- GRPO's logged KL, clip fraction and entropy
 
-class _RecordingSGD:
-    """DeepSpeed's contract as the GRPO trainer uses it (backward divides by grad_accum, the update comes at the
-    accumulation boundary: plain SGD here, so a second pass over the batch sees a moved policy), recording the
-    logits of every forward with and without a graph."""
-
-    def __init__(self, module, grad_accum, lr):
-        self.module, self.grad_accum, self.lr, self.device = module, grad_accum, lr, torch.device("cpu")
-        self.micro, self.trained, self.scored = 0, [], []
-
-    def __call__(self, ids, attention_mask=None):
-        logits = self.module(ids, attention_mask=attention_mask)
-        (self.trained if torch.is_grad_enabled() else self.scored).append(logits.detach().double())
-        return logits
-
-    def backward(self, loss):
-        (loss / self.grad_accum).backward()
-
-    def step(self):
-        self.micro += 1
-        if self.micro % self.grad_accum == 0:
-            with torch.no_grad():
-                for p in self.module.parameters():
-                    p -= self.lr * p.grad
-                    p.grad = None
-
-    def eval(self):
-        self.module.eval()
-
-    def train(self):
-        self.module.train()
-
-
-def _next_token(logits, ids, temperature):
-    """float64 ``log softmax(logits / T)`` at each next token and the entropy of that softmax, ``[B, T-1]``."""
-    logp_all = torch.log_softmax(logits[:, :-1] / temperature, dim=-1)
-    logp = logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1)
-    return logp, -(logp_all.exp() * logp_all).sum(-1)
-
-
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
 def test_grpo_logged_kl_clip_fraction_and_entropy_against_their_definitions(loss_type):
     """Two passes (``num_iterations`` 2) over 8 rows in 4 micro-batches of 2, ragged completions and padding
@@ -344,7 +306,7 @@ def test_grpo_logged_kl_clip_fraction_and_entropy_against_their_definitions(loss
     sb = gs.StepBatch(batch, adv, weights, {}, {"generation": 0.01, "reward": 0.01}, 10)
     ref = torch.randn(B, T - 1) * 0.3 - 2.0
     tr = fake_step_trainer(loss_type, sb, GA)
-    tr.engine = _RecordingSGD(_TinyLM(), GA, lr=1.0)
+    tr.engine = RecordingSGD(_TinyLM(), GA, lr=1.0)
     tr.task = PolicyTaskConfig(loss_type=loss_type, max_new_tokens=T, num_iterations=2, beta=0.05, temperature=temp,
                                epsilon=eps_low, epsilon_high=eps_high)
     tr.loss_cfg = gm.GRPOLossConfig(eps_low, eps_high, 0.05, loss_type, T)
@@ -353,12 +315,12 @@ def test_grpo_logged_kl_clip_fraction_and_entropy_against_their_definitions(loss
 
     mask = (cmask[:, 1:] * weights[:, None]).double()
     rows = [slice(m * 2, m * 2 + 2) for m in range(GA)]
-    old = torch.cat([_next_token(lg, ids[r], temp)[0] for lg, r in zip(tr.engine.scored, rows)])
+    old = torch.cat([next_token(lg, ids[r], temp)[0] for lg, r in zip(tr.engine.scored, rows)])
     assert len(tr.engine.trained) == 2 * GA
     kls, clips, ent_sum = [], [], 0.0
     for n, logits in enumerate(tr.engine.trained):
         r = rows[n % GA]
-        logp, ent = _next_token(logits, ids[r], temp)
+        logp, ent = next_token(logits, ids[r], temp)
         m = mask[r]
         ent_sum += float((ent * m).sum())
         if m.sum() == 0:

@@ -58,6 +58,7 @@ import torch
 
 from dstrain.trainers import hrm as hrm_trainer
 from dstrain.trainers import lm
+from tests.unit.grpo_recording import RecordingSGD, next_token
 
 VOCAB = 7
 
@@ -358,44 +359,6 @@ def _run_ranks(comm: ThreadCollectives, work) -> list:
     return results
 
 
-class _RecordingSGD:
-    """DeepSpeed's contract as the GRPO trainer uses it (backward divides by grad_accum; plain SGD at the
-    accumulation boundary, so a second pass sees a moved policy), recording the logits of every forward (as round
-    13's, without importing that module's checkpoint builders)."""
-
-    def __init__(self, module, grad_accum, lr):
-        self.module, self.grad_accum, self.lr, self.device = module, grad_accum, lr, torch.device("cpu")
-        self.micro, self.trained, self.scored = 0, [], []
-
-    def __call__(self, ids, attention_mask=None):
-        logits = self.module(ids, attention_mask=attention_mask)
-        (self.trained if torch.is_grad_enabled() else self.scored).append(logits.detach().double())
-        return logits
-
-    def backward(self, loss):
-        (loss / self.grad_accum).backward()
-
-    def step(self):
-        self.micro += 1
-        if self.micro % self.grad_accum == 0:
-            with torch.no_grad():
-                for p in self.module.parameters():
-                    p -= self.lr * p.grad
-                    p.grad = None
-
-    def eval(self):
-        self.module.eval()
-
-    def train(self):
-        self.module.train()
-
-
-def _next_token(logits, ids, temperature):
-    """float64 ``log softmax(logits / T)`` at each next token and the entropy of that softmax, ``[B, T-1]``."""
-    logp_all = torch.log_softmax(logits[:, :-1] / temperature, dim=-1)
-    return logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1), -(logp_all.exp() * logp_all).sum(-1)
-
-
 def test_grpo_kl_clip_fraction_and_entropy_pool_every_ranks_passes_and_tokens(monkeypatch):
     """2 ranks; rank 0's 8 rows all weigh 0 (dynamic sampling kept no group there), rank 1 trains round 13's
     batch (ragged completions, one micro-batch of padding only) for 2 passes. The definitions over the step:
@@ -423,7 +386,7 @@ def test_grpo_kl_clip_fraction_and_entropy_pool_every_ranks_passes_and_tokens(mo
         batch = {"input_ids": ids.clone(), "attention_mask": attn.clone(), "completion_mask": cmask.clone()}
         sb = gs.StepBatch(batch, advs[rank], weights[rank], {}, {"generation": 0.01, "reward": 0.01}, 10)
         tr = fake_step_trainer("grpo", sb, GA)
-        tr.engine = _RecordingSGD(_TinyLM(), GA, lr=1.0)
+        tr.engine = RecordingSGD(_TinyLM(), GA, lr=1.0)
         tr.world, tr.samples_per_step = SimpleNamespace(world_size=2, rank=rank), 2 * B
         tr.task = PolicyTaskConfig(loss_type="grpo", max_new_tokens=T, num_iterations=2, beta=0.05,
                                    temperature=temp, epsilon=eps_low, epsilon_high=eps_high)
@@ -439,10 +402,10 @@ def test_grpo_kl_clip_fraction_and_entropy_pool_every_ranks_passes_and_tokens(mo
     for rank, tr in enumerate(trainers):
         mask = (cmask[:, 1:] * weights[rank][:, None]).double()
         tokens += 2 * float(mask.sum())
-        old = torch.cat([_next_token(lg, ids[r], temp)[0] for lg, r in zip(tr.engine.scored, rows)])
+        old = torch.cat([next_token(lg, ids[r], temp)[0] for lg, r in zip(tr.engine.scored, rows)])
         for n, logits in enumerate(tr.engine.trained):
             r = rows[n % GA]
-            logp, ent = _next_token(logits, ids[r], temp)
+            logp, ent = next_token(logits, ids[r], temp)
             m = mask[r]
             ent_sum += float((ent * m).sum())
             if m.sum() == 0:
