@@ -150,8 +150,12 @@ class LMTrainer:
         self.guards.skipped = int(state.get("skipped_steps", 0))
         # the steps since the last log, already averaged over ranks (older checkpoints: none, so the first log of
         # the resumed run averages only the steps after the checkpoint)
-        self.window = [(torch.tensor(v, dtype=torch.float32), None) for v in state.get("log_window", [])]
-        self.router_aux = [(torch.tensor(v, dtype=torch.float32), None) for v in state.get("router_aux_window", [])]
+        # on the engine's device, as the new steps' losses are: window_state stacks both (a GPU run resumed and saved
+        # again before its next log stacked CPU and GPU tensors: "Expected all tensors to be on the same device")
+        window, aux = state.get("log_window", []), state.get("router_aux_window", [])
+        dev = self.engine.device if window or aux else None
+        self.window = [(torch.tensor(v, dtype=torch.float32, device=dev), None) for v in window]
+        self.router_aux = [(torch.tensor(v, dtype=torch.float32, device=dev), None) for v in aux]
 
     def _samples_at_this_length(self, tag: str, samples: int) -> int:
         """Where the data order continues when ``data.seq_len`` changed since checkpoint ``tag``: in the same epoch,

@@ -36,7 +36,8 @@ def _trainer(tmp_path, window=()):
     trainer.cfg = SimpleNamespace(train=SimpleNamespace(micro_batch=2, grad_accum=1, steps=6),
                                   data=SimpleNamespace(seq_len=32))
     trainer.guards = SimpleNamespace(skipped=0, phase=lambda *a: None)
-    trainer.engine, trainer.ckpt_root, trainer.world = None, tmp_path, SimpleNamespace(is_main=True)
+    trainer.engine, trainer.ckpt_root = SimpleNamespace(device=torch.device("cpu")), tmp_path
+    trainer.world = SimpleNamespace(is_main=True)
     return trainer
 
 
