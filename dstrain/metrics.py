@@ -38,6 +38,19 @@ def reduce_mean(values: Mapping[str, float]) -> dict[str, float]:
     return dict(zip(keys, t.tolist()))
 
 
+def reduce_mean_each(records: list[Mapping[str, float]]) -> list[dict[str, float]]:
+    """Each record's values averaged over all ranks, in one all-reduce (every rank holds as many records, with the
+    same keys): the steps of a log window that a checkpoint carries (the LM, HRM and RL trainers)."""
+    if not records:
+        return []
+    means = reduce_mean({f"{i:06d}\t{k}": float(v) for i, record in enumerate(records) for k, v in record.items()})
+    out: list[dict[str, float]] = [{} for _ in records]
+    for key, value in means.items():
+        i, _, k = key.partition("\t")
+        out[int(i)][k] = value
+    return out
+
+
 def wait_for_device(device) -> None:
     """Wait for the work queued on ``device`` (a GPU; nothing to wait for elsewhere) before timing work that a
     throughput window leaves out (an evaluation, a checkpoint save). A GPU runs behind the host (the deferred

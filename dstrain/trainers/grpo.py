@@ -43,16 +43,13 @@ from dstrain.resilience import torch_timeout_s
 from dstrain.trainers.common import (CheckpointSaver, RunGuards, StopFlag, decide_resume, load_checkpoint, pin_plan,
                                      plan_and_record, warn_batch_change)
 from dstrain.trainers.grpo_config import PolicyTaskConfig
-from dstrain.trainers.grpo_sampling import StepBatch, load_reserve, save_reserve, step_batch, with_stored
+from dstrain.trainers.grpo_sampling import (StepBatch, load_reserve, save_reserve, step_batch, sum_over_ranks,
+                                            with_stored)
 from dstrain.trainers.rl_loop import RLLoop, batch_layout, sandbox_pool, window_state
 
 
 def _sum_all(value: float) -> float:
-    return runtime.all_reduce(torch.tensor([value], dtype=torch.float64)).item()
-
-
-def _sum_each(values: list[float]) -> list[float]:
-    return runtime.all_reduce(torch.tensor(values, dtype=torch.float64)).tolist()
+    return sum_over_ranks([value])[0]
 
 
 class GRPOTrainer(RLLoop):
@@ -222,7 +219,7 @@ class GRPOTrainer(RLLoop):
         train_seconds = time.perf_counter() - start
         # over every rank's micro-batch passes and tokens (a rank whose rows all weigh 0, as dynamic sampling can
         # leave one, trains no token: it logged 0 for each before, pulling the mean over ranks down)
-        kl_sum, clip_sum, counted, ent_sum = _sum_each([sums["kl"], sums["clip_fraction"], counted, ent_sum])
+        kl_sum, clip_sum, counted, ent_sum = sum_over_ranks([sums["kl"], sums["clip_fraction"], counted, ent_sum])
         out = {"loss": sums["loss"] / count, "kl": kl_sum / max(counted, 1),
                "clip_fraction": clip_sum / max(counted, 1),
                "entropy": ent_sum / max(tokens_global * self.task.num_iterations, 1.0)}

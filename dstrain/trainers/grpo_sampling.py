@@ -245,7 +245,8 @@ def with_stored(old: torch.Tensor, stored: torch.Tensor | None) -> torch.Tensor:
     return torch.where(torch.isnan(stored), old, stored.to(old.dtype))
 
 
-def _sum_all(values: list[float]) -> list[float]:
+def sum_over_ranks(values: list[float]) -> list[float]:
+    """Each of ``values`` summed over every rank (one all-reduce of host float64s)."""
     return runtime.all_reduce(torch.tensor(values, dtype=torch.float64)).tolist()
 
 
@@ -317,7 +318,7 @@ def dynamic_batch(tr, step: int) -> StepBatch:
             break
         groups = dapo.refill_prompts(n_tasks, step, filler.rounds, r, round_size(task, filler, estimate.rate),
                                      seed, skip)
-    informative, generated = _sum_all([filler.generated - filler.dropped, filler.generated])
+    informative, generated = sum_over_ranks([filler.generated - filler.dropped, filler.generated])
     estimate.update(informative, generated)  # the same on every rank: global counts
     if rest is not None:
         _record_outcomes(rest, step, outcomes)
@@ -338,7 +339,7 @@ def dynamic_batch(tr, step: int) -> StepBatch:
         adv[:len(kept)] = gm.group_advantages(kept_rewards, G, scale=task.scale_rewards)
         flat_groups = gm.zero_variance_fraction(kept_rewards, G) * (len(kept) // G)
     # over every rank's trained rows (ranks keep different numbers of them; one keeping none logged 0 before)
-    flat_groups, groups, cut, trained = _sum_all(
+    flat_groups, groups, cut, trained = sum_over_ranks(
         [flat_groups, float(len(kept) // G), float(len(kept)) - weights[:len(kept)].sum().item(), float(len(kept))])
     log["trained_zero_variance_groups"] = flat_groups / groups if groups else 0.0
     log.update({f"dynamic/{k}": v for k, v in filler.stats().items()})

@@ -32,7 +32,7 @@ from dstrain.data import sudoku
 from dstrain.data.prefetch import StepPrefetcher
 from dstrain.engine.ds_trainers import schedule_reference_lr
 from dstrain.engine.factory import create_engine
-from dstrain.metrics import RunLogger, reduce_mean
+from dstrain.metrics import RunLogger, reduce_mean, reduce_mean_each
 from dstrain.optim.ema import EMA
 from dstrain.optim.sparse_sign_sgd import SparseEmbedding, SparseSignSGD
 from dstrain.trainers import task_config
@@ -363,13 +363,11 @@ def hrm_window_state(sums: dict[str, torch.Tensor], losses: list[torch.Tensor]) 
     """The metric sums and per-step losses of the steps since the last log, averaged over the ranks (one
     all-reduce; every rank holds the same steps): a checkpoint carries them so that the resumed run's first log
     averages the same steps as the uninterrupted run's (bit-exact on one rank)."""
-    flat = {f"sum/{k}": float(v) for k, v in sums.items()}
-    flat.update({f"loss/{i:06d}": v for i, v in enumerate(torch.stack(losses).cpu().tolist() if losses else [])})
-    if not flat:
+    if not sums and not losses:
         return {}
-    means = reduce_mean(flat)
-    return {"sums": {k[4:]: v for k, v in means.items() if k.startswith("sum/")},
-            "losses": [means[k] for k in sorted(means) if k.startswith("loss/")]}
+    means = reduce_mean_each([{k: float(v) for k, v in sums.items()}]
+                             + [{"loss": v} for v in (torch.stack(losses).cpu().tolist() if losses else [])])
+    return {"sums": means[0], "losses": [r["loss"] for r in means[1:]]}
 
 
 @torch.no_grad()

@@ -30,7 +30,7 @@ from dstrain.config import ConfigError, RunConfig, RunFolderError
 from dstrain.data.corpus import ByteTokenizer, build_token_streams, load_documents
 from dstrain.data.sampler import WindowSampler, get_batch
 from dstrain.engine.factory import create_engine
-from dstrain.metrics import RunLogger, Throughput, peak_memory_bytes, reduce_mean
+from dstrain.metrics import RunLogger, Throughput, peak_memory_bytes, reduce_mean, reduce_mean_each
 
 
 def corpus_tokenizer(cfg: RunConfig):
@@ -373,9 +373,7 @@ def window_state(window: list[tuple[torch.Tensor, torch.Tensor | None]]) -> list
     kept = [loss.float() for loss, ok in window if ok is None or float(ok) > 0]
     if not kept:
         return []
-    from dstrain.metrics import reduce_mean
-    means = reduce_mean({f"{i:06d}": float(v) for i, v in enumerate(torch.stack(kept).cpu().tolist())})
-    return [means[k] for k in sorted(means)]
+    return [r["loss"] for r in reduce_mean_each([{"loss": v} for v in torch.stack(kept).cpu().tolist()])]
 
 
 def _parallel_layout(cfg: RunConfig, world: runtime.World, pp: int = 1):

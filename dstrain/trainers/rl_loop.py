@@ -16,7 +16,7 @@ import sys
 import time
 
 from dstrain.config import ConfigError
-from dstrain.metrics import RunLogger, peak_memory_bytes, reduce_mean
+from dstrain.metrics import RunLogger, peak_memory_bytes, reduce_mean, reduce_mean_each
 from dstrain.resilience import NonFiniteError
 from dstrain.trainers.common import fault
 from dstrain.trainers.run_files import write_summary
@@ -91,18 +91,9 @@ def format_time_split(split: dict[str, dict[str, float]]) -> str:
     return f"step time split over {split['step']['seconds']:.1f} s: " + ", ".join(parts)
 
 
-def window_state(window: list[dict]) -> list[dict[str, float]]:
-    """Each step of a log window with its values averaged over the ranks (one all-reduce; every rank holds the
-    same steps and keys): a checkpoint carries them so that the resumed run's first log averages the same steps
-    as the uninterrupted run's (bit-exact on one rank)."""
-    if not window:
-        return []
-    means = reduce_mean({f"{i:06d}\t{k}": float(v) for i, x in enumerate(window) for k, v in x.items()})
-    out: list[dict[str, float]] = [{} for _ in window]
-    for key, value in means.items():
-        i, _, k = key.partition("\t")
-        out[int(i)][k] = value
-    return out
+window_state = reduce_mean_each
+"""A log window's steps with their values averaged over the ranks: a checkpoint carries them so that the resumed
+run's first log averages the same steps as the uninterrupted run's (bit-exact on one rank)."""
 
 
 class RLLoop:

@@ -33,7 +33,7 @@ rank's GPU, pinned below; batches moved to the device once, before timing; a tp/
 compiles it; peak memory the CUDA allocator's on the rank's own device, max over ranks; losses averaged over every
 rank); ``LMTrainer.evaluate`` (host float64 sums, ``runtime.all_reduce`` moves them to the GPU under NCCL; one
 ``.item()`` per eval batch, none in the training step; the pipeline's ``eval_batch`` loss is fp32); GRPO's
-``_sum_each`` (host floats, one collective per step, on every rank alike); per-length generation groups (inputs moved
+``sum_over_ranks`` (host floats, one collective per step, on every rank alike); per-length generation groups (inputs moved
 to the model's device per group, one ``fork_rng`` over the CUDA device around all groups, seeded once); PhiMoE's
 pre-hook (its ``training`` flag written before it is read, so a compiled forward sees the same value every step:
 at most one extra compilation for the flag's value on entry, not one per step; activation checkpointing recomputes

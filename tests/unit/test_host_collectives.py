@@ -74,7 +74,7 @@ def test_host_collective_callers_use_the_runtime_helpers(fake_group):
     from dstrain.trainers import grpo, grpo_sampling
     assert _first_bad_ranks([True, False], rank=1, world_size=2) == [1, None]
     assert metrics.reduce_mean({"a": 1.0, "b": 3.0}) == {"a": 1.0, "b": 3.0}
-    assert grpo._sum_all(2.0) == 4.0 and grpo_sampling._sum_all([1.0, 2.0]) == [2.0, 4.0]
+    assert grpo._sum_all(2.0) == 4.0 and grpo_sampling.sum_over_ranks([1.0, 2.0]) == [2.0, 4.0]
     assert grpo_sampling._max_all(1.0) == 1.0
     assert len(fake_group) == 5 and all(dev == runtime.comm_device() for _, dev, _ in fake_group)
 
