@@ -233,12 +233,17 @@ def check_hosts(hosts: Hosts, path: str, reach: bool, resolve: Callable[[str], R
                 raise HostfileError(f"hostfile {path}: host {name!r} does not resolve "
                                     "(not in DNS or the hosts file, and no ssh config HostName for it)")
         _one_entry_per_machine(names, found, path)
-        if reach:
-            for name, why in zip(names, pool.map(probe, names)):
-                if why is not None:
-                    raise HostfileError(f"hostfile {path}: host {name!r} is unreachable by passwordless ssh "
-                                        f"({why}); {ssh_fix(why, name)}")
+    for name, why in unreachable(names, probe)[:1] if reach else ():
+        raise HostfileError(f"hostfile {path}: host {name!r} is unreachable by passwordless ssh "
+                            f"({why}); {ssh_fix(why, name)}")
     return found
+
+
+def unreachable(names: Sequence[str], probe: Probe = check_reachable) -> list[tuple[str, str]]:
+    """``(host, ssh's complaint)`` for each of ``names`` that passwordless ssh does not reach (asked in parallel),
+    in their order."""
+    with ThreadPoolExecutor(max_workers=min(32, len(names) or 1)) as pool:
+        return [(name, why) for name, why in zip(names, pool.map(probe, names)) if why is not None]
 
 
 def ssh_fix(why: str, host: str) -> str:

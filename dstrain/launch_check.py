@@ -290,7 +290,7 @@ def ssh_ended_line(hosts: Sequence[tuple[str, int]], probe: hf.Probe | None = No
     session ended by ssh's keep-alive, :func:`dstrain.launcher.ssh_keepalive`). Read as a signal (256 - 255: SIGHUP)
     it was "a rank was killed by signal 1", exit 129, a stop that ``--max-restarts`` never restarts. The hosts are
     asked again (passwordless ssh, in parallel) to name the ones gone."""
-    gone = _unanswered(hosts, probe)
+    gone = hf.unreachable([h for h, _ in hosts], probe or hf.check_reachable)
     if gone:
         return ("the ranks of " + ", ".join(f"host {h!r} ({why})" for h, why in gone) + " were lost: "
                 f"{'it no longer answers' if len(gone) == 1 else 'they no longer answer'} ssh (powered off, "
@@ -302,17 +302,10 @@ def ssh_ended_line(hosts: Sequence[tuple[str, int]], probe: hf.Probe | None = No
 def gone_hosts_problem(hosts: Sequence[tuple[str, int]], path: str, probe: hf.Probe | None = None) -> str | None:
     """Before a restart of a multi-host job: a host that passwordless ssh no longer reaches would only fail the
     restart (pdsh's connect timeout, exit 255 again, restart after restart); None when every host answers."""
-    gone = _unanswered(hosts, probe)
+    gone = hf.unreachable([h for h, _ in hosts], probe or hf.check_reachable)
     if not gone:
         return None
     return ("not restarting: " + ", ".join(f"host {h!r} of {path} is unreachable by passwordless ssh ({why})"
                                            for h, why in gone)
             + f"; take it out of {path} (keeping the global batch: train.grad_accum or train.micro_batch) and "
             "launch again with --resume")
-
-
-def _unanswered(hosts: Sequence[tuple[str, int]], probe: hf.Probe | None) -> list[tuple[str, str]]:
-    from concurrent.futures import ThreadPoolExecutor
-    names = [h for h, _ in hosts]
-    with ThreadPoolExecutor(max_workers=min(32, len(names) or 1)) as pool:
-        return [(h, why) for h, why in zip(names, pool.map(probe or hf.check_reachable, names)) if why is not None]

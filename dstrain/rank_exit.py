@@ -143,13 +143,13 @@ def note_forwarded(folder: str | Path, signum: int) -> None:
     _write_first(folder, FORWARDED_FILE, int(signum))
 
 
-def _write_first(folder: str | Path, name: str, value: int) -> None:
+def _write_first(folder: str | Path, name: str, value: int | str) -> None:
     """``value`` into ``folder/name`` unless that file exists already (the first writer wins; errors ignored)."""
     try:
         fd = os.open(os.path.join(folder, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     except OSError:
         return
-    os.write(fd, f"{value}\n".encode())
+    os.write(fd, f"{value}\n".encode(errors="replace"))
     os.close(fd)
 
 
@@ -212,14 +212,8 @@ def _steady_part(err: BaseException, line: str) -> str:
 def note_error(signature: str) -> None:
     """Leave the first failing rank's :func:`error_signature` for ``dstrain launch`` (first writer wins)."""
     folder = os.environ.get("DSTRAIN_FAILURE_DIR")
-    if not folder:
-        return
-    try:
-        fd = os.open(os.path.join(folder, ERROR_FILE), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except OSError:
-        return
-    os.write(fd, signature.replace("\n", " ").encode(errors="replace"))
-    os.close(fd)
+    if folder:
+        _write_first(folder, ERROR_FILE, signature.replace("\n", " "))
 
 
 def error_of(folder: str | Path) -> str | None:

@@ -236,26 +236,32 @@ def _raced(path: Path, mine: bytes) -> str | None:
     a free lock file and both wrote it: the last write stays. Read back after :data:`SETTLE_S`, the file names
     the winner; the holder text of that other run when it is not this one, else None."""
     time.sleep(SETTLE_S)
-    for _ in range(10):
-        now = path.read_bytes()
-        if now.strip():  # (empty: the other run between its truncate and its write)
-            break
-        time.sleep(0.05)
-    if now.split()[:2] == mine.split()[:2]:
+    now = _first_written(lambda: path.read_bytes().decode(errors="replace"))  # (empty: between truncate and write)
+    if now.split()[:2] == mine.decode().split()[:2]:
         return None
-    return holder_text(now.decode(errors="replace")) if now.strip() else "a run starting now"
+    return holder_text(now) if now.strip() else "a run starting now"
 
 
 def _holder_now(handle) -> str:
     """The holder's text of a lock file whose flock another run holds: read again for up to half a second when
     empty (the other run took the flock and has not written its record yet: two launches at the same moment)."""
-    for _ in range(10):
+    def read() -> str:
         handle.seek(0)
-        text = handle.read()
+        return handle.read()
+
+    text = _first_written(read)
+    return holder_text(text) if text.strip() else "a run starting or ending now"
+
+
+def _first_written(read) -> str:
+    """``read()`` again for up to half a second while it gives an empty lock file (another run between its
+    truncate and its write); the last text read."""
+    for _ in range(10):
+        text = read()
         if text.strip():
-            return holder_text(text)
+            break
         time.sleep(0.05)
-    return "a run starting or ending now"
+    return text
 
 
 def _beat(handle) -> None:
