@@ -361,9 +361,11 @@ def _parse_override(text: str) -> tuple[str, Any]:
     if not text.startswith("--") or "=" not in text:
         raise ConfigError("command line", text, "overrides look like --section.key=value")
     key, raw = text[2:].split("=", 1)
-    from dstrain.config_text import duplicate_keys_hook
+    from dstrain.config_text import DuplicateKeyError, duplicate_key_problem, no_duplicate_keys
     try:
-        value = json.loads(raw, object_pairs_hook=duplicate_keys_hook(raw, "command line"))
+        value = json.loads(raw, object_pairs_hook=no_duplicate_keys)
+    except DuplicateKeyError as err:
+        raise ConfigError("command line", err.key, duplicate_key_problem(raw, err.key)) from None
     except json.JSONDecodeError:
         value = raw
     return key, value
@@ -415,10 +417,12 @@ def read_json(path: str | Path) -> dict:
         raise ConfigError(str(path), "", missing_file_problem(path)) from None
     except (OSError, UnicodeDecodeError) as err:  # UnicodeDecodeError: a binary file (a checkpoint's .pt)
         raise ConfigError(str(path), "", f"cannot read: {getattr(err, 'strerror', None) or 'not UTF-8 text'}") from None
-    from dstrain.config_text import decode_recipe, duplicate_keys_hook
+    from dstrain.config_text import DuplicateKeyError, decode_recipe, duplicate_key_problem, no_duplicate_keys
     text = decode_recipe(raw, str(path))  # (a UTF-8 BOM is dropped; UTF-16 and binary files are named)
     try:
-        data = json.loads(text, object_pairs_hook=duplicate_keys_hook(text, str(path)))
+        data = json.loads(text, object_pairs_hook=no_duplicate_keys)
+    except DuplicateKeyError as err:
+        raise ConfigError(str(path), err.key, duplicate_key_problem(text, err.key)) from None
     except json.JSONDecodeError as err:
         raise ConfigError(str(path), "", invalid_json_problem(text, err)) from None
     if not isinstance(data, dict):

@@ -78,20 +78,29 @@ def decode_recipe(raw: bytes, source: str) -> str:
         raise ConfigError(source, "", "cannot read: not UTF-8 text") from None
 
 
-def duplicate_keys_hook(text: str, source: str):
-    """``json.loads``'s object_pairs_hook refusing a key written twice in one object (Python's json keeps the last
-    silently, dropping e.g. a whole ``"train"`` section written earlier), naming the key and the line of each."""
-    def hook(pairs):
-        seen = set()
-        for key, _ in pairs:
-            if key in seen:
-                import re
-                from dstrain.config import ConfigError
-                lines = [text.count("\n", 0, m.start()) + 1
-                         for m in re.finditer(re.escape(json.dumps(key)) + r"\s*:", text)]
-                where = f" (lines {', '.join(map(str, lines))})" if len(set(lines)) > 1 else ""
-                raise ConfigError(source, key, f"written twice in one object{where}; JSON keeps only the last "
-                                               "silently: keep one")
-            seen.add(key)
-        return dict(pairs)
-    return hook
+class DuplicateKeyError(ValueError):
+    """A key written twice in one JSON object (Python's json keeps the last silently)."""
+
+    def __init__(self, key: str):
+        super().__init__(f"duplicate key {key!r}")
+        self.key = key
+
+
+def no_duplicate_keys(pairs: list) -> dict:
+    """``json.loads``' (and hjson's) object_pairs_hook for run configs and DeepSpeed JSONs alike: a
+    :class:`DuplicateKeyError` for a key written twice in one object."""
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise DuplicateKeyError(key)
+        out[key] = value
+    return out
+
+
+def duplicate_key_problem(text: str, key: str) -> str:
+    """The run config's line for ``key`` written twice in ``text`` (dropping, e.g., a whole ``"train"`` section
+    written earlier), naming the line of each."""
+    import re
+    lines = [text.count("\n", 0, m.start()) + 1 for m in re.finditer(re.escape(json.dumps(key)) + r"\s*:", text)]
+    where = f" (lines {', '.join(map(str, lines))})" if len(set(lines)) > 1 else ""
+    return f"written twice in one object{where}; JSON keeps only the last silently: keep one"

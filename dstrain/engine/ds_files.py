@@ -10,7 +10,8 @@ import difflib
 import json
 import os
 from pathlib import Path
-from typing import Any
+
+from dstrain.config_text import no_duplicate_keys
 
 #: Every top-level key DeepSpeed 0.19.8 reads (deepspeed/runtime/config.py, runtime/constants.py,
 #: deepspeed/__init__.py and the section parsers they call).
@@ -165,20 +166,11 @@ def resolve_profile_path(name_or_path: str) -> Path:
     raise DSConfigError(text, msg)
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
-    out: dict = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r}")
-        out[key] = value
-    return out
-
-
 def _as_hjson(text: str):
     """``text`` as DeepSpeed's loader reads it (hjson: JSON plus comments, trailing commas, ...); None if not."""
     try:
         import hjson
-        return hjson.loads(text, object_pairs_hook=_no_duplicates)
+        return hjson.loads(text, object_pairs_hook=no_duplicate_keys)
     except Exception:  # noqa: BLE001 - not readable that way either: the JSON error is the one to show
         return None
 
@@ -205,7 +197,7 @@ def load_ds_json(path) -> dict:
                                        "a batch size); write {} to leave every value to the run")
     constants: list[str] = []
     try:
-        data = json.loads(text, object_pairs_hook=_no_duplicates, parse_float=_hjson_float,
+        data = json.loads(text, object_pairs_hook=no_duplicate_keys, parse_float=_hjson_float,
                           parse_constant=lambda name: constants.append(name) or _NonFinite(name))
     except json.JSONDecodeError as exc:
         data = _as_hjson(text)
