@@ -13,7 +13,7 @@ replica share one replica's FLOPs.
 """
 from __future__ import annotations
 
-from dstrain.parallel.dims import ParallelDims, sequence_chunk  # noqa: F401 (the worker's slicing, re-exported)
+from dstrain.parallel.dims import ParallelDims, sequence_chunk
 
 
 def bench_dims(cfg, world_size: int) -> ParallelDims:
@@ -28,16 +28,6 @@ def bench_dims(cfg, world_size: int) -> ParallelDims:
 def tokens_per_step(cfg, dims: ParallelDims) -> int:
     """Tokens one optimizer step trains on the whole job: the recipe's batch on each data-parallel replica."""
     return cfg.tokens_per_step * dims.dp
-
-
-def flops_per_step(cfg, dims: ParallelDims, flops_per_token: float) -> float:
-    """Model FLOPs of one optimizer step (forward and backward) of the whole job."""
-    return tokens_per_step(cfg, dims) * flops_per_token
-
-
-def mfu(cfg, dims: ParallelDims, flops_per_token: float, step_s: float, peak_per_device: float) -> float:
-    """Model FLOPs per step / step time / (peak per device x devices, one per rank)."""
-    return flops_per_step(cfg, dims, flops_per_token) / step_s / (peak_per_device * dims.world_size)
 
 
 def refusal(cfg, world_sizes: list[int]) -> str | None:
@@ -57,7 +47,6 @@ def refusal(cfg, world_sizes: list[int]) -> str | None:
         except ValueError as err:
             return f"{n} rank(s) for parallel.tp = {par.tp}, sp = {par.sp}: {err}"
     return None
-
 
 
 def local_batches(tokens, cfg, dims: ParallelDims, rank: int, steps: int) -> list[list[tuple]]:
