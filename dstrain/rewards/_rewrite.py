@@ -24,6 +24,18 @@ _LAMBDA_CALLS = {"map": 0, "filter": 0, "sorted": "key", "min": "key", "max": "k
 # program through ``object.__subclasses__()``, and the globals of its methods would be this
 # harness's globals (``_make_guards``, the builtins it looks up), which the program could replace.
 
+def _guard_each(items: list, state) -> list:
+    """Each node of ``items`` guarded (:func:`_guard_visit`), a statement that comes back as the statements it is
+    made of (a ``match``) spliced in."""
+    import ast
+
+    out = []
+    for x in items:
+        y = _guard_visit(x, state) if isinstance(x, ast.AST) else x
+        out.extend(y if type(y) is list else [y])
+    return out
+
+
 def _guard_visit(node, state):
     """Rewrite the AST ``node`` of a test so that every value it operates on goes through the
     guards (see :func:`_make_guards`). Lambda bodies are left alone (a lambda may be handed to the
@@ -42,9 +54,8 @@ def _guard_visit(node, state):
     if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
         node.value.sbx_module = True  # a name used as ``name.attr`` means the module of that name
     for field, old in ast.iter_fields(node):
-        if isinstance(old, list):  # (a ``match`` statement comes back as the statements it is made of)
-            new = [_guard_visit(x, state) if isinstance(x, ast.AST) else x for x in old]
-            old[:] = [y for x in new for y in (x if type(x) is list else [x])]
+        if isinstance(old, list):
+            old[:] = _guard_each(old, state)
         elif isinstance(old, ast.AST):
             setattr(node, field, _guard_visit(old, state))
     return _guard_rewrite(node, state)
@@ -287,8 +298,7 @@ def _prepare_test(src: str):
     if any(type(node) is ast.ClassDef for node in ast.walk(tree)):
         bound.add("__class__")  # (a method's own class, the compiler's cell: see _super_explicit)
     state = (frozenset(bound), set(), [])
-    body = [y for stmt in tree.body for x in [_guard_visit(stmt, state)] for y in (x if type(x) is list else [x])] \
-        or [ast.Pass()]
+    body = _guard_each(tree.body, state) or [ast.Pass()]
     body = _failed_asserts(body)
     args = ast.arguments(posonlyargs=[], args=[ast.arg(a) for a in (_V, _CALL, _NAME, _ATTR, _OP)], kwonlyargs=[],
                          kw_defaults=[], defaults=[])
