@@ -233,9 +233,10 @@ Falcon-H1, Zamba2, LFM2, Qwen3-Next and Granite-MoE-hybrid mask it (tests/unit/t
 
 
 def left_padding_leaks(hf) -> bool:
-    """Whether ``hf`` (a transformers model) must generate without left padding (:data:`LEFT_PADDING_LEAKS`):
+    """Whether ``hf`` (a transformers model; False for a module without a config) must generate without left padding (:data:`LEFT_PADDING_LEAKS`):
     :func:`generate` then runs the prompts of each length as one batch."""
-    cfg = hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
+    cfg = getattr(hf, "config", None)  # (a critic's backbone may be any module)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     return getattr(cfg, "model_type", None) in LEFT_PADDING_LEAKS
 
 

@@ -39,15 +39,8 @@ import math
 import torch
 from torch import nn
 
+from .generation import left_padding_leaks
 from .model import positions_from_mask
-
-
-def left_padding_leaks_model(backbone) -> bool:
-    """Whether ``backbone`` (a transformers model, or anything else) reads left padding (``generation``)."""
-    if not hasattr(getattr(backbone, "config", None), "model_type"):
-        return False
-    from .generation import left_padding_leaks
-    return left_padding_leaks(backbone)
 
 
 def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -79,7 +72,7 @@ class ValueHead(nn.Module):
 
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``[B, T, hidden]``: the backbone's final hidden states (0 on the left pads of a model that leaks them)."""
-        if attention_mask is not None and left_padding_leaks_model(self.backbone):
+        if attention_mask is not None and left_padding_leaks(self.backbone):
             lead = (attention_mask != 0).long().cumsum(-1).eq(0).sum(-1)  # [B] left pads per row
             lead = lead.clamp(max=input_ids.shape[-1] - 1)  # a row with no real token keeps its last
             if bool(lead.any()):
