@@ -13,6 +13,7 @@ from __future__ import annotations
 import inspect
 
 from dstrain.engine.ds_reading import _is_auto
+from dstrain.engine.ds_unread import _FALSE_WORDS  # (named there as quoted booleans)
 
 #: DeepSpeed's own scheduler classes (deepspeed.runtime.lr_schedules).
 DEEPSPEED_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
@@ -21,9 +22,6 @@ DEEPSPEED_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle
 _NAMED_ELSEWHERE = frozenset({"total_num_steps", "warmup_num_steps", "cos_min_ratio", "warmup_max_lr",
                               "lr_range_test_step_size", "cycle_first_step_size", "cycle_second_step_size",
                               "last_batch_iteration", "optimizer"})
-
-#: Words for false that ``ds_unread`` names as quoted booleans.
-_FALSE_WORDS = ("false", "no", "off")
 
 
 def numeric_params(name: str) -> frozenset[str]:
