@@ -129,11 +129,7 @@ def run_worker(opts: BenchOptions) -> int:
     # Every rank measures the matmul peak at the same time: what one rank gets while all are busy.
     runtime.barrier()
     peak, how = hardware.peak_flops(plan.precision)
-    peaks = [peak]
-    if world.world_size > 1 and world.device.type == "cpu":
-        box = [None] * world.world_size
-        dist.all_gather_object(box, peak)
-        peaks = box
+    peaks = runtime.all_gather_object(peak) if world.device.type == "cpu" else [peak]
 
     t, seq = cfg.train, cfg.data.seq_len
     total = opts.warmup + opts.steps

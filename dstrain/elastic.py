@@ -50,14 +50,8 @@ def _start_time(pid: int) -> str | None:
 
 def gather_agents() -> list[str]:
     """Every rank's agent (collective: every rank calls it), kept for :func:`agents` and returned."""
-    mine = agent_id()
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        box: list = [None] * dist.get_world_size()
-        dist.all_gather_object(box, mine)
-    else:
-        box = [mine]
-    _AGENTS[:] = sorted({a for a in box if a})
+    from dstrain import runtime
+    _AGENTS[:] = sorted({a for a in runtime.all_gather_object(agent_id()) if a})
     return list(_AGENTS)
 
 

@@ -211,6 +211,16 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def all_gather_object(obj) -> list:
+    """Every rank's ``obj`` (picklable), in rank order; ``[obj]`` without a process group of several ranks."""
+    if not _distributed():
+        return [obj]
+    import torch.distributed as dist
+    box: list = [None] * dist.get_world_size()
+    dist.all_gather_object(box, obj)
+    return box
+
+
 def all_reduce(values: torch.Tensor, op: str = "sum") -> torch.Tensor:
     """``values`` reduced over every rank (``op``: sum, max or min), on ``values``' device; ``values``
     itself without a process group. Host tensors (counts, flags, rewards) work under NCCL too: they

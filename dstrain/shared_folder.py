@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from dstrain import runtime
+
 PREFIX = ".dstrain.shared-check."
 WAIT_S = 10.0  # a file system whose other clients see a new file a moment late (attribute caches); waited only
 # where the file is not seen, so only a folder that is not shared pays it
@@ -48,13 +50,7 @@ def _sees(out: Path, name: str, wait_s: float) -> bool:
         time.sleep(0.2)
 
 
-def _gather(mine):
-    import torch.distributed as dist
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return [mine]
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    return every
+_gather = runtime.all_gather_object  # (every rank's (host, seen); tests stand in for it here)
 
 
 def _host() -> str:
@@ -67,7 +63,8 @@ def problem(out: Path, name: str | None, is_main: bool, gather: Callable | None 
     marker (None: nothing to check); rank 0 removes it once every rank has looked."""
     if name is None:
         return None
-    every = (gather or _gather)((_host(), is_main or _sees(out, name, WAIT_S if wait_s is None else wait_s)))
+    seen = is_main or _sees(out, name, WAIT_S if wait_s is None else wait_s)
+    every = (gather or _gather)((_host(), seen))
     if is_main:
         try:
             (out / name).unlink()

@@ -262,12 +262,7 @@ def prompt_rest(tr) -> dapo.PromptRest | None:
 
 def _record_outcomes(rest: dapo.PromptRest, step: int, outcomes: list[tuple[int, bool]]) -> None:
     """Feed every rank's (prompt, informative) groups of the step, in rank order, to ``rest``."""
-    import torch.distributed as dist
-    box = [outcomes]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [None] * dist.get_world_size()
-        dist.all_gather_object(box, outcomes)
-    rest.record(step, [o for part in box for o in part])
+    rest.record(step, [o for part in runtime.all_gather_object(outcomes) for o in part])
 
 
 def dynamic_batch(tr, step: int) -> StepBatch:
