@@ -45,3 +45,18 @@ def tiny_checkpoint(out: Path, step: int, **state) -> Path:
     (tag_dir / "trainer_state.json").write_text(json.dumps({"step": step, **state}))
     (tag_dir / ckpt.COMPLETE).write_text("{}\n")
     return tag_dir
+
+
+@pytest.fixture
+def no_lock(monkeypatch):
+    """Run-folder locks taken in the test are the test's own (none held from another test, no SLURM job of this
+    machine's in the records), let go at its end."""
+    from dstrain import run_lock
+    monkeypatch.setattr(run_lock, "_HELD", [])
+    monkeypatch.setattr(run_lock, "_WARNED", set())
+    for var in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT"):
+        monkeypatch.delenv(var, raising=False)
+    yield
+    with run_lock._MUTEX:  # (not while a heartbeat thread rechecks it)
+        for _, handle in run_lock._HELD:
+            handle.close()

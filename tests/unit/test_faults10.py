@@ -60,7 +60,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dstrain import cli, hostfile, launch_check, launcher, run_lock, runtime, shared_folder
+from dstrain import cli, hostfile, launch_check, launcher, runtime, shared_folder
 from dstrain.config import RunFolderError, load_run_config
 from dstrain.trainers import common
 
@@ -179,18 +179,6 @@ def test_the_source_address_towards_a_host_is_never_loopback():
     assert hostfile.source_address_towards("127.0.0.2") is None
     mine = hostfile.source_address_towards("192.0.2.1")  # TEST-NET-1: nothing is sent
     assert mine is None or not hostfile._is_loopback(mine)
-
-
-@pytest.fixture
-def no_lock(monkeypatch):
-    """Run locks taken here are this test's, let go at its end (as in test_faults9)."""
-    monkeypatch.setattr(run_lock, "_HELD", [])
-    for var in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT"):
-        monkeypatch.delenv(var, raising=False)
-    yield
-    with run_lock._MUTEX:
-        for _, handle in run_lock._HELD:
-            handle.close()
 
 
 class TwoRanks:

@@ -70,16 +70,6 @@ from dstrain.trainers import common
 from dstrain.trainers import policy_rl as prl
 
 
-@pytest.fixture
-def no_lock(monkeypatch):
-    monkeypatch.setattr(run_lock, "_HELD", [])
-    monkeypatch.setattr(run_lock, "_WARNED", set())
-    yield
-    with run_lock._MUTEX:  # (not while a heartbeat thread rechecks it)
-        for _, handle in run_lock._HELD:
-            handle.close()
-
-
 # ---------------------------------------------------------------- (a) output.dir deleted or renamed under a run
 
 @pytest.mark.parametrize("how", ["deleted", "renamed"])

@@ -78,18 +78,6 @@ REPO = Path(__file__).resolve().parents[2]
 RECIPE = str(REPO / "models" / "gpt" / "recipes" / "tiny.json")
 
 
-@pytest.fixture
-def no_lock(monkeypatch):
-    monkeypatch.setattr(run_lock, "_HELD", [])
-    monkeypatch.setattr(run_lock, "_WARNED", set())
-    for var in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT"):
-        monkeypatch.delenv(var, raising=False)
-    yield
-    with run_lock._MUTEX:
-        for _, handle in run_lock._HELD:
-            handle.close()
-
-
 class _Exited(Exception):
     pass
 
