@@ -505,6 +505,8 @@ def main(argv: list[str] | None = None) -> int:
         if _reports_failure():
             print(f"dstrain: error: {err}", file=sys.stderr)
             rank_exit.note_failed(err.exit_code)
+        from dstrain import elastic  # torchrun's own restarts leave at once (dstrain launch does not restart it)
+        elastic.note_attempt_error(f"{type(err).__name__}: {err}", err.exit_code)
         return err.exit_code
     except (FileNotFoundError, ValueError) as err:
         if args.command in ("export", "check-config", "plan"):

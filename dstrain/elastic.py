@@ -128,3 +128,88 @@ def clear_stopped_job(out: Path) -> None:
         (Path(out) / STOPPED_NAME).unlink(missing_ok=True)
     except OSError:
         pass
+
+
+# ---------------------------------------------------------------- the same error in two attempts torchrun restarted
+
+ERROR_PREFIX = ".torchrun_error_"
+"""In ``output.dir``: ``.torchrun_error_<N>.json``, the first unexpected error (or hang) of attempt N of a torchrun
+job (its ``TORCHELASTIC_RESTART_COUNT``) and the job's agents, left by the rank that failed."""
+
+_RUN_FOLDER: list[Path] = []
+"""This rank's ``output.dir``, once :func:`decide_resume <dstrain.trainers.common.decide_resume>` has it."""
+
+
+class RepeatedErrorRestarted(StoppedJobRestarted):
+    """torchrun restarted a job whose last two attempts failed with the same error at the same point."""
+
+
+def note_run_folder(out: Path) -> None:
+    _RUN_FOLDER[:] = [Path(out)]
+
+
+def note_attempt_error(signature: str, code: int = 1) -> None:
+    """Leave this attempt's first error (:func:`dstrain.rank_exit.error_signature`) and its exit status in the run
+    folder, for the next attempt torchrun restarts (no-op outside torchrun, or before the run folder is known)."""
+    if not _AGENTS or not _RUN_FOLDER:
+        return
+    record = json.dumps({"error": signature, "code": int(code), "torchrun_agents": list(_AGENTS)}) + "\n"
+    try:
+        fd = os.open(_RUN_FOLDER[0] / f"{ERROR_PREFIX}{restart_count()}.json", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except OSError:
+        return  # another rank's came first (or the folder is gone)
+    try:
+        os.write(fd, record.encode(errors="replace"))
+    finally:
+        os.close(fd)
+
+
+def _attempt_error(out: Path, attempt: int, job_agents: list[str]) -> tuple[str | None, int]:
+    """(error, exit status) attempt ``attempt`` of this job left (:func:`note_attempt_error`), else (None, 1)."""
+    try:
+        record = json.loads((Path(out) / f"{ERROR_PREFIX}{attempt}.json").read_text())
+        error, code, saved = record["error"], int(record.get("code", 1)), record["torchrun_agents"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None, 1
+    return (error, code) if isinstance(error, str) and _same_job(saved, job_agents) else (None, 1)
+
+
+def repeated_error_problem(out: Path, job_agents: list[str]) -> RepeatedErrorRestarted | None:
+    """At torchrun restart N: the error to leave with, else None, when the attempt before ended in a way ``dstrain
+    launch --max-restarts`` does not restart (a non-finite loss under ``train.nonfinite=stop``, exit 3; a checkpoint
+    the disk could not hold, exit 4: :data:`dstrain.supervise.NO_RESTART`), or when attempts N-2 and N-1 failed
+    with the same error at the same point (a deterministic error: :func:`dstrain.supervise.repeated`). This attempt
+    then leaves the same record (:func:`note_attempt_error`), so that every later restart leaves too."""
+    from dstrain.supervise import NO_RESTART, repeated
+    n = restart_count()
+    if n < 1:
+        return None
+    last, code = _attempt_error(out, n - 1, job_agents)
+    if last is not None and code in NO_RESTART:
+        note_attempt_error(last, code)
+        return RepeatedErrorRestarted(
+            f"torchrun restart {n}: not training on: the attempt before ended with exit {code} ({last}), which "
+            "every restart would meet again (dstrain launch --max-restarts does not restart it); torchrun "
+            f"--max-restarts restarts ranks that exit non-zero, and each restart ends here (exit {code})", code)
+    before = _attempt_error(out, n - 2, job_agents)[0] if n >= 2 else None
+    if not repeated(before, last):
+        return None
+    note_attempt_error(last)
+    return RepeatedErrorRestarted(
+        f"torchrun restart {n}: not training on: this job failed twice in a row with the same error at the same "
+        f"point: {last} (a deterministic error, which every restart would meet again; torchrun "
+        "--max-restarts restarts ranks that exit non-zero, and each restart ends here): fix it, then start the "
+        "job again with --resume", 1)
+
+
+def clear_attempt_errors(out: Path) -> None:
+    """A run that is no torchrun restart drops the error records of earlier jobs' attempts."""
+    try:
+        names = [p for p in Path(out).iterdir() if p.name.startswith(ERROR_PREFIX)]
+    except OSError:
+        return
+    for path in names:
+        try:
+            path.unlink(missing_ok=True)
+        except OSError:
+            pass

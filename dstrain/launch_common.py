@@ -7,6 +7,7 @@ import circle between them. Nothing here starts a process.
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from typing import Callable, Mapping
 DEFAULT_MASTER_PORT = 29500
 ACCELERATORS = ("auto", "cpu", "cuda")
 TRAIN_MODULE = "dstrain.cli"
-LOCAL_HOST_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+LOCAL_HOST_NAMES = frozenset({"localhost", "127.0.0.1", "127.0.1.1", "::1"})
 Env = dict[str, str]
 Detect = Callable[[], str]
 
@@ -91,9 +92,58 @@ def detect_accelerator() -> str:
 
 
 def local_hostnames() -> frozenset[str]:
-    """Names under which a hostfile may refer to this machine."""
+    """Names under which a hostfile may refer to this machine: ``localhost``, the loopback addresses Linux
+    distributions name it by (127.0.0.1, Debian's 127.0.1.1, ::1), its host name, short and fully qualified,
+    with the aliases and addresses the hosts file or DNS give that name, and the addresses of its network
+    interfaces. Before, only localhost, 127.0.0.1, ::1 and the host name were: a hostfile naming this machine
+    by its FQDN or its own IP was taken for a remote host, reached by ssh to itself through pdsh."""
+    return LOCAL_HOST_NAMES | _this_machine()
+
+
+@functools.lru_cache(maxsize=1)
+def _this_machine() -> frozenset[str]:
     name = socket.gethostname()
-    return LOCAL_HOST_NAMES | {name, name.split(".")[0]}
+    names = {name, name.split(".")[0]}
+    try:  # forward lookups only (no reverse DNS, which may wait on an unreachable server)
+        canonical, aliases, addresses = socket.gethostbyname_ex(name)
+        names |= {canonical, *aliases, *addresses}
+    except (OSError, UnicodeError):
+        pass
+    try:
+        canonical = socket.getaddrinfo(name, None, flags=socket.AI_CANONNAME)[0][3]
+        names.add(canonical)
+    except (OSError, UnicodeError, IndexError):
+        pass
+    names |= set(_interface_addresses())
+    return frozenset(n for n in names if n)
+
+
+def _interface_addresses() -> list[str]:
+    """The IPv4 address of each network interface (Linux ``SIOCGIFADDR``) and every IPv6 address
+    (``/proc/net/if_inet6``); empty where neither is available."""
+    import ipaddress
+    import struct
+    found = []
+    try:
+        import fcntl
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            for _, iface in socket.if_nameindex():
+                try:
+                    packed = fcntl.ioctl(sock.fileno(), 0x8915, struct.pack("256s", iface.encode()[:15]))  # SIOCGIFADDR
+                except OSError:
+                    continue  # no IPv4 address on it
+                found.append(socket.inet_ntoa(packed[20:24]))
+    except (ImportError, OSError, AttributeError):
+        pass
+    try:
+        with open("/proc/net/if_inet6") as f:
+            for line in f:
+                fields = line.split()
+                if fields and len(fields[0]) == 32:
+                    found.append(str(ipaddress.IPv6Address(int(fields[0], 16))))
+    except (OSError, ValueError):
+        pass
+    return found
 
 
 def available_cpus() -> int:

@@ -209,11 +209,21 @@ def _steady_part(err: BaseException, line: str) -> str:
     return line
 
 
+def hang_signature(phase: str, step: int) -> str:
+    """The error a hang leaves for ``--max-restarts`` (see :func:`note_error`): the phase and step only (not the
+    rank, nor the seconds waited, which differ between attempts of the same hang)."""
+    return f"Hang: no progress (in {phase} of step {step})"
+
+
 def note_error(signature: str) -> None:
-    """Leave the first failing rank's :func:`error_signature` for ``dstrain launch`` (first writer wins)."""
+    """Leave the first failing rank's :func:`error_signature` (or :func:`hang_signature`) for ``dstrain launch``
+    (first writer wins), and for the next attempt of a torchrun job that torchrun itself restarts
+    (:func:`dstrain.elastic.note_attempt_error`)."""
     folder = os.environ.get("DSTRAIN_FAILURE_DIR")
     if folder:
         _write_first(folder, ERROR_FILE, signature.replace("\n", " "))
+    from dstrain import elastic
+    elastic.note_attempt_error(signature.replace("\n", " "))
 
 
 def error_of(folder: str | Path) -> str | None:

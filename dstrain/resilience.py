@@ -24,7 +24,7 @@ Gradients are not watched under fp16, where DeepSpeed's loss scaler owns overflo
 the timeout is a hang: the thread prints which rank waited, in which phase of which
 step, and ends the process with :data:`EXIT_HANG`; the launcher then ends the other
 ranks and ``dstrain launch --max-restarts`` starts the job again from its latest
-complete checkpoint.
+complete checkpoint (not a third time into the same hang at the same step and phase).
 """
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ import time
 EXIT_NONFINITE = 3
 """A run stopped on a NaN/Inf loss: not restarted automatically (it would fail the same way)."""
 EXIT_HANG = 124
-"""A rank ended by the watchdog: restarted by ``--max-restarts``."""
+"""A rank ended by the watchdog: restarted by ``--max-restarts`` (unless the same hang, same phase and step, ended
+the attempt before too: :func:`dstrain.supervise.repeated`)."""
 
 
 def torch_timeout_s(collective_timeout_s: float) -> float:
@@ -249,8 +250,9 @@ class Watchdog:
                 self.fired = (f"dstrain: hang: rank {self.rank} waited {waited:.0f}s in {phase} of step {step} "
                               f"(train.collective_timeout_s={self.timeout_s:g}){peers}; ending this rank")
                 print(self.fired, file=self._out, flush=True)
-                from dstrain.rank_exit import note_failed
+                from dstrain.rank_exit import hang_signature, note_error, note_failed
                 note_failed(EXIT_HANG)  # dstrain launch returns 124, not the exit 1 of a peer it may see first
+                note_error(hang_signature(phase, step))  # the same hang twice in a row: not restarted again
                 self._exit(EXIT_HANG)
                 return
 

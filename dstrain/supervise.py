@@ -12,7 +12,7 @@ numbers again), a checkpoint the disk could not hold (exit 4: every retry would 
 same save), and a stop asked for by a signal (128 + N: SIGINT/SIGTERM/SIGHUP to the launcher, or
 SIGINT/SIGTERM/SIGUSR1 to a rank, which saves a checkpoint and exits 128 + N: whoever sent it, a user
 or a scheduler's preemption, decides whether the run continues, with ``--resume``).
-A rank ended by the hang watchdog (exit 124) is restarted like any failure.
+A rank ended by the hang watchdog (exit 124) is restarted like any failure, except as below.
 
 Nor is a deterministic error restarted for ever: when two attempts in a row end with the same unexpected error
 (exception type and message, as the first failing rank left it) in the same phase of the same step, the second
@@ -22,6 +22,11 @@ killed rank or an error at another step (a flaky file system, a collective that 
 no error (a signal), and is restarted as before. So is an error that names its environment rather than the
 job (:data:`TRANSIENT`: a full disk or quota, a timeout, a dropped connection, NCCL/the process group), even
 when two attempts print the same line: the user may be clearing the disk, the fabric may recover.
+A hang counts as an error here (:func:`dstrain.rank_exit.hang_signature`: the phase and step the first rank's
+watchdog named): one that recurs in the same phase of the same step in two attempts in a row ends the restarts
+too (a deadlock in the code, a collective only some ranks reach), where each restart cost
+``train.collective_timeout_s`` of waiting and the hang stayed buried. A torchrun job restarted by torchrun's
+own ``--max-restarts`` keeps the same rule through its run folder (:mod:`dstrain.elastic`).
 """
 from __future__ import annotations
 
@@ -38,6 +43,12 @@ TRANSIENT = re.compile(r"no space left on device|errno 28\b|disk quota exceeded|
                        r"timed? ?out|timeout|watchdog|connection (?:reset|refused|aborted|closed)|broken pipe|"
                        r"nccl|distbackenderror|distnetworkerror|gloo|stale file handle|input/output error",
                        re.IGNORECASE)
+
+
+def repeated(seen: str | None, now: str | None) -> bool:
+    """Whether an attempt's error ``now`` is the previous attempt's ``seen`` again, and not one of the
+    environment (:data:`TRANSIENT`): a deterministic error, which no restart gets past."""
+    return now is not None and now == seen and not TRANSIENT.search(now)
 
 
 def run_with_restarts(attempt: Callable[[bool], int], max_restarts: int, log: Callable[[str], None],
@@ -63,7 +74,7 @@ def run_with_restarts(attempt: Callable[[bool], int], max_restarts: int, log: Ca
         time.sleep(pause)  # ports and shared memory of the dead attempt are released
         code = attempt(True)
         now = error() if code not in NO_RESTART else None
-        if now is not None and now == seen and not TRANSIENT.search(now):
+        if repeated(seen, now):
             left = max_restarts - n
             log(f"dstrain: job failed again with the same error at the same point: {now}; not restarting it "
                 f"({left} restart(s) left unused: a deterministic error, which every restart would meet again): "

@@ -22,14 +22,17 @@ def decide_resume(cfg: RunConfig, world: runtime.World, out: Path, ckpt_root: Pa
     the ``summary.json`` an earlier run left (it writes its own when it ends); a resume whose run config differs
     from the checkpoint's says what changed (:func:`changed_settings_note`).
     """
-    from dstrain import elastic
+    from dstrain import elastic, versions
     decision, job_agents, marker = None, elastic.gather_agents(), None
+    versions.check_same(world.world_size)  # hosts running other dstrain/torch/deepspeed: refused on every rank
+    elastic.note_run_folder(out)
     if world.is_main:
         latest = ckpt.find_latest(ckpt_root)
         busy = _lock_run_folder(out)
         restarted = (latest is not None and not cfg.checkpoint.resume and elastic.restart_count() > 0
                      and elastic.written_by_this_job(ckpt_root / latest, job_agents))
         stopped = elastic.stopped_job_problem(out, job_agents) if elastic.restart_count() > 0 else None
+        stopped = stopped or elastic.repeated_error_problem(out, job_agents)  # the same error twice: not a third
         if busy:
             decision = ("error", busy)
         elif stopped:  # torchrun restarted ranks that a signal stopped: they leave with the stop's status
@@ -51,6 +54,8 @@ def decide_resume(cfg: RunConfig, world: runtime.World, out: Path, ckpt_root: Pa
             with contextlib.suppress(OSError):  # speak for this one, which writes its own when it ends
                 (out / "summary.json").unlink(missing_ok=True)
             elastic.clear_stopped_job(out)
+            if elastic.restart_count() == 0:  # (a restart keeps its job's attempts' errors, compared above)
+                elastic.clear_attempt_errors(out)
             marker = shared_folder.write_marker(out) if world.world_size > 1 else None
     (kind, value), marker = runtime.broadcast_object((decision, marker))
     if kind == "error":
