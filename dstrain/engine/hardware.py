@@ -82,6 +82,15 @@ def cpu_bf16_is_fast(size: int = 512, min_speedup: float = 1.5, rounds: int = 5)
     return fast, note
 
 
+def gpu_bf16_native(props) -> bool:
+    """Whether the GPU described by ``props`` (``torch.cuda.get_device_properties``) computes bf16 in hardware:
+    compute capability 8.0 or later (Ampere, Hopper, Blackwell), or a ROCm GPU. Not
+    ``torch.cuda.is_bf16_supported()``, whose default (``including_emulation=True``) also says yes for a V100 or
+    T4, where torch merely can make bf16 tensors and emulates their maths: the planner then chose bf16 there
+    instead of fp16 with loss scaling."""
+    return bool(torch.version.hip) or props.major >= 8
+
+
 def local_world_size() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("DSTRAIN_LOCAL_RANKS", "1")))
 
@@ -103,7 +112,7 @@ def detect_hardware(device_memory=None, host_memory=None, ranks_per_node: int | 
     if device_type == "cuda" and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         mem = props.total_memory
-        bf16 = torch.cuda.is_bf16_supported()
+        bf16 = gpu_bf16_native(props)
         name = props.name
         notes.append(f"{name}: {mem / 2**30:.1f} GiB, bf16 {'supported' if bf16 else 'not supported'}")
     elif device_type == "cuda":

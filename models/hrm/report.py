@@ -67,14 +67,15 @@ def load_checkpoint_model(run_dir: str | Path, weights: str = "ema"):
     if loaded == "ema":
         from dstrain.optim.ema import EMA
         ema = EMA(model, 0.5)
-        ema.load_state_dict(torch.load(ema_file, weights_only=True))
+        # (map_location: a GPU run's ema.pt holds CUDA tensors; this reads it on any machine)
+        ema.load_state_dict(torch.load(ema_file, weights_only=True, map_location="cpu"))
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name in ema.shadow:
                     p.copy_(ema.shadow[name])
     model.eval()
     emb_file = root / tag / "hrm" / "puzzle_emb.pt"
-    emb = torch.load(emb_file, weights_only=True)["weight"][0] if emb_file.is_file() else None
+    emb = torch.load(emb_file, weights_only=True, map_location="cpu")["weight"][0] if emb_file.is_file() else None
     return model, mcfg, run_cfg, emb, tag, loaded
 
 

@@ -91,6 +91,7 @@ def _no_launch(*args, **kwargs):
 ])
 def test_refused_in_one_line_before_any_launch(argv, says, monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(bench, "_launch", _no_launch)
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # CPU ranks (with one GPU visible, 2 ranks are refused first)
     assert bench.main([*argv, "--profiles", "zero1", "--out", str(tmp_path / "r.json")]) == 2
     err = capsys.readouterr().err
     assert says in err and err.count("\n") == 1 and err.startswith("dstrain bench: error: ")

@@ -92,6 +92,7 @@ def _refused(capsys, call) -> str:
 
 def test_bench_out_that_cannot_be_written_is_refused_before_any_job(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(bench, "_launch", lambda *a, **k: pytest.fail("a job was launched"))
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # CPU ranks (with one GPU visible, 2 ranks are refused first)
     (tmp_path / "afile").write_text("")
     assert bench.main([RECIPE, "--out", str(tmp_path / "afile" / "r.json")]) == 2
     assert capsys.readouterr().err.strip() == (f"dstrain bench: error: --out {tmp_path / 'afile' / 'r.json'}: "
