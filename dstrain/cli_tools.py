@@ -35,7 +35,15 @@ def cmd_hostfile(args, overrides) -> int:
 
 
 def cmd_plan(args, overrides) -> int:
+    from models.registry import planning_without_weights
+    with planning_without_weights() as weightless:  # a checkpoint folder may hold only its config.json here
+        return _plan(args, overrides, weightless)
+
+
+def _plan(args, overrides, weightless: list[str]) -> int:
     cfg = _load(args.recipe, overrides)
+    for note in weightless:  # model.args.path without weights: planned from its config.json
+        print(f"dstrain: note: {note}", file=sys.stderr)
     if args.gpus_per_node < 1:  # (0 was taken as "1 rank a node", -2 was refused by the planner)
         from dstrain.config import ConfigError
         raise ConfigError("command line", "--gpus-per-node", f"must be at least 1, got {args.gpus_per_node}")

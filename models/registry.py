@@ -7,6 +7,8 @@ is imported lazily and must expose a module-level ``SPEC``.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import importlib
 import typing
@@ -68,6 +70,33 @@ class ModelSpec:
             return self.example_inputs(config, micro_batch, seq_len)
         ids = torch.zeros(micro_batch, seq_len, dtype=torch.long)
         return ids, ids
+
+
+_WEIGHTLESS: contextvars.ContextVar[list | None] = contextvars.ContextVar("dstrain_weightless_plan", default=None)
+
+
+@contextlib.contextmanager
+def planning_without_weights():
+    """``dstrain plan`` runs inside it: a model config may name a checkpoint folder whose weights are not there yet
+    (a user sizing hardware before downloading them), since the planner builds the architecture on the meta device
+    and never reads weights. Yields the list of notes the configs give about it (:func:`weights_optional`)."""
+    notes: list[str] = []
+    token = _WEIGHTLESS.set(notes)
+    try:
+        yield notes
+    finally:
+        _WEIGHTLESS.reset(token)
+
+
+def weights_optional(note: str) -> bool:
+    """Whether a model config may accept a checkpoint folder without its weights: True inside
+    :func:`planning_without_weights` (``note``, the one line saying so, is kept once), else False (refuse it)."""
+    notes = _WEIGHTLESS.get()
+    if notes is None:
+        return False
+    if note not in notes:
+        notes.append(note)
+    return True
 
 
 def available() -> list[str]:

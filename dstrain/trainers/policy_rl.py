@@ -128,7 +128,10 @@ def task_tokenizer(rl, model_cfg, task: PolicyTaskConfig):
     """The policy's tokenizer with the task's ``chat_template`` choice applied (a ConfigError
     when it asks for a template the tokenizer lacks)."""
     from models.policy.tokenizer import use_chat_template
-    tok = rl.load_tokenizer(model_cfg)
+    try:
+        tok = rl.load_tokenizer(model_cfg)
+    except ValueError as err:  # no EOS token anywhere, ids past the embedding: one line, not a traceback
+        raise ConfigError("run config", "model.args.path", str(err)) from None
     try:
         return use_chat_template(tok, getattr(task, "chat_template", "off"))
     except ValueError as err:

@@ -99,8 +99,15 @@ class PolicyConfig:
             raise ValueError(f"path {self.path!r} is not a Hugging Face checkpoint directory "
                              "(no config.json there)")
         if self.path:
-            from .hf_files import checkpoint_problem
-            if (why := checkpoint_problem(self.path)):
+            from models.registry import weights_optional
+
+            from .hf_files import checkpoint_problem, weights_problem
+            absent = weights_problem(self.path)
+            if absent and weights_optional(
+                    f"model.args.path {self.path}: {absent}; dstrain plan builds the model on "
+                    "the meta device from its config.json: the weights were not read (train and launch need them)"):
+                absent = None  # dstrain plan only: the planner reads no weights
+            if (why := absent or checkpoint_problem(self.path, weights=False)):
                 raise ValueError(f"path {self.path!r} cannot be loaded as a policy: {why}")
         if self.router_aux_loss_coef:
             self._check_router()

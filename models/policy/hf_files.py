@@ -35,7 +35,8 @@ def text_config(config: dict) -> dict:
     return inner if isinstance(inner, dict) else config
 
 
-def _weights_problem(path: str) -> str | None:
+def weights_problem(path: str) -> str | None:
+    """Why the folder ``path`` has no complete set of weight files, else None."""
     for name in WEIGHT_FILES:
         if os.path.isfile(os.path.join(path, name)):
             return None
@@ -118,13 +119,47 @@ def _head_problem(config: dict) -> str | None:
             "random. Point --model.args.path at the causal LM (a reward model belongs to the reward, not the policy)")
 
 
-def checkpoint_problem(path: str) -> str | None:
+def eos_setting(path: str, name: str):
+    """``eos_token_id`` of the checkpoint's ``name`` (``generation_config.json`` or ``config.json``): None where the
+    file or the key is missing or unreadable (see :func:`eos_setting_problem`), else an int or a list of ints."""
+    try:
+        with open(os.path.join(path, name)) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    value = data.get("eos_token_id") if isinstance(data, dict) else None
+    ids = value if isinstance(value, list) else [value]
+    return value if ids and all(isinstance(v, int) and not isinstance(v, bool) for v in ids) else None
+
+
+def eos_setting_problem(path: str) -> str | None:
+    """Why the end-of-sequence ids a checkpoint names cannot be read, else None: ``generation_config.json`` that is
+    no JSON object, or an ``eos_token_id`` (there or in ``config.json``) that is neither an id nor a list of ids
+    (``[null, 2]``, ``"2"``). A completion ends at every id of that setting, so it is read, never guessed."""
+    generation = {}
+    if os.path.isfile(os.path.join(path, "generation_config.json")):
+        try:
+            with open(os.path.join(path, "generation_config.json")) as f:
+                generation = json.load(f)
+        except (OSError, ValueError) as err:
+            return f"generation_config.json is not readable JSON ({err}): fix or remove the file"
+        if not isinstance(generation, dict):
+            return "generation_config.json is not a JSON object: fix or remove the file"
+    for name, data in (("generation_config.json", generation), ("config.json", read_config(path))):
+        value = data.get("eos_token_id")
+        if value is not None and value != [] and eos_setting(path, name) is None:
+            return (f"{name} eos_token_id is {json.dumps(value)}: it must be a token id or a list of token ids "
+                    "(the ids that end a completion); fix the file")
+    return None
+
+
+def checkpoint_problem(path: str, weights: bool = True) -> str | None:
     """Why the folder ``path`` (which has a ``config.json``) cannot be loaded as a policy, else None:
-    no weights or an incomplete sharded copy, an architecture or tokenizer that exists only as
-    custom code, or the weights of a classifier (``architectures``)."""
+    no weights or an incomplete sharded copy (``weights``: checked), an architecture or tokenizer that exists only
+    as custom code, or the weights of a classifier (``architectures``)."""
     config = read_config(path)
-    return (_weights_problem(path) or _custom_code_problem(config) or _custom_tokenizer_problem(path)
-            or _head_problem(config))
+    return ((weights_problem(path) if weights else None) or _custom_code_problem(config) or _custom_tokenizer_problem(path)
+            or _head_problem(config) or eos_setting_problem(path))
 
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

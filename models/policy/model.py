@@ -336,8 +336,8 @@ class PolicyModel(nn.Module):
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token: ``6 * matmul params + 12 * layers * heads * head_dim * seq_len``, the second
-        term over the layers with softmax attention only and with multi-latent attention's query/key and value head
-        sizes (:func:`~models.policy.flops.attention_flops_per_token`; 0 for Mamba)."""
+        term over the layers with softmax attention only, over the keys each layer's sliding window or chunk lets a
+        query see (:func:`~models.policy.flops.attention_flops_per_token`; 0 for Mamba)."""
         from .flops import attention_flops_per_token
 
         if seq_len <= 0:

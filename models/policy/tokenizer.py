@@ -84,16 +84,14 @@ def has_tokenizer_files(path: str) -> bool:
 
 
 def _generation_eos_ids(path: str) -> list[int]:
-    """``eos_token_id`` of a checkpoint's ``generation_config.json`` (else ``config.json``) as a list."""
-    import json
+    """``eos_token_id`` of a checkpoint's ``generation_config.json`` (else ``config.json``) as a list (checked when
+    the run config loads: :func:`~models.policy.hf_files.eos_setting_problem`)."""
+    from .hf_files import eos_setting
 
     for name in ("generation_config.json", "config.json"):
-        file = os.path.join(path, name)
-        if os.path.isfile(file):
-            with open(file) as f:
-                value = json.load(f).get("eos_token_id")
-            if value is not None:
-                return [int(v) for v in (value if isinstance(value, list) else [value])]
+        value = eos_setting(path, name)
+        if value is not None:
+            return [int(v) for v in (value if isinstance(value, list) else [value])]
     return []
 
 
@@ -289,11 +287,15 @@ def load_tokenizer(cfg: PolicyConfig):
         tok = AutoTokenizer.from_pretrained(cfg.path, local_files_only=True)
         tok.padding_side = "left"
         extra = _generation_eos_ids(cfg.path)
-        if tok.eos_token_id is None and extra:
-            tok.eos_token = tok.convert_ids_to_tokens(extra[0])
+        known = [t for t in extra if 0 <= t < len(tok)]
+        if tok.eos_token_id is None and known:  # the first of the checkpoint's end ids the tokenizer has
+            tok.eos_token = tok.convert_ids_to_tokens(known[0])
         if tok.eos_token_id is None:
-            raise ValueError(f"the tokenizer in {cfg.path} has no EOS token and the checkpoint names "
-                             "none (generation_config.json eos_token_id): completions could never end")
+            named = (f"names only ids past its {len(tok)} tokens ({', '.join(map(str, extra))})" if extra else
+                     "names none")
+            raise ValueError(f"the tokenizer in {cfg.path} has no EOS token and the checkpoint {named} "
+                             "(generation_config.json eos_token_id): completions could never end; set eos_token "
+                             "in tokenizer_config.json or eos_token_id in generation_config.json")
         if tok.pad_token_id is None:
             tok.pad_token = tok.eos_token
         rows = _embedding_rows(cfg.path, tok)
