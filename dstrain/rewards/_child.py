@@ -103,11 +103,14 @@ _PATH_WRITE = {
 }
 
 
-def _make_hook(tmp: str, read_roots: tuple, violations: list, quiet: set = frozenset(), kept=None):
+def _make_hook(tmp: str, read_roots: tuple, violations: list, quiet: set = frozenset(), kept=None, room=None):
     """The audit hook: refuses process creation, signals, sockets, ctypes, introspection,
     writes outside ``tmp`` and reads outside ``read_roots``; records refusals. ``quiet``: ids of
     threads inside the judge's own ``sys.setprofile`` calls (nothing else runs there), and ``"defaults"`` once a
-    function's defaults were read or set. ``kept``: whether the built-in classes are intact (``_namespaces.py``)."""
+    function's defaults were read or set. ``kept``: whether the built-in classes are intact (``_namespaces.py``).
+    ``room``: ``(files, entries)`` the program may make in ``tmp`` when it is no tmpfs (no mount namespace), else None:
+    a file takes up to the file size limit of the trainer's disk, so without it a program wrote files until its wall
+    limit, as fast as the disk took them (red-team round 31); beyond, ``OSError`` as from a full tmpfs."""
     import _thread
     import builtins
     import gc
@@ -166,6 +169,19 @@ def _make_hook(tmp: str, read_roots: tuple, violations: list, quiet: set = froze
             append(violations, f"{event}: {why}"[:200])
         raise PermissionError(f"sandbox: {event} is not allowed ({why})")
 
+    made = [0, 0]  # (files, entries the program made in ``tmp``: see ``room``)
+
+    def take(path, file: bool) -> None:
+        try:
+            lstat(path)
+            return  # (there already: rewritten)
+        except OSError:
+            pass
+        if made[1] >= room[1] or file and made[0] >= room[0]:
+            raise OSError(28, f"sandbox: no room left in the program's folder ({room[0]} files, {room[1]} entries)")
+        made[0] += 1 if file else 0
+        made[1] += 1
+
     def writable(path) -> bool:
         if path is None:
             return False
@@ -190,6 +206,8 @@ def _make_hook(tmp: str, read_roots: tuple, violations: list, quiet: set = froze
             if write:
                 if not writable(target):
                     deny(event, f"write to {target or shown(path)}")
+                if room is not None and target != "/dev/null":
+                    take(target, True)
                 return
             if target is None or not under(target, read_roots):
                 deny(event, f"read of {target or shown(path)}")
@@ -251,6 +269,8 @@ def _make_hook(tmp: str, read_roots: tuple, violations: list, quiet: set = froze
                 target = resolve(args[at], dir_fd)
                 if not writable(target):
                     deny(event, f"change to {target or shown(args[at])}")
+                if room is not None and event == "os.mkdir":
+                    take(target, False)
 
     def hook(event: str, args: tuple) -> None:
         if (event == "sys.setprofile" or event == "sys._getframe") and get_ident() in quiet:  # the judge's own call
@@ -400,6 +420,8 @@ def _execute(job: dict, result_fd: int, isolation: str, max_processes: int) -> N
             roots.add(os.path.realpath(p))
     global _SNAPSHOT
     _frame_builtins()  # noqa: F821  (_frames.py: eval, exec, globals, locals and vars refuse the judge's frames)
+    _cap_threads()  # noqa: F821  (_unaudited.py: at most ``max_processes`` threads, root or not)
+    _THREAD_LIMIT[0] = max_processes  # noqa: F821
     if _load_imported(job) or _SNAPSHOT is None:  # noqa: F821  (the fork server took it once, before forking)
         _SNAPSHOT = _type_snapshot()  # noqa: F821
     prepared = []
@@ -421,7 +443,10 @@ def _execute(job: dict, result_fd: int, isolation: str, max_processes: int) -> N
     import signal  # noqa: F401  (loaded now, so that _drop_unaudited reaches its copy too)
     _drop_unaudited()  # noqa: F821  (_frames.py, like _frame_builtins)
     tools = _guard_tools(_QUIET, job["setup"])  # noqa: F821  (_guardtools.py; _QUIET: _frames.py)
-    sys.addaudithook(_make_hook(tmp, tuple(sorted(roots)), violations, tools[5], tools[-1]))
+    fsize = resource.getrlimit(resource.RLIMIT_FSIZE)[0]  # (the job's: set before this stage, or by the fork server)
+    room = None if "mntns" in isolation.split(",") else (  # (the tmpfs's room: _launch.py)
+        max(1, TMPFS_BYTES // fsize) if fsize > 0 else TMPFS_INODES, TMPFS_INODES)  # noqa: F821
+    sys.addaudithook(_make_hook(tmp, tuple(sorted(roots)), violations, tools[5], tools[-1], room))
     _thread.start_new_thread(_worker, (job, prepared, box, (checks, _SNAPSHOT[1], tools), done))
     try:  # only now: counted per user, the limit could otherwise stop the worker thread itself
         resource.setrlimit(resource.RLIMIT_NPROC, (max_processes, max_processes))

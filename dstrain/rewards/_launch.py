@@ -9,7 +9,7 @@ server also calls for each job), and re-executes a fresh interpreter for the ``r
 """
 
 CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x20000, 0x10000000, 0x20000000, 0x40000000
-PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 24, 38
+PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 24, 38
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_NOATIME, MS_NODIRATIME = 1, 2, 4, 8, 32, 1024, 2048
 MS_BIND, MS_REC, MS_PRIVATE, MS_RELATIME = 4096, 16384, 1 << 18, 1 << 21
 TMPFS_BYTES, TMPFS_INODES = 64 << 20, 8192
@@ -76,9 +76,23 @@ def _launch(cfg: dict, result_fd: int) -> None:
                 str(cfg["nproc"])]
     if not pid_ns:
         os.execve(sys.executable, argv, env)
+    alive_r, alive_w = os.pipe()  # (at EOF for the child once this process is gone)
     pid = os.fork()  # the child is the init of the new PID namespace
     if pid == 0:
         try:
+            # This process's death (the trainer's SIGKILL of its group at the deadline) kills the namespace's init,
+            # and with it every process of the namespace: a program that left the group (``os.setsid``) outlived
+            # the run, sleeping for ever with its 64 MiB tmpfs (red-team round 31). No program can undo it (no prctl).
+            os.close(alive_w)
+            if libc.prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0) != 0:  # (9: SIGKILL)
+                os._exit(127)
+            os.set_blocking(alive_r, False)
+            try:
+                if not os.read(alive_r, 1):
+                    os._exit(127)  # this process died before the signal was armed
+            except BlockingIOError:
+                pass
+            os.close(alive_r)
             # a /proc of this PID namespace: the trainer's processes are not even listed
             if fresh_proc and libc.mount(b"proc", b"/proc", b"proc", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
                                          None) == 0:

@@ -267,6 +267,7 @@ def _serve(isolation: str) -> None:
     # collections then never walk (and so never copy-on-write) the server's pages.
     global _SNAPSHOT
     _frame_builtins()  # noqa: F821  (from _frames.py: before the snapshot, which holds every module's __builtins__)
+    _cap_threads()  # noqa: F821  (from _unaudited.py: likewise)
     _SNAPSHOT = _type_snapshot()  # noqa: F821  (from _snapshot.py): the classes every child starts with
     _lru_clears()  # noqa: F821  (from _guardtools.py: found once here, for every child of this snapshot)
     _library_cells()  # noqa: F821  (likewise)

@@ -104,6 +104,68 @@ def _drop_held(holders: tuple) -> None:
 
 
 
+_THREAD_LIMIT = [1 << 30]  # how many threads a job may have alive (``_thread._count``: the judge's worker too)
+_THREAD_GATE = """def _make(_next, _factory, _send):
+    def start_new_thread(function, args, kwargs=None, /):
+        worker = _next(_factory)
+        _next(worker)
+        ok, result = _send(worker, (function, args, kwargs))
+        if not ok:
+            raise result
+        return result
+    return start_new_thread
+"""
+
+
+def _cap_threads() -> None:
+    """Replaces ``_thread.start_new_thread`` wherever a loaded module keeps it (``_thread``, ``threading``) by one that
+    refuses a thread beyond :data:`_THREAD_LIMIT` alive, ``RuntimeError`` as when the system has none left (``_execute``
+    sets it to the job's ``max_processes``). ``RLIMIT_NPROC``, which says so, is not enforced for root, and starting a
+    thread raises no audit event: with 32 KiB stacks (``threading.stack_size``) a program held hundreds of kernel tasks
+    (382 at 512 MiB of address space in ``tests/unit/test_sandbox_redteam31.py``), each a pid of the trainer's machine
+    (red-team round 31). The real function and the limit's holder are kept only in a generator's frame (``gi_frame``
+    is refused), as ``_frames._frame_builtins`` keeps the real ``eval``. Once per process, before the snapshot."""
+    import _thread
+    import sys
+
+    real, count, limit = _thread.start_new_thread, _thread._count, _THREAD_LIMIT
+    if type(real) is not type(len):
+        return  # (replaced already)
+
+    def worker():
+        request = yield
+        try:
+            if type(request) is not tuple or len(request) != 3 or type(request[1]) is not tuple:
+                raise TypeError("sandbox: not a request of the thread start's replacement")
+            if count() >= limit[0]:
+                raise RuntimeError(f"can't start new thread (the sandbox allows {limit[0]} at a time)")
+            function, args, kwargs = request
+            answer = (True, real(function, args) if kwargs is None else real(function, args, kwargs))
+        except BaseException as e:
+            answer = (False, e)
+        yield answer
+
+    def factory():
+        while True:
+            try:
+                yield worker()
+            except GeneratorExit:
+                raise
+            except BaseException:
+                pass  # (thrown in by the program: the next call still gets a worker)
+
+    made, namespace = factory(), {"__builtins__": {}}
+    next(made)
+    exec(compile(_THREAD_GATE, "<sandbox-threads>", "exec"), namespace)
+    gate = namespace.pop("_make")(next, made, type(made).send)
+    for module in list(sys.modules.values()):
+        if type(module) is type(sys):
+            namespace = vars(module)
+            for k, v in list(namespace.items()):
+                if v is real:
+                    namespace[k] = gate
+
+
 _CODEC_CACHE = []  # [the interpreter's codec cache] once found: see _codec_cache
 
 

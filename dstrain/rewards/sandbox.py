@@ -82,8 +82,9 @@ untrusted: a correct program returning one scores 0). Without namespaces (no roo
 user namespaces) writes, network and process isolation rest on the audit hook alone, and on
 the removal, before the program runs, of the calls no audit event covers that reach other
 processes or make special files (``pidfd_open``/``pidfd_send_signal``, ``setpriority``,
-``sched_set*``, ``mknod``, ``mkfifo``). An unprivileged trainer's user namespace maps its own
-uid and gid, so the program's tmpfs folder takes files.
+``sched_set*``, ``mknod``, ``mkfifo``); the hook then gives the folder the tmpfs's room (64 files
+at 1 MiB, 8192 entries). An unprivileged trainer's user namespace maps its own uid and gid, so the
+program's tmpfs folder takes files.
 """
 from __future__ import annotations
 
@@ -172,8 +173,8 @@ class SandboxLimits:
     ``cpu_seconds`` is the CPU-time limit (``RLIMIT_CPU``); ``wall_seconds`` the
     wall-clock deadline after which the process group is killed; ``memory_bytes`` the
     address-space limit; ``file_size_bytes`` the largest file the program may write;
-    ``max_processes`` ``RLIMIT_NPROC`` (not enforced by Linux for root; the audit hook
-    refuses process creation anyway); ``open_files`` ``RLIMIT_NOFILE``;
+    ``max_processes`` ``RLIMIT_NPROC`` and the most threads alive at once (Linux does not enforce
+    the former for root; the audit hook refuses process creation); ``open_files`` ``RLIMIT_NOFILE``;
     ``output_bytes`` how much stdout and stderr may be written in total before the run
     is killed (and how much of each is kept). ``namespaces`` tries network and PID
     namespaces; ``drop_root`` runs as ``nobody`` when the trainer is root and the
