@@ -15,7 +15,8 @@ from pathlib import Path
 
 from dstrain.config import TrainConfig
 from dstrain.engine.ds_config import (DSConfigError, RunValues, describe_zero, fill_ds_config,
-                                      load_ds_json, number_problem, open_weights_dtype, sets_lr_itself)
+                                      load_ds_json, number_problem, open_weights_dtype, range_problem,
+                                      sets_lr_itself)
 
 
 def _explicit(value):
@@ -37,7 +38,8 @@ def _number(cfg: dict, path: str, kind, positive: bool = True):
         want = ("a positive integer" if positive else "an integer >= 0") if kind is int else \
             ("a positive number" if positive else "a number >= 0")
         return None, f"{path}: must be {want} or \"auto\", file says {value!r}"
-    return value, None
+    beyond = range_problem(path, value)  # (a cos_min_ratio above 1 stopped check-config on train.min_lr_ratio)
+    return (None, beyond) if beyond else (value, None)
 
 
 def values_from_file(cfg: dict, hidden_size: int = 1024, world_size: int | None = None) -> RunValues:
@@ -250,7 +252,8 @@ def _pydantic_problems(section: str, model, err: Exception, block: dict | None =
                     or _grad_scaler_key(section, item.get("loc", ()), value)
                     or _bf16_loss_scaling_key(section, item.get("loc", ()), block))  # last: its "" means said
             if neox != "":  # "": said with another key of the section
-                out.append(neox or f"{loc}: unknown key{hint}; DeepSpeed rejects it")
+                out.append(neox or _top_level_inside(section, item.get("loc", ()))
+                           or f"{loc}: unknown key{hint}; DeepSpeed rejects it")
         elif not item.get("loc"):  # a check of the whole section: its input is the parsed section, not the file's
             msg = str(item.get("msg", "invalid")).removeprefix("Assertion failed, ").removeprefix("Value error, ")
             out.append(f"{loc}: {msg.rstrip('.')}; DeepSpeed rejects it")
@@ -273,6 +276,16 @@ def _pydantic_problems(section: str, model, err: Exception, block: dict | None =
         else:
             out.append(f"{loc}: {item.get('msg', 'invalid')}, file says {value!r}")
     return out
+
+
+def _top_level_inside(section: str, loc: tuple) -> str | None:
+    """A top-level key written inside a section (``"aio"`` in zero_optimization, as DeepSpeed's NVMe tutorial readers
+    often place it): where it belongs, not "unknown key"."""
+    from dstrain.engine.ds_files import KNOWN_TOP_LEVEL_KEYS
+    if len(loc) != 1 or loc[0] not in KNOWN_TOP_LEVEL_KEYS:
+        return None
+    return (f"{section}.{loc[0]}: a top-level key, which DeepSpeed reads only at the top level (its {section} parser "
+            f"rejects it here); move it out of \"{section}\" to the top level")
 
 
 def _close_key(name: str, known: list[str]) -> str | None:

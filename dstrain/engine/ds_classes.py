@@ -22,6 +22,8 @@ say:
   second at every step (a beta2 of 0.95 or 0.999 is replaced), and where the optimizer has no ``betas`` (SGD,
   Adagrad) it turns cycling off with only a warning. Both are DeepSpeed's OneCycle working as built, so they are
   notes (:func:`class_notes`, :func:`run_notes`), not refusals: such files train as DeepSpeed trains them;
+* an enabled flops profiler's ``profile_step``, ``module_depth``, ``top_modules`` or ``recompute_fwd_factor`` of the
+  wrong kind (in quotes, null): never profiled, or a TypeError on every rank at the profile step;
 * a ``flops_profiler.profile_step`` the run never reaches: DeepSpeed profiles the step whose count of finished steps
   equals it, so nothing is profiled (:func:`run_problems`, which needs the run's length);
 * a deprecated ZeRO key written beside the key replacing it (``cpu_offload`` with ``offload_optimizer``): DeepSpeed's
@@ -33,6 +35,7 @@ say:
 from __future__ import annotations
 
 import inspect
+import json
 import re
 
 from dstrain.engine.ds_reading import DEEPSPEED_OPTIMIZER_TYPES, _is_auto, describe_zero
@@ -256,7 +259,7 @@ def class_problems(cfg: dict, device_type: str, problems: list[str]) -> list[str
     """Problems with the optimizer class DeepSpeed builds from the file, OneCycle's momentum cycling and LRRangeTest's
     starting lr; an optimizer already named in ``problems`` is not looked at again."""
     named = any(p.startswith("optimizer") for p in problems)
-    return _optimizer_class_problems(cfg, device_type, named) + _range_test_from_zero(cfg)
+    return _optimizer_class_problems(cfg, device_type, named) + _range_test_from_zero(cfg) + _profiler_values(cfg)
 
 
 def class_notes(cfg: dict) -> list[str]:
@@ -309,6 +312,42 @@ def _profile_step(cfg: dict, steps: int) -> list[str]:
     return [f"flops_profiler.profile_step: {step}, and the run takes {steps} steps (DeepSpeed profiles the step "
             f"started after profile_step finished steps, 0 to {steps - 1} here), so nothing would be profiled; set "
             f"it to a number from 0 to {steps - 1} (1: the second step), or run --train.steps={max(step + 1, 1)}"]
+
+
+def _profiler_values(cfg: dict) -> list[str]:
+    """An enabled flops profiler's numbers of the wrong kind: DeepSpeed reads the section with ``get_scalar_param``
+    (no checks) and uses them only at the profile step, comparing the step count with ``profile_step`` as written
+    (a quoted "1" never matches: nothing is profiled) and handing the others to the profile printout, which stops
+    every rank there with a TypeError (a quoted module_depth or recompute_fwd_factor, a null top_modules)."""
+    block = cfg.get("flops_profiler")
+    if not isinstance(block, dict) or block.get("enabled") is not True:
+        return []
+    out = []
+    for key in ("profile_step", "module_depth", "top_modules", "recompute_fwd_factor"):
+        if key not in block:
+            continue
+        value = block[key]
+        whole = key != "recompute_fwd_factor"
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and (not whole or isinstance(value, int)):
+            continue
+        said = (f"file says {value!r} in quotes" if isinstance(value, str) else f"file says {json.dumps(value)}")
+        what = "a whole number" if whole else "a number"
+        if key == "profile_step":
+            why = "DeepSpeed compares the step count with it as written, so it never matches and nothing is profiled"
+        else:
+            why = "DeepSpeed's profiler uses it only when it prints the profile, and stops every rank there"
+        fix = f"write {value.strip()} without quotes" if isinstance(value, str) and _numeric(value) else \
+            f"write {what}" + (" (-1: every depth)" if key == "module_depth" else "") + " or remove it"
+        out.append(f"flops_profiler.{key}: {said}, where DeepSpeed takes {what}; {why}; {fix}")
+    return out
+
+
+def _numeric(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def run_problems(cfg: dict, steps: int | None) -> list[str]:

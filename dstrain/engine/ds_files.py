@@ -70,6 +70,53 @@ NULL_STOPS_PARSER: frozenset[str] = frozenset({
     "torch_autocast", "wall_clock_breakdown", "wandb", "weight_quantization", "zero_optimization",
 })
 
+#: Sections DeepSpeed 0.19.8 reads only as objects: its parser stops on ``true`` or a string in their place
+#: ("'bool' object has no attribute 'get'", "argument after ** must be a mapping", a pydantic model_type error).
+#: (bf16 / fp16, optimizer / scheduler, pipeline and zero_optimization have their own refusals or readings.)
+OBJECT_SECTIONS: frozenset[str] = NULL_STOPS_PARSER - {
+    "bf16", "bfloat16", "fp16", "optimizer", "scheduler", "pipeline", "zero_optimization", "gradient_allreduce_op",
+    "wall_clock_breakdown"} | {"aio", "expert_parallel"}
+#: Of those, the ones switched on by an "enabled" key (a boolean in their place says which way).
+_ENABLED_SECTIONS = frozenset({"tensorboard", "wandb", "csv_monitor", "comet", "flops_profiler", "comms_logger",
+                               "hybrid_engine", "torch_autocast", "data_efficiency", "expert_parallel", "autotuning"})
+
+#: The flops profiler's top-level keys of DeepSpeed's first profiler README (with ``"flops_profiler": true``), and
+#: the same keys DeepSpeed 0.19 reads inside its "flops_profiler" section (None: it profiles one step, so none).
+OLD_PROFILER_KEYS: dict[str, str | None] = {
+    "profile_start_step": "profile_step", "profile_end_step": None, "profile_depth": "module_depth",
+    "profile_top_num": "top_modules", "start_step": "profile_step", "end_step": None}
+
+
+def section_shape_problem(key, value) -> str | None:
+    """The refusal for a section DeepSpeed reads only as an object, given something else (None: nothing to say)."""
+    if key not in OBJECT_SECTIONS or value is None or isinstance(value, dict) \
+            or (key == "checkpoint" and isinstance(value, str)):  # an inference checkpoint path: its own refusal
+        return None
+    fix = ""
+    if isinstance(value, bool) and key in _ENABLED_SECTIONS:
+        fix = f"; write \"{key}\": {{\"enabled\": {json.dumps(value)}}}" + ("" if value else " or remove it")
+    why = ("DeepSpeed's config parser stops on anything else at start-up" if key != "timers" or value is True else
+           "DeepSpeed reads only an object there and would silently ignore this")  # ("throughput" in "yes")
+    return (f"{key}: must be an object (a section of keys), file says {json.dumps(value)}; "
+            f"{why}{fix or '; write its keys inside {} or remove it'}")
+
+
+def old_profiler_key_problem(key, value, section: str = "") -> str | None:
+    """The refusal for a flops-profiler key of DeepSpeed's first profiler (top level, or ``section`` "flops_profiler"
+    for its start_step / end_step there), naming DeepSpeed 0.19's own key."""
+    if key not in OLD_PROFILER_KEYS or (section == "") == (key in ("start_step", "end_step")):
+        return None
+    new = OLD_PROFILER_KEYS[key]
+    where = f"{section}.{key}" if section else f"unknown top-level key {key!r}"
+    said = "the flops profiler's key in DeepSpeed's first profiler" + (
+        "" if section else " (beside \"flops_profiler\": true)")
+    if new is None:
+        return (f"{where}: {said}; DeepSpeed 0.19 profiles one step (flops_profiler.profile_step) and would silently "
+                "ignore it; remove it")
+    return (f"{where}: {said}; DeepSpeed 0.19 reads it as flops_profiler.{new} and would silently ignore this one; "
+            f"write \"flops_profiler\": {{\"{new}\": {json.dumps(value)}}} in its place")
+
+
 #: Places where "auto" is a value DeepSpeed itself understands, so it is left alone.
 DEEPSPEED_NATIVE_AUTO: frozenset[str] = frozenset({
     "pipeline.stages", "data_types.keep_in_fp32_modules",
@@ -278,14 +325,18 @@ def canonical_forms(cfg: dict) -> dict:
     """The forms DeepSpeed still reads under older spellings, as their current ones: a ``"bfloat16"``
     section (DeepSpeed-Chat writes it) as ``"bf16"`` when there is no ``"bf16"``, and the boolean
     ``"zero_optimization": true`` (DeepSpeed's getting-started tutorial) as ``{"stage": 1}`` (false:
-    stage 0), a stage written as a string (``"2"``) as the number, and a bf16 / fp16 ``enabled`` or a
+    stage 0; a top-level ``allgather_size`` beside true as its ``allgather_bucket_size``), a stage written as a
+    string (``"2"``) as the number, and a bf16 / fp16 ``enabled`` or a
     boolean ZeRO key (its offload blocks' too) written as a string DeepSpeed's parser reads as a boolean
     (``"true"``, ``"False"``, ``"1"``, ``"yes"``, ...) as that boolean."""
     out = dict(cfg)
     if "bfloat16" in out and "bf16" not in out:
         out = {("bf16" if k == "bfloat16" else k): v for k, v in out.items()}
     if isinstance(out.get("zero_optimization"), bool):
-        out["zero_optimization"] = {"stage": 1 if out["zero_optimization"] else 0}
+        on = out["zero_optimization"]
+        out["zero_optimization"] = {"stage": 1 if on else 0}
+        if on and "allgather_size" in out:  # that form's bucket size, which DeepSpeed 0.19 still reads beside it
+            out["zero_optimization"]["allgather_bucket_size"] = out.pop("allgather_size")
     zo = out.get("zero_optimization")
     if isinstance(zo, dict) and isinstance(zo.get("stage"), str) and zo["stage"].strip() in ("0", "1", "2", "3"):
         out["zero_optimization"] = {**zo, "stage": int(zo["stage"])}  # DeepSpeed's pydantic parser reads "2" as 2
@@ -402,7 +453,20 @@ def _top_level_problems(cfg: dict) -> list[str]:
             problems.append(f"{key}: null (an empty entry, as a YAML-to-JSON dump writes one), which DeepSpeed's "
                             f"config parser stops on at start-up; remove the key, or write {fix}")
             continue
+        shape = section_shape_problem(key, cfg[key])
+        if shape:
+            problems.append(shape)
+            continue
         if key in KNOWN_TOP_LEVEL_KEYS:
+            continue
+        if key == "allgather_size":
+            problems.append("unknown top-level key 'allgather_size': DeepSpeed reads it only beside the boolean "
+                            "\"zero_optimization\": true (its first ZeRO form) and would silently ignore it here; "
+                            f"write \"zero_optimization\": {{\"allgather_bucket_size\": {json.dumps(cfg[key])}}}")
+            continue
+        old = old_profiler_key_problem(key, cfg[key])
+        if old:
+            problems.append(old)
             continue
         if key in NESTING_KEYS and nests_ds_config(cfg, key):
             problems.append(f"top-level key {key!r} holds a DeepSpeed config one level down (as a trainer's "

@@ -287,8 +287,8 @@ def _unused_sections(cfg: dict, problems: list[str]) -> None:
     for key, why in (("autotuning", "dstrain does not run DeepSpeed's autotuner (dstrain plan chooses the profile)"),
                      ("hybrid_engine", "the hybrid engine is for DeepSpeed-Chat's RLHF loop, not used by dstrain"),
                      ("data_efficiency", "dstrain's samplers feed the data, so DeepSpeed's data sampling "
-                      "(curriculum) never runs, and its data routing (random-LTD) needs DeepSpeed's layer wrappers "
-                      "in the model, which dstrain's models do not use")):
+                      "(curriculum, dynamic batching) never runs, and its data routing (random-LTD) needs DeepSpeed's "
+                      "layer wrappers in the model, which dstrain's models do not use")):
         if _enabled(cfg.get(key)):
             problems.append(f"{key}.enabled: {why}; set it to false or remove the section")
     comp = cfg.get("compile")
@@ -349,12 +349,17 @@ def _monitor_problems(cfg: dict, problems: list[str], notes: list[str]) -> None:
 
 def _plain_section_keys(cfg: dict, problems: list[str]) -> None:
     import difflib
+
+    from dstrain.engine.ds_files import old_profiler_key_problem
     for section, known in PLAIN_SECTION_KEYS.items():
         block = cfg.get(section)
         if not isinstance(block, dict):
             continue
         for key in block:
-            if key not in known:
+            old = section == "flops_profiler" and old_profiler_key_problem(key, block[key], section)
+            if key not in known and old:
+                problems.append(old)
+            elif key not in known:
                 close = difflib.get_close_matches(str(key), sorted(known), n=1)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
                 problems.append(f"{section}.{key}: unknown key{hint}; DeepSpeed would silently ignore it")
@@ -530,6 +535,8 @@ def section_problems(cfg: dict, device_type: str) -> tuple[list[str], list[str]]
     if device_type == "cpu" and _enabled(cfg.get("fp16")):
         problems.append("fp16.enabled: fp16 does not run on the CPU accelerator (DeepSpeed raises 'Type fp16 is not "
                         "supported'); use bf16 (\"bf16\": {\"enabled\": true}) or fp32 (fp16.enabled false or \"auto\")")
+    from dstrain.engine.ds_typeless import typeless_problems
+    problems += typeless_problems(cfg)
     _optimizer_problems(cfg, device_type, problems)
     _scheduler_problems(cfg, problems)
     _zero_problems(cfg, device_type, problems, notes)

@@ -9,7 +9,8 @@ stops every rank inside ``deepspeed.initialize``:
   text on, and the class reads it as true (AdamW instead of Adam with L2, Nesterov momentum, momentum cycling);
 * an ``enabled`` random-LTD or curriculum block inside a ``data_efficiency`` section whose own ``enabled`` is false:
   DeepSpeed reads each inner switch by itself, so the block is on (random-LTD's scheduler is built, curriculum
-  is left to DeepSpeed's own dataloader, which dstrain does not use);
+  is left to DeepSpeed's own dataloader, which dstrain does not use; so is dynamic batching, DeepSpeed's
+  variable batch size and lr);
 * a monitor path starting with ``~``: DeepSpeed joins it as written (no ``expanduser``), so the logs land in a
   folder named ``~``;
 * ``data_types`` dtypes in upper case ("FP32") and a ``buffer_dtype`` that is not one of DeepSpeed's dtype names:
@@ -63,13 +64,25 @@ def _outside_params(cfg: dict) -> list[str]:
         for key in [k for k in extra if not typos[k] and k in KNOWN_TOP_LEVEL_KEYS]:  # gradient_clipping, ...
             out.append(f"{block}.{key}: a top-level key, which DeepSpeed never reads inside {block}; move it to the "
                        "top level")
-        loose = [k for k in extra if not typos[k] and k not in KNOWN_TOP_LEVEL_KEYS]
+        zero = [k for k in extra if not typos[k] and k not in KNOWN_TOP_LEVEL_KEYS and _zero_key(k)]
+        for key in zero:  # offload_optimizer beside the optimizer's type
+            out.append(f"{block}.{key}: a zero_optimization key, which DeepSpeed never reads inside {block}; move it "
+                       "into \"zero_optimization\"")
+        loose = [k for k in extra if not typos[k] and k not in KNOWN_TOP_LEVEL_KEYS and k not in zero]
         if loose:
             kind = node.get("type")
             out.append(f"{block}.{', '.join(loose)}: written beside \"type\", where DeepSpeed never reads "
                        f"{_them(loose)} (it reads only {block}.params, and would build {kind!r} with its own "
                        f"defaults instead); move {_them(loose)} into \"params\"")
     return out
+
+
+def _zero_key(key) -> bool:
+    from dstrain.engine.ds_check import accelerator_untouched
+    with accelerator_untouched():
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    fields = DeepSpeedZeroConfig.model_fields
+    return key in fields or any(f.alias == key for f in fields.values())
 
 
 #: Words for false that a generated file quotes; to the optimizer / scheduler DeepSpeed builds they are true.
@@ -109,6 +122,17 @@ def _data_efficiency_inner(cfg: dict) -> list[str]:
                    "data_efficiency.enabled says, and only its own dataloader applies a curriculum (dstrain's "
                    "samplers feed the data: no curriculum, not as the file says); set it to false or remove the "
                    "data_efficiency section")
+    dynamic = sampling.get("dynamic_batching") if isinstance(sampling.get("dynamic_batching"), dict) else {}
+    if dynamic.get("enabled") not in (None, False, 0) and "max_tokens" not in dynamic:
+        out.append("data_efficiency.data_sampling.dynamic_batching.max_tokens: missing, and DeepSpeed's parser asserts "
+                   "it whenever dynamic_batching.enabled is on, whatever data_efficiency.enabled says (every rank "
+                   "would stop at start-up); set dynamic_batching.enabled to false or remove the data_efficiency "
+                   "section")
+    elif dynamic.get("enabled") not in (None, False, 0):
+        out.append("data_efficiency.data_sampling.dynamic_batching.enabled: DeepSpeed reads it whatever "
+                   "data_efficiency.enabled says, and only its variable-batch dataloader helper (which a training "
+                   "script calls itself) packs batches by max_tokens and scales the lr; dstrain's samplers feed "
+                   "fixed batches (not as the file says); set it to false or remove the data_efficiency section")
     return out
 
 
@@ -117,7 +141,7 @@ def _home_paths(cfg: dict) -> list[str]:
     for section, key in _MONITOR_PATHS:
         block = cfg.get(section)
         path = block.get(key) if isinstance(block, dict) else None
-        if block and block.get("enabled") not in (None, False, 0) and isinstance(path, str) \
+        if isinstance(block, dict) and block.get("enabled") not in (None, False, 0) and isinstance(path, str) \
                 and path.startswith("~"):
             out.append(f"{section}.{key}: {path!r} starts with '~', which DeepSpeed does not expand (it would write "
                        "under a folder named '~'); write the full path "

@@ -179,9 +179,7 @@ def plan_engine(cfg: RunConfig, world_size: int, hw=None, hw_notes: str = "",
                                         f"{compiling.describe(scope, cfg.model.name) if compile_ else ''})",
                                         amp_note, overflow_note, optimizer.description,
                                         compiling.attention_note(cfg, hw.device_type, precision),
-                                        "learning-rate schedule: the DeepSpeed JSON's scheduler block"
-                                        if "scheduler" in resolved else "learning-rate schedule: dstrain's "
-                                        "warm-up + cosine (the JSON has no scheduler block)",
+                                        _schedule_line(resolved),
                                         *section_notes) if x)
     # A full fp32 copy of the model on every local rank at once must leave half the RAM free; tensor and
     # sequence parallelism split full weights after the build (and zero.Init would count tp x sp as dp).
@@ -193,6 +191,17 @@ def plan_engine(cfg: RunConfig, world_size: int, hw=None, hw_notes: str = "",
                       compile_mode=cfg.train.compile_mode, pipeline=pipe,
                       compile_regions=spec.compile_regions if scope == "regions" else None,
                       attention_backend=cfg.train.attention_backend)
+
+
+def _schedule_line(resolved: dict) -> str:
+    """plan.txt's line on the learning-rate schedule: the file's block, dstrain's own, or none (an empty block, from
+    which DeepSpeed builds no scheduler, while its presence keeps dstrain's off: the lr stays constant)."""
+    if "scheduler" not in resolved:
+        return "learning-rate schedule: dstrain's warm-up + cosine (the JSON has no scheduler block)"
+    if not (resolved["scheduler"] or {}).get("type"):
+        return ("learning-rate schedule: none, the lr stays constant (the JSON's scheduler block is empty, and "
+                "DeepSpeed builds no scheduler from it; remove the block for dstrain's warm-up + cosine)")
+    return "learning-rate schedule: the DeepSpeed JSON's scheduler block"
 
 
 def _planned_amp(cfg: RunConfig, pp: int) -> RunConfig:

@@ -242,7 +242,9 @@ def plan_report(cfg: RunConfig, plan, world_size: int, ranks_per_node: int, devi
                          capacities_for(hw), cfg.deepspeed.margin, policy_activations(plan))
     trained = [r for r in TRAINED_ENGINE_ROLES if r in profiles]
     sched = plan.ds_config.get("scheduler")
-    if trained and isinstance(sched, dict):
+    if trained and isinstance(sched, dict) and not sched.get("type"):  # ("scheduler": {}: DeepSpeed builds none)
+        table += "\nlearning rates: the DeepSpeed JSON's scheduler block names no type: every engine keeps its lr"
+    elif trained and isinstance(sched, dict):
         scaled = rescale_schedule(copy.deepcopy(plan.ds_config), 1.0) is not None
         table += (f"\nlearning rates: policy {cfg.train.lr:g}, "
                   + ", ".join(f"{r} {getattr(task, LR_FIELD[r]):g}" for r in trained)

@@ -419,3 +419,43 @@ EXPECT.update({
     # hybrid_engine off, tensorboard off, train_batch_size 64 over micro 8 (accumulation 4 on 2 ranks)
     "dschat_step2_reward_zero2_bfloat16_stage3_keys_hybrid_off.json": None,
 })
+
+# Round 25 (tests/unit/test_ds_realworld25.py): DeepSpeed's first flops-profiler README (a boolean section, top-level
+# profile_* keys, start_step / end_step), an optimizer block with params and no type (a Transformers notes page's
+# "Configuration with Trainer"), DeepSpeedExamples' variable batch size and lr (dynamic batching), a Transformers
+# NVMe issue's aio block inside zero_optimization, and an empty scheduler block (written for the round: the shape a
+# YAML dump of "scheduler: {}" gives).
+EXPECT.update({
+    # "flops_profiler": true with profile_start_step / profile_end_step / profile_depth / profile_top_num beside it:
+    # check_ds_file and the launch checks stopped on an AttributeError (a traceback); now one line each, with
+    # DeepSpeed 0.19's key and the value moved
+    "dsdocs_flops_profiler_readme_v1_true_top_level_steps.json": "flops_profiler: must be an object (a section of "
+                                                                 "keys), file says true",
+    # the same README's Megatron example: start_step / end_step were "unknown key", start_step without a hint
+    "dsdocs_flops_profiler_readme_megatron_start_end_step.json": "flops_profiler.start_step: the flops profiler's key "
+                                                                 "in DeepSpeed's first profiler; DeepSpeed 0.19 reads "
+                                                                 "it as flops_profiler.profile_step",
+    # {"params": {"lr": "auto"}} with no type: was accepted, then every rank stopped at the first backward (DeepSpeed
+    # builds no optimizer from a typeless block)
+    "hf_trainer_notes_optimizer_params_without_type.json": "optimizer.type: no \"type\" (the block has params)",
+    # variable_batch_size_and_lr_example.py's config: the refusal now names dynamic batching among what never runs
+    "dsexamples_variable_batch_size_and_lr_dynamic_batching.json": "data sampling (curriculum, dynamic batching) "
+                                                                   "never runs",
+    # the same block left on under data_efficiency false: DeepSpeed parses it anyway; was accepted (fixed batches)
+    "dsexamples_dynamic_batching_left_on_data_efficiency_off.json": "data_efficiency.data_sampling.dynamic_batching."
+                                                                    "enabled: DeepSpeed reads it whatever",
+    # DeepSpeed issue 2721's block (NVMe switched to CPU here): aio inside zero_optimization was "unknown key"
+    "hf_zero3_offload_aio_inside_zero_optimization.json": "zero_optimization.aio: a top-level key, which DeepSpeed "
+                                                          "reads only at the top level",
+    # "scheduler": {}: DeepSpeed builds no scheduler, the lr stays constant (trained by hand: 0.002 at each of 3 steps
+    # on 2 CPU ranks); plan.txt said "the DeepSpeed JSON's scheduler block", now says the lr stays constant
+    "yaml_dump_empty_scheduler_block.json": None,
+    # DeepSpeed's first ZeRO form, "zero_optimization": true, with its top-level allgather_size, which DeepSpeed 0.19.8
+    # still reads as that form's allgather_bucket_size (read_zero_config_deprecated): was refused as an unknown key
+    # DeepSpeed "would silently ignore"; now moved into the section (trained by hand: 3 steps on 2 CPU ranks)
+    "dsdocs_zero_bool_form_allgather_size.json": None,
+    # a generated config's enabled flops profiler with its numbers in quotes: was accepted; DeepSpeed never profiles
+    # (the step count never equals "1") or stops every rank at the profile step (TypeError in its printout)
+    "generated_flops_profiler_quoted_numbers.json": "flops_profiler.profile_step: file says '1' in quotes",
+})
+CHECKED_ONLY |= {"yaml_dump_empty_scheduler_block.json", "dsdocs_zero_bool_form_allgather_size.json"}
