@@ -487,7 +487,8 @@ def stage_estimates(profile: str, layer_params, bounds, acts: Activations, dp: i
     A stage's model states are the profile's bytes for its own parameters (ZeRO-1 partitions
     them over the dp ranks of the stage). Activations per sample: the stage's layers' traced
     bytes when ``layer_acts`` = (bytes per layer, bytes per layer with checkpointing) is
-    given, else the whole-model trace shared equally among the layers. ``autocast``: bf16 runs as
+    given (with checkpointing, plus the largest recomputed layer of the stage, which the backward holds for
+    one micro-batch at a time), else the whole-model trace shared equally among the layers. ``autocast``: bf16 runs as
     torch.autocast over fp32 weights (:func:`states_precision`).
     """
     if profile not in PIPELINE_PROFILES:
@@ -505,7 +506,10 @@ def stage_estimates(profile: str, layer_params, bounds, acts: Activations, dp: i
         states, _ = model_state_bytes(profile, ModelStats(max(params, 1), 0, 0, 0), dp,
                                       states_precision(profile, precision, autocast), 1)
         flight = min(pp - s, grad_accum)
-        act = int(round(sum(per_layer[lo:hi]) * micro_batch * flight * scale))
+        # checkpointed: the backward holds one recomputed layer of one micro-batch besides the kept inputs
+        recompute = 0 if not ckpt or layer_acts is None else max(
+            (full for full, kept in zip(layer_acts[0][lo:hi], layer_acts[1][lo:hi]) if full != kept), default=0)
+        act = int(round((sum(per_layer[lo:hi]) * flight + recompute) * micro_batch * scale))
         out.append(StageEstimate(s, params, flight, states, act))
     return out
 

@@ -115,7 +115,8 @@ def test_activation_estimate_matches_measured_memory():
     estimate = 4 * acts.per_sample
     assert estimate == pytest.approx(measured["saved"], rel=0.02)
     assert estimate == pytest.approx(measured["rss"], rel=0.35)
-    assert acts.per_sample_checkpointed < acts.per_sample / 4
+    # checkpointed: the 4 block inputs kept, plus one block's activations while the backward recomputes it
+    assert acts.per_sample / 4 < acts.per_sample_checkpointed < acts.per_sample / 2
 
 
 def test_schedule_matches_reference_formula():
