@@ -68,11 +68,20 @@ def launch_world_size(spec: LaunchSpec, torchrun: bool = False,
         nodes = spec.num_nodes or 1 if torchrun else 1
         return spec.nproc * nodes, spec.nproc
     hosts = _hostfile_hosts(spec)
-    local_names = local_hostnames() if local_hosts is None else frozenset(local_hosts)
+    local_names = _local_names(spec, local_hosts)
     per = [spec.nproc if spec.nproc > 1 else slots for _, slots in hosts]
     if len(hosts) == 1 and hosts[0][0] in local_names:
         return per[0], per[0]
     return sum(per), max(per)
+
+
+def _local_names(spec: LaunchSpec, local_hosts: Collection[str] | None) -> frozenset[str]:
+    """The names of this machine a launch compares its hostfile's hosts with: none without a hostfile, where
+    :func:`local_hostnames` (which asks the resolver for this host's name: seconds where DNS does not answer, as
+    in a container without a network) is not needed."""
+    if local_hosts is not None:
+        return frozenset(local_hosts)
+    return local_hostnames() if spec.hostfile is not None else frozenset()
 
 
 def _rename_filter_host(filter_str: str, old: str, new: str) -> str:
@@ -205,7 +214,7 @@ def build_deepspeed_command(
         raise ValueError("local_addr (--local-addr) is a torchrun option; deepspeed's hosts come from the hostfile")
     env = _start_env(base_env)
     accel = _resolve_accelerator(spec, env, detect)
-    local_names = local_hostnames() if local_hosts is None else frozenset(local_hosts)
+    local_names = _local_names(spec, local_hosts)
 
     argv = [deepspeed_executable(python)]
     remote, procs, local_pool, include, exclude = _deepspeed_placement(spec, local_names)
@@ -338,7 +347,7 @@ def build_torchrun_command(
         raise ValueError("include/exclude are deepspeed launcher options; torchrun does not support them")
     env = _start_env(base_env)
     accel = _resolve_accelerator(spec, env, detect)
-    local_names = local_hostnames() if local_hosts is None else frozenset(local_hosts)
+    local_names = _local_names(spec, local_hosts)
 
     nnodes, procs, master = spec.num_nodes or 1, spec.nproc, spec.master_addr
     if spec.hostfile is not None:

@@ -215,6 +215,17 @@ def hang_signature(phase: str, step: int) -> str:
     return f"Hang: no progress (in {phase} of step {step})"
 
 
+ENVIRONMENT_HANG_PHASES = ("save",)
+"""Phases whose hang names the environment, not the job: a save waits on the file system (an NFS or Lustre server
+that stalls), and saves fall on the same steps in every attempt, so the same stall meets the same step again."""
+
+
+def environment_hang(signature: str) -> bool:
+    """Whether ``signature`` is a :func:`hang_signature` in one of :data:`ENVIRONMENT_HANG_PHASES`."""
+    found = re.fullmatch(r"Hang: no progress \(in (.+) of step -?\d+\)", signature)
+    return found is not None and found.group(1) in ENVIRONMENT_HANG_PHASES
+
+
 def note_error(signature: str) -> None:
     """Leave the first failing rank's :func:`error_signature` (or :func:`hang_signature`) for ``dstrain launch``
     (first writer wins), and for the next attempt of a torchrun job that torchrun itself restarts

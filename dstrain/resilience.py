@@ -38,7 +38,7 @@ EXIT_NONFINITE = 3
 """A run stopped on a NaN/Inf loss: not restarted automatically (it would fail the same way)."""
 EXIT_HANG = 124
 """A rank ended by the watchdog: restarted by ``--max-restarts`` (unless the same hang, same phase and step, ended
-the attempt before too: :func:`dstrain.supervise.repeated`)."""
+the attempt before too, outside a save: :func:`dstrain.supervise.repeated`)."""
 
 
 def torch_timeout_s(collective_timeout_s: float) -> float:

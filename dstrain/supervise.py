@@ -25,7 +25,8 @@ when two attempts print the same line: the user may be clearing the disk, the fa
 A hang counts as an error here (:func:`dstrain.rank_exit.hang_signature`: the phase and step the first rank's
 watchdog named): one that recurs in the same phase of the same step in two attempts in a row ends the restarts
 too (a deadlock in the code, a collective only some ranks reach), where each restart cost
-``train.collective_timeout_s`` of waiting and the hang stayed buried. A torchrun job restarted by torchrun's
+``train.collective_timeout_s`` of waiting and the hang stayed buried. A hang in a save is the file system's
+(saves fall on the same steps in every attempt): restarted as before. A torchrun job restarted by torchrun's
 own ``--max-restarts`` keeps the same rule through its run folder (:mod:`dstrain.elastic`).
 """
 from __future__ import annotations
@@ -47,8 +48,10 @@ TRANSIENT = re.compile(r"no space left on device|errno 28\b|disk quota exceeded|
 
 def repeated(seen: str | None, now: str | None) -> bool:
     """Whether an attempt's error ``now`` is the previous attempt's ``seen`` again, and not one of the
-    environment (:data:`TRANSIENT`): a deterministic error, which no restart gets past."""
-    return now is not None and now == seen and not TRANSIENT.search(now)
+    environment (:data:`TRANSIENT`, or a hang in a save: :func:`dstrain.rank_exit.environment_hang`): a
+    deterministic error, which no restart gets past."""
+    from dstrain.rank_exit import environment_hang
+    return now is not None and now == seen and not TRANSIENT.search(now) and not environment_hang(now)
 
 
 def run_with_restarts(attempt: Callable[[bool], int], max_restarts: int, log: Callable[[str], None],

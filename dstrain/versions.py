@@ -3,7 +3,7 @@
 Hosts of one job set up at different times (one checkout not pulled, one environment upgraded) ran
 different code: ranks that pickle objects to each other, plan the same ZeRO partitions or reshard a
 checkpoint each in their own way, failing later with an error far from its cause, or not at all.
-Each rank therefore sends a small fingerprint (its host, and these versions: dstrain's with a digest of
+Each rank therefore sends a small fingerprint (its host, and these versions: dstrain's as a digest of
 its own source files, so that two checkouts of the same release that differ are told apart) in one
 gather when the run starts, and every rank refuses a job whose fingerprints differ, in one line naming
 the hosts and the versions that differ (:class:`dstrain.config.LaunchError`, exit 2: not restarted).
@@ -41,12 +41,11 @@ def _source_digest() -> str:
     return digest.hexdigest()[:10]
 
 
-def _version(name: str) -> str:
-    try:
-        from importlib.metadata import version
-        return version(name)
-    except Exception:  # not installed as a distribution (a checkout on PYTHONPATH), or metadata unreadable
-        return "?"
+def _dstrain_version() -> str:
+    """dstrain's version as compared between hosts: the digest of its source only. The release an installation's
+    metadata names is not part of it: a checkout on PYTHONPATH has none ("?"), and an editable install keeps the
+    release it was installed at while its checkout moves on, so hosts running the same code were refused."""
+    return f"source {_source_digest()}"
 
 
 def fingerprint() -> dict:
@@ -58,8 +57,8 @@ def fingerprint() -> dict:
             ds = getattr(deepspeed, "__version__", "?")
         except Exception:
             ds = "not importable"
-        _FINGERPRINT.append({"host": socket.gethostname(), "dstrain": f"{_version('dstrain')} (source "
-                             f"{_source_digest()})", "torch": torch.__version__, "deepspeed": ds,
+        _FINGERPRINT.append({"host": socket.gethostname(), "dstrain": _dstrain_version(),
+                             "torch": torch.__version__, "deepspeed": ds,
                              "python": ".".join(platform.python_version_tuple()[:2])})
     return dict(_FINGERPRINT[0])
 

@@ -226,3 +226,58 @@ def test_a_hostfile_naming_this_machine_by_an_alias_launches_locally(tmp_path, n
     path.write_text("10.1.2.4 slots=2\n")  # another machine stays remote
     argv, _ = launcher.build_deepspeed_command(spec, base_env={}, detect=lambda: "cpu")
     assert "--hostfile" in argv
+
+
+# ---------------------------------------------------------------- review: restarts that would have succeeded, false skew
+
+def test_a_hang_in_a_save_twice_is_the_file_systems_and_restarted():
+    """Saves fall on the same steps in every attempt: a file system that stalls (an NFS or Lustre server) hangs
+    the save of step 200 in attempt 1, and attempt 2, resumed from step 100, in the save of step 200 again. Before:
+    taken for a deterministic hang, the restarts ended though the server may be back; now restarted as before."""
+    lines = []
+    hang = rank_exit.hang_signature("save", 200)
+    runs = []
+    code = supervise.run_with_restarts(lambda resume: runs.append(resume) or EXIT_HANG, 3, lines.append, pause=0,
+                                       error=lambda: hang)
+    assert code == EXIT_HANG and len(runs) == 4 and "after 3 restart(s); giving up" in lines[-1]
+    assert not supervise.repeated(hang, hang)  # torchrun's own restarts (elastic.repeated_error_problem) as well
+    assert supervise.repeated(rank_exit.hang_signature("eval", 200), rank_exit.hang_signature("eval", 200))
+    assert supervise.repeated(rank_exit.hang_signature("saves", 2), rank_exit.hang_signature("saves", 2))
+
+
+def test_the_same_code_from_a_checkout_and_from_an_install_is_no_skew(monkeypatch):
+    """One host runs dstrain from a checkout on PYTHONPATH (no installed metadata), another from ``pip install
+    -e`` of the same commit. Before: "0.1.0 (source X)" against "? (source X)", every rank refused the job."""
+    import importlib.metadata
+
+    def fresh():
+        versions._FINGERPRINT.clear()
+        return versions.fingerprint()
+
+    monkeypatch.setattr(versions, "_FINGERPRINT", [])
+    installed = fresh()
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: (_ for _ in ()).throw(
+        importlib.metadata.PackageNotFoundError(name)) if name == "dstrain" else "2.5.1")
+    checkout = {**fresh(), "host": "node2"}
+    assert versions.skew_problem([installed, checkout]) is None
+    monkeypatch.setattr(versions, "_source_digest", lambda: "0000000000")  # other code on node2: still refused
+    changed = {**fresh(), "host": "node2"}
+    assert "dstrain source " in versions.skew_problem([installed, changed])
+
+
+def test_a_launch_without_a_hostfile_asks_no_resolver(monkeypatch):
+    """``dstrain launch --nproc 2`` (no hostfile) has no host to compare with this machine's names. Before: each
+    launch looked its own host name up (twice), seconds each where DNS does not answer (a container without a
+    network); now only a hostfile asks."""
+    asked = []
+    monkeypatch.setattr(launch_common.socket, "gethostbyname_ex", lambda name: asked.append(name) or ("h", [], []))
+    monkeypatch.setattr(launch_common.socket, "getaddrinfo", lambda *a, **k: asked.append(a) or [])
+    launch_common._this_machine.cache_clear()
+    try:
+        spec = launcher.LaunchSpec(RECIPE, nproc=2)
+        launcher.build_deepspeed_command(spec, base_env={}, detect=lambda: "cpu")
+        launcher.build_torchrun_command(spec, base_env={}, detect=lambda: "cpu")
+        assert launcher.launch_world_size(spec) == (2, 2)
+        assert asked == []
+    finally:
+        launch_common._this_machine.cache_clear()

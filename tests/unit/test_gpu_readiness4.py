@@ -70,27 +70,12 @@ def _save_as_a_gpu_run_does(obj, path, monkeypatch):
 
 def test_hrm_report_reads_a_gpu_runs_ema_and_puzzle_embedding_on_a_cpu(tmp_path, monkeypatch):
     """Before: RuntimeError "Attempting to deserialize object on a CUDA device" on a machine without a GPU."""
-    from dstrain import checkpoint as ckpt
-    from dstrain.config import load_run_config
-    from dstrain.optim.ema import EMA
-    from models import registry
     from models.hrm import report
+    from tests.unit.test_hrm_ema import hrm_run_with_ema
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # (as on a CPU build of torch)
-    cfg = load_run_config("models/hrm/recipes/sudoku_debug.json", ["--model.size=tiny"])
-    model_cfg = registry.make_model_config("hrm", "tiny", cfg.model.args)
-    torch.manual_seed(0)
-    model = registry.get_spec("hrm").build(model_cfg)
-    ema = EMA(model, 0.5)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(1.0)  # trained weights = average + 1
-    tag = tmp_path / "checkpoints" / "step_00000001"
-    (tag / "hrm").mkdir(parents=True)
-    _save_as_a_gpu_run_does(ema.state_dict(), tag / "hrm" / "ema.pt", monkeypatch)
+    ema, tag = hrm_run_with_ema(tmp_path, monkeypatch,
+                                save=lambda obj, path: _save_as_a_gpu_run_does(obj, path, monkeypatch))
     _save_as_a_gpu_run_does({"weight": torch.full((3, 4), 0.5)}, tag / "hrm" / "puzzle_emb.pt", monkeypatch)
-    run_cfg = {"model": {"name": "hrm", "size": "tiny", "args": cfg.model.args}}
-    monkeypatch.setattr(ckpt, "resolve_checkpoint", lambda run_dir: (tmp_path / "checkpoints", "step_00000001"))
-    monkeypatch.setattr(ckpt, "consolidated_state_dict", lambda path: (model.state_dict(), run_cfg))
     avg, _, _, emb, _, loaded = report.load_checkpoint_model(tmp_path)
     assert loaded == "ema" and emb.device.type == "cpu" and torch.equal(emb, torch.full((4,), 0.5))
     for name, p in avg.named_parameters():

@@ -77,10 +77,11 @@ def test_task_ema_must_be_a_decay(value):
     assert load_run_config(DEBUG, ["--task.ema=0.999"]) is not None
 
 
-def test_report_loads_the_average_unless_asked_for_raw(tmp_path, monkeypatch):
+def hrm_run_with_ema(tmp_path, monkeypatch, save=torch.save):
+    """A tiny HRM run in ``tmp_path`` whose checkpoint ``report.load_checkpoint_model`` finds: trained weights that
+    are its EMA + 1, the EMA written to ``hrm/ema.pt`` by ``save(obj, path)``; returns (EMA, checkpoint folder)."""
     from dstrain import checkpoint as ckpt
     from models import registry
-    from models.hrm import report
 
     cfg = load_run_config(DEBUG, ["--model.size=tiny"])
     model_cfg = registry.make_model_config("hrm", "tiny", cfg.model.args)
@@ -92,11 +93,17 @@ def test_report_loads_the_average_unless_asked_for_raw(tmp_path, monkeypatch):
             p.add_(1.0)  # trained weights = average + 1
     tag = tmp_path / "checkpoints" / "step_00000001"
     (tag / "hrm").mkdir(parents=True)
-    torch.save(ema.state_dict(), tag / "hrm" / "ema.pt")
-    run_cfg = {"model": {"name": "hrm", "size": "tiny", "args": cfg.model.args}}
-    fake = (model.state_dict(), run_cfg)
+    save(ema.state_dict(), tag / "hrm" / "ema.pt")
+    fake = (model.state_dict(), {"model": {"name": "hrm", "size": "tiny", "args": cfg.model.args}})
     monkeypatch.setattr(ckpt, "resolve_checkpoint", lambda run_dir: (tmp_path / "checkpoints", "step_00000001"))
     monkeypatch.setattr(ckpt, "consolidated_state_dict", lambda path: fake)
+    return ema, tag
+
+
+def test_report_loads_the_average_unless_asked_for_raw(tmp_path, monkeypatch):
+    from models.hrm import report
+
+    ema, _ = hrm_run_with_ema(tmp_path, monkeypatch)
     avg, *_, loaded = report.load_checkpoint_model(tmp_path)
     raw, *_, loaded_raw = report.load_checkpoint_model(tmp_path, weights="raw")
     assert (loaded, loaded_raw) == ("ema", "raw")
