@@ -312,8 +312,20 @@ def consolidated_state_dict(path: str | Path) -> tuple[dict[str, torch.Tensor], 
     """fp32 weights of a checkpoint of any ZeRO stage, plus its run config."""
     root, tag = resolve_checkpoint(path)
     tag_dir = root / tag
-    ds_cfg = json.loads((tag_dir / "ds_config.json").read_text())
-    run_cfg = json.loads((tag_dir / "run_config.json").read_text())
+    damage, found = files_problem(tag_dir), {}  # a shard cut short or emptied, a JSON garbled: named, not a traceback
+    for name in ("ds_config.json", "run_config.json"):
+        try:
+            found[name] = json.loads((tag_dir / name).read_text())
+        except (OSError, ValueError) as err:
+            damage = damage or f"{name}: {type(err).__name__}: {err}"
+        if not damage and not isinstance(found[name], dict):
+            damage = f"{name} is not a JSON object"
+    ds_cfg, run_cfg = found.get("ds_config.json"), found.get("run_config.json")
+    if damage:
+        before = [t for t in complete_tags(root) if step_of(t) < step_of(tag)] if _TAG.match(tag) else []
+        other = f"export the one before ({root / before[-1]}) or " if before else ""
+        raise ValueError(f"checkpoint {tag_dir} is damaged ({damage}); {other}export from a copy of the run "
+                         "that is whole")
     stage = int(ds_cfg.get("zero_optimization", {}).get("stage", 0))
     if any(tag_dir.glob("layer_*-model_states.pt")):  # DeepSpeed's pipeline engine saved it
         state = pipeline_checkpoint_state_dict(tag_dir, run_cfg)

@@ -95,6 +95,8 @@ def cmd_train(args, overrides) -> int:
     cfg = _load(args.recipe, overrides, args.resume)
     from dstrain.runtime import release_cpu_comm_buffer, shutdown_distributed, use_cpu_accelerator_if_no_gpu
     use_cpu_accelerator_if_no_gpu()
+    from dstrain.runtime import check_given_rank_env, ranks_use_cuda
+    check_given_rank_env(gpus=_visible_gpus() if ranks_use_cuda() else None)  # before WORLD_SIZE is read
     world = int(os.environ.get("WORLD_SIZE", 1))
     adopted = _adopt(cfg, world)
     from dstrain.engine.ds_preflight import check_run
@@ -132,6 +134,11 @@ def cmd_train(args, overrides) -> int:
             from dstrain import elastic
             elastic.note_stopped_job(out, code, int(summary.get("step", 0)), ckpt.find_latest(out / "checkpoints"))
     return code
+
+
+def _visible_gpus() -> int:
+    import torch
+    return torch.cuda.device_count()
 
 
 def _remove_if_only_cache(out: Path) -> None:
@@ -226,7 +233,9 @@ def cmd_launch(args, overrides) -> int:
                                                                accelerator, torchrun=args.launcher == "torchrun")
     if cores:  # --nproc 3 on 2 cores: allowed, said
         print(f"dstrain: note: {cores}", file=sys.stderr)
-    problem = problem or launch_check.nccl_problem(accelerator, hosts.remote)
+    named = args.accelerator if args.accelerator != "auto" else os.environ.get("DS_ACCELERATOR") or accelerator
+    problem = problem or launch_check.no_gpu_problem(named, hosts.remote) or \
+        launch_check.nccl_problem(accelerator, hosts.remote)
     problem = problem or _output_problem(cfg, args.resume)
     if problem is None and args.resume:  # HRM: a checkpoint's ACT carry on another layout, refused by rank 0 too
         from dstrain.cli_checks import resume_layout_problem

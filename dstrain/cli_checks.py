@@ -48,12 +48,17 @@ def corpus_problem(cfg):
     path = Path(corpus).expanduser()
     where = "" if path.is_absolute() else f" (relative paths are read from {Path.cwd()})"
     if not path.exists():
-        return ConfigError("run config", "data.corpus", f"{corpus} does not exist{where}; use stdlib, a .txt or "
+        what = "is a symbolic link to nothing (a loop, or its target is gone)" if path.is_symlink() else \
+            "does not exist"
+        return ConfigError("run config", "data.corpus", f"{corpus} {what}{where}; use stdlib, a .txt or "
                                                         ".jsonl file or a folder of .txt/.py/.md files")
     if path.is_file() and path.suffix not in (".txt", ".jsonl"):
         return ConfigError("run config", "data.corpus", f"{corpus}: unsupported file type (expected .txt, .jsonl "
                                                         "or a folder)")
-    return None
+    from dstrain.data.corpus import corpus_files, text_file_problem  # unreadable, binary, not UTF-8
+    first = corpus_files(path)[:1000]  # (quick here; rank 0 checks every file before it reads them)
+    problem = next((p for f in first if (p := text_file_problem(f))), None)
+    return ConfigError("run config", "data.corpus", problem) if problem else None
 
 
 def writable_problem(folder: Path, what: str, shown: str | Path | None = None) -> str | None:

@@ -271,6 +271,24 @@ def cpu_fallback_note(accelerator: str, environ: Mapping[str, str] | None = None
     return f"no GPU visible to torch: {why}; {then}"
 
 
+def no_gpu_problem(accelerator: str, remote: bool, gpu_count: Callable[[], int] | None = None,
+                   environ: Mapping[str, str] | None = None) -> str | None:
+    """GPU ranks asked for by name (``--accelerator cuda``, ``DS_ACCELERATOR=cuda``) on this machine where torch sees
+    no GPU (``CUDA_VISIBLE_DEVICES=""``, a CPU build of torch): the problem, else None. Before, the ranks found no
+    GPU and trained on the CPU without a word (detection, ``--accelerator auto``, says so in a note instead)."""
+    if accelerator != "cuda" or remote:
+        return None
+    if gpu_count is None:
+        import torch
+        gpu_count = torch.cuda.device_count
+    if gpu_count() > 0:
+        return None
+    visible = (os.environ if environ is None else environ).get("CUDA_VISIBLE_DEVICES")
+    why = f"CUDA_VISIBLE_DEVICES={visible!r}" if visible is not None else "no CUDA device found"
+    return (f"GPU ranks were asked for (--accelerator cuda or DS_ACCELERATOR=cuda) but torch sees no GPU here ({why}); "
+            "make one visible (unset or fix CUDA_VISIBLE_DEVICES), or --accelerator cpu for CPU ranks")
+
+
 def nccl_problem(accelerator: str, remote: bool, nccl_available: bool | None = None) -> str | None:
     """GPU ranks here with a torch built without NCCL (they would all stop in ``init_process_group``), or None."""
     if accelerator != "cuda" or remote:

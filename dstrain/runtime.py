@@ -101,6 +101,41 @@ def init_distributed(timeout_s: float | None = None) -> World:
     return World(rank, world, local_rank, local_world, device)
 
 
+_COUNTS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MASTER_PORT")
+
+
+def check_given_rank_env(environ=None, gpus: int | None = None) -> None:
+    """A ``LaunchError`` naming the variable when the launcher variables that ARE set (by hand, a script, a shell left
+    from another job) cannot describe this rank, before ``dstrain train`` reads them: a count that is not a whole
+    number (``WORLD_SIZE=abc`` was a ValueError traceback), ``WORLD_SIZE=0`` or WORLD_SIZE without RANK (both
+    replaced by one rank in silence), a LOCAL_RANK at or past the ranks of its node, or past the GPUs this rank sees
+    (``gpus``: on CUDA, torch's count; "invalid device ordinal" before)."""
+    from dstrain.config import LaunchError
+    environ = os.environ if environ is None else environ
+    fix = "unset it (dstrain launch and the launchers set it) or set it to"
+    got = {}
+    for name in _COUNTS:
+        if name in environ:
+            if not environ[name].strip().isdigit():
+                raise LaunchError(f"{name}={environ[name]!r} in this rank's environment is not a whole number; "
+                                  f"{fix} one")
+            got[name] = int(environ[name])
+    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        if got.get(name) == 0:
+            raise LaunchError(f"{name}=0 in this rank's environment: a job has at least one rank; {fix} the number "
+                              "of ranks")
+    if got.get("WORLD_SIZE", 1) > 1 and "RANK" not in got and "SLURM_PROCID" not in environ:
+        raise LaunchError(f"WORLD_SIZE={got['WORLD_SIZE']} but RANK is not set: this process cannot tell which rank "
+                          "it is; start the ranks with dstrain launch (or set RANK), or unset WORLD_SIZE for one")
+    local = got.get("LOCAL_WORLD_SIZE")  # (torchrun's, exact; DeepSpeed's LOCAL_SIZE is a pool that may be larger)
+    if "LOCAL_RANK" in got and local is not None and got["LOCAL_RANK"] >= local:
+        raise LaunchError(f"LOCAL_RANK={got['LOCAL_RANK']} with {local} rank(s) on this node (LOCAL_WORLD_SIZE): a "
+                          f"local rank must be below it; {fix} one below {local}")
+    if "LOCAL_RANK" in got and gpus and got["LOCAL_RANK"] >= gpus:
+        raise LaunchError(f"LOCAL_RANK={got['LOCAL_RANK']} but this rank sees {gpus} GPU(s) (CUDA_VISIBLE_DEVICES "
+                          f"included): its device would be cuda:{got['LOCAL_RANK']}; {fix} one below {gpus}")
+
+
 def check_rank_env(environ=None, resolve_wait_s: float = 60.0) -> None:
     """A ``LaunchError`` naming the variable when this rank's RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR /
     MASTER_PORT cannot start a job (set by hand, by a script, or left in the shell from another job): torch

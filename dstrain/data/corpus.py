@@ -80,6 +80,55 @@ def _load_dataset(builder: str, data_files: str | list[str], cache_dir: str | No
             datasets.enable_progress_bars()
 
 
+_SNIFF_BYTES = 1 << 16
+_MAX_BAD_UTF8 = 0.01  # a stray Latin-1 byte is read as U+FFFD; a file mostly not UTF-8 is refused
+
+
+def text_file_problem(path: str | Path) -> str | None:
+    """Why ``path`` cannot be a text corpus file, from its first 64 KiB, else None: it cannot be read (no
+    permission), it holds a NUL byte (a binary file: no text file has one), or over 1% of its bytes are not
+    UTF-8 (another encoding, or binary). Before, such a file was decoded with U+FFFD for every bad byte and
+    trained on as text; an unreadable one ended in ``datasets``' traceback."""
+    import codecs
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(_SNIFF_BYTES)
+    except OSError as err:
+        return (f"corpus file {str(path)!r} cannot be read ({err.strerror or err}); make it readable "
+                "(chmod a+r) or move it out of the corpus")
+    if (nul := head.find(b"\0")) >= 0:
+        return (f"corpus file {str(path)!r} is binary (a NUL byte at offset {nul}), not text; a corpus holds "
+                "UTF-8 text: move the file out of it or name another")
+    text = codecs.getincrementaldecoder("utf-8")("replace").decode(head, final=False)
+    bad = text.count("\ufffd") - head.count("\ufffd".encode())
+    if head and bad > _MAX_BAD_UTF8 * len(head):
+        return (f"corpus file {str(path)!r} is not UTF-8 text ({bad} undecodable bytes in its first {len(head)}, "
+                f"the first at offset {_first_bad_utf8(head)}); convert it (iconv -f LATIN1 -t UTF-8) or name another")
+    return None
+
+
+def _first_bad_utf8(data: bytes) -> int:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return err.start
+    return len(data)
+
+
+def _require_text(files: list[str]) -> None:
+    """ValueError for the first file :func:`text_file_problem` refuses."""
+    for f in files:
+        if problem := text_file_problem(f):
+            raise ValueError(problem)
+
+
+def corpus_files(path: Path) -> list[str]:
+    """The files a corpus path names: itself, or the .txt/.py/.md files below a folder, sorted."""
+    if not path.is_dir():
+        return [str(path)]
+    return sorted(str(p) for p in path.rglob("*") if p.is_file() and p.suffix in _DIR_SUFFIXES)
+
+
 def _require_bytes(files: list[str], corpus: str) -> None:
     """``datasets`` cannot build a dataset from empty files; say so clearly instead."""
     if all(os.path.getsize(f) == 0 for f in files):
@@ -117,24 +166,27 @@ def load_documents(
     else:
         path = Path(corpus).expanduser()
         if not path.exists():
+            what = ("is a symbolic link to nothing (a loop, or its target is gone)" if path.is_symlink()
+                    else "does not exist")
             raise FileNotFoundError(
-                f"corpus path {str(path)!r} does not exist (use 'stdlib' or a local "
+                f"corpus path {str(path)!r} {what} (use 'stdlib' or a local "
                 ".txt/.jsonl file or directory)"
             )
         if path.is_dir():
-            files = sorted(
-                str(p) for p in path.rglob("*") if p.is_file() and p.suffix in _DIR_SUFFIXES
-            )
+            files = corpus_files(path)
             if not files:
                 raise ValueError(
                     f"corpus directory {str(path)!r} holds no {'/'.join(_DIR_SUFFIXES)} files"
                 )
+            _require_text(files)
             _require_bytes(files, corpus)
             docs = _text_documents(files, cache_dir, "document")
         elif path.suffix == ".txt":
+            _require_text([str(path)])
             _require_bytes([str(path)], corpus)
             docs = _text_documents([str(path)], cache_dir, "paragraph")
         elif path.suffix == ".jsonl":
+            _require_text([str(path)])
             _require_bytes([str(path)], corpus)
             try:
                 ds = _load_dataset("json", str(path), cache_dir)
@@ -209,3 +261,16 @@ def build_token_streams(
         )
     train, val = (torch.from_numpy(np.concatenate(parts[k])) for k in (False, True))
     return train, val
+
+
+def short_stream_problem(train: torch.Tensor, val: torch.Tensor, seq_len: int, val_every: int) -> str | None:
+    """Why the token streams of a corpus hold no training or no validation window of ``seq_len + 1`` tokens, else
+    None. Before, a corpus of short paragraphs (or a binary file read as a few) stopped the rank with the sampler's
+    traceback."""
+    for name, stream, what in (("training", train, "the documents"),
+                               ("validation", val, f"every {val_every}th document")):
+        if len(stream) < seq_len + 1:
+            return (f"its {name} stream ({what}) holds {len(stream)} tokens, fewer than data.seq_len + 1 = "
+                    f"{seq_len + 1}: add text, or lower --data.seq_len" +
+                    (" or --data.val_every" if name == "validation" else ""))
+    return None

@@ -295,25 +295,39 @@ def read_puzzle_file(path: str | Path, limit: int | None = None, skip: int = 0,
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such puzzle file")
     puzzles, solutions, seen = [], [], 0
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip() or line.lstrip().startswith("#"):
-                continue
-            seen += 1
-            if seen <= skip:
-                continue
-            if limit is not None and len(puzzles) >= limit:
-                break
-            where = f"{path}:{lineno}"
-            puzzle = parse_puzzle_line(line, where)
-            found = _solutions(puzzle, 2)
-            if len(found) != 1:
-                raise ValueError(f"{where}: puzzle has {'no' if not found else 'more than one'} solution")
-            puzzles.append(puzzle)
-            solutions.append(found[0])
+    first_line: dict[bytes, int] = {}  # each puzzle's first line (those skipped too: the held-out ones)
+    for lineno, line in _text_lines(path):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        seen += 1
+        if limit is not None and seen > skip and len(puzzles) >= limit:
+            break
+        where = f"{path}:{lineno}"
+        puzzle = parse_puzzle_line(line, where)
+        if (before := first_line.setdefault(puzzle.tobytes(), lineno)) != lineno:
+            raise ValueError(f"{where}: repeats the puzzle of line {before}; a puzzle file holds each puzzle once "
+                             "(a repeat is trained on twice, or held out and trained on): remove the repeats")
+        if seen <= skip:
+            continue
+        found = _solutions(puzzle, 2)
+        if len(found) != 1:
+            raise ValueError(f"{where}: puzzle has {'no' if not found else 'more than one'} solution")
+        puzzles.append(puzzle)
+        solutions.append(found[0])
     if not puzzles:
         raise ValueError(f"{path}: no puzzles read (skip={skip}, limit={limit})")
     return np.stack(puzzles), np.stack(solutions)
+
+
+def _text_lines(path: Path):
+    """(line number, line) of a UTF-8 text file; a ValueError naming the file and byte where it is not text."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                yield lineno, raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(f"{path}:{lineno}: not UTF-8 text (byte {raw[err.start]:#04x} at column "
+                                 f"{err.start + 1}); a puzzle file holds one puzzle per line, in digits") from None
 
 
 # ---------------------------------------------------------------- augmentation

@@ -117,8 +117,31 @@ def _mbpp_prompt(text: str, tests: Sequence[str]) -> str:
     return f"{text.strip()}\nYour code should pass these tests:\n\n" + "\n".join(tests) + "\n```python\n"
 
 
+def _typed(row: Mapping[str, Any], what: str, texts: Sequence[str] = (), lists: Sequence[str] = (),
+           optional: Sequence[str] = ()) -> None:
+    """ValueError naming the record and field whose value is not of the type the reader takes: ``texts`` strings,
+    ``lists`` lists of strings (a string there was read one character a test), ``optional`` strings or null.
+    Before, a wrong type ended in an AttributeError traceback, or silently split a string into characters."""
+    ident = str(row.get("task_id", row.get("question", "?")))[:60]
+    for name in (*texts, *optional):
+        value = row.get(name)
+        if not isinstance(value, str) and not (name in optional and value is None):
+            raise ValueError(f"{what} record {ident!r}: field {name!r} must be a string, got {type(value).__name__}")
+    for name in lists:
+        value = row.get(name)
+        if value is not None and (not isinstance(value, list) or not all(isinstance(v, str) for v in value)):
+            got = type(value).__name__ if not isinstance(value, list) else "a list holding " + ", ".join(
+                sorted({type(v).__name__ for v in value if not isinstance(v, str)}))
+            raise ValueError(f"{what} record {ident!r}: field {name!r} must be a list of strings, got {got}")
+
+
 def _mbpp_task(row: Mapping[str, Any]) -> Task:
     _fields(row, "MBPP", "task_id", "test_list", "code")
+    _typed(row, "MBPP", texts=("code",), lists=("test_list", "test_imports"),
+           optional=("text", "prompt", "test_setup_code"))
+    if not row["test_list"]:
+        raise ValueError(f"MBPP record {str(row['task_id'])[:60]!r}: field 'test_list' is empty; a code task needs "
+                         "at least one test (remove the record or add its asserts)")
     tests = tuple(t.replace("\r\n", "\n") for t in row["test_list"])
     setup = row.get("test_setup_code") or "\n".join(row.get("test_imports") or ())
     code = row["code"].replace("\r\n", "\n").strip("\n").rstrip()
@@ -206,6 +229,7 @@ def load_gsm8k(source: str, split: str = "train") -> list[Task]:
     tasks = []
     for i, row in enumerate(rows):
         _fields(row, f"GSM8K {source} row {i}:", "question", "answer")
+        _typed(row, f"GSM8K {source} row {i}:", texts=("question", "answer"))
         solution = _CALCULATOR.sub("", row["answer"]).strip()
         if "####" not in solution:
             raise ValueError(f"GSM8K {source} row {i}: answer has no '#### <final>' line")

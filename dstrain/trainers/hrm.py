@@ -42,12 +42,36 @@ RATIO_KEYS = ("accuracy", "exact_accuracy", "q_halt_accuracy", "steps")
 """Metrics averaged over the rows that halted; the rest are averaged over all rows."""
 
 
-def load_sudoku(task: HRMTaskConfig, seed: int):
-    """(train puzzles, train solutions, eval puzzles, eval solutions) as the task says."""
+def load_sudoku(task: HRMTaskConfig, seed: int, global_batch: int = 0):
+    """(train puzzles, train solutions, eval puzzles, eval solutions) as the task says. A training set whose
+    puzzles and their augmentations number fewer than ``global_batch`` (each batch would hold one sample twice),
+    or an ``eval_file`` sharing a puzzle with ``train_file``, is refused naming the key."""
     if task.source == "generate":
         train = sudoku.generate_many(task.train_puzzles, task.blanks, seed, size=task.grid)
         held = sudoku.generate_many(task.eval_puzzles, task.blanks, seed + 1_000_003, size=task.grid)
+        _enough_for_batch(task, len(train[0]), global_batch, "task.train_puzzles")
         return (*train, *held)
+    out = _read_sudoku_files(task)
+    _enough_for_batch(task, len(out[0]), global_batch, "task.train_file")
+    if task.eval_file:
+        shared = {p.tobytes() for p in out[0]} & {p.tobytes() for p in out[2]}
+        if shared:
+            raise ConfigError("run config", "task.eval_file",
+                              f"{task.eval_file} shares {len(shared)} puzzle(s) with task.train_file "
+                              f"{task.train_file}: held-out puzzles must not be trained on; remove them from one file")
+    return out
+
+
+def _enough_for_batch(task: HRMTaskConfig, puzzles: int, global_batch: int, key: str) -> None:
+    samples = puzzles * (task.augmentations + 1)
+    if global_batch and samples < global_batch:
+        raise ConfigError("run config", key,
+                          f"{puzzles} training puzzle(s) x {task.augmentations + 1} (task.augmentations + 1) = "
+                          f"{samples} samples, fewer than task.global_batch={global_batch}: every batch would "
+                          f"repeat samples; add puzzles or augmentations, or lower task.global_batch")
+
+
+def _read_sudoku_files(task: HRMTaskConfig):
     try:
         if task.eval_file:
             held = sudoku.read_puzzle_file(task.eval_file, limit=task.eval_puzzles)
@@ -55,9 +79,11 @@ def load_sudoku(task: HRMTaskConfig, seed: int):
         else:
             held = sudoku.read_puzzle_file(task.train_file, limit=task.eval_puzzles)
             train = sudoku.read_puzzle_file(task.train_file, limit=task.train_puzzles, skip=task.eval_puzzles)
-    except (FileNotFoundError, ValueError) as err:  # a missing, empty or malformed puzzle file
-        raise ConfigError("run config", "task.train_file" if str(task.train_file) in str(err) else "task.eval_file",
-                          str(err)) from None
+    except (OSError, ValueError) as err:  # a missing, unreadable, empty or malformed puzzle file
+        named = str(err) if not isinstance(err, OSError) or isinstance(err, FileNotFoundError) else \
+            f"{err.filename}: cannot be read ({err.strerror}); make it readable (chmod a+r)"
+        raise ConfigError("run config", "task.train_file" if str(task.train_file) in named else "task.eval_file",
+                          named) from None
     return (*train, *held)
 
 
@@ -124,7 +150,7 @@ class HRMTrainer:
 
         if resume_tag is not None:
             pin_plan(self.cfg, self.ckpt_root, resume_tag)
-        tp, ts, ep, es = load_sudoku(self.task, cfg.data.seed)
+        tp, ts, ep, es = load_sudoku(self.task, cfg.data.seed, self.global_batch)
         self.train_set = sudoku.SudokuGroups(tp, ts, self.task.augmentations, cfg.data.seed, self.task.mask_givens)
         self.eval_inputs, self.eval_labels = sudoku.encode(ep, es, self.task.mask_givens)
 

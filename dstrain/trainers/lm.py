@@ -27,7 +27,7 @@ from dstrain.trainers.common import (CheckpointSaver, RunGuards, StopFlag, decid
 from dstrain.resilience import NonFiniteError, torch_timeout_s
 from dstrain.trainers.run_files import cache_space_problem, write_summary
 from dstrain.config import ConfigError, RunConfig, RunFolderError
-from dstrain.data.corpus import ByteTokenizer, build_token_streams, load_documents
+from dstrain.data.corpus import ByteTokenizer, build_token_streams, load_documents, short_stream_problem
 from dstrain.data.sampler import WindowSampler, get_batch
 from dstrain.engine.factory import create_engine
 from dstrain.metrics import RunLogger, Throughput, peak_memory_bytes, reduce_mean, reduce_mean_each
@@ -52,7 +52,10 @@ def load_token_streams(cfg: RunConfig, world: runtime.World) -> tuple[torch.Tens
 
     def read():
         docs = load_documents(cfg.data.corpus, cache_dir=cache, max_bytes=cfg.data.max_bytes)
-        return build_token_streams(docs, corpus_tokenizer(cfg), val_every=cfg.data.val_every)
+        train, val = build_token_streams(docs, corpus_tokenizer(cfg), val_every=cfg.data.val_every)
+        if problem := short_stream_problem(train, val, cfg.data.seq_len, cfg.data.val_every):
+            raise ValueError(f"corpus {cfg.data.corpus!r}: {problem}")
+        return train, val
 
     streams, error = None, None
     if world.is_main:

@@ -122,6 +122,9 @@ def load_task_sets(task: PolicyTaskConfig, seed: int) -> tuple[list, list]:
         return T.load_tasks(spec)
     except (FileNotFoundError, ValueError) as err:  # a missing or malformed task file
         raise ConfigError("run config", "task.path", str(err)) from None
+    except PermissionError as err:  # (root reads anything: a user's chmod 000 file, or one of another user's)
+        raise ConfigError("run config", "task.path" if err.filename != task.eval_path else "task.eval_path",
+                          f"{err.filename}: cannot be read ({err.strerror}); make it readable (chmod a+r)") from None
 
 
 def task_tokenizer(rl, model_cfg, task: PolicyTaskConfig):

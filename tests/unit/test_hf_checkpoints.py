@@ -244,7 +244,7 @@ def test_sft_corpus_is_read_with_the_checkpoints_own_tokenizer(tmp_path):
     for i, text in enumerate(texts):
         (docs / f"{i}.txt").write_text(text)
     cfg = run_config_from_dict({"model": {"name": "policy", "size": "tiny", "args": {"path": path}},
-                                "data": {"corpus": str(docs), "val_every": 2},
+                                "data": {"corpus": str(docs), "val_every": 2, "seq_len": 8},
                                 "output": {"dir": str(tmp_path / "run")}})
     train, val = load_token_streams(cfg, World(0, 1, 0, 1, torch.device("cpu")))
     tok = load_tokenizer(PolicyConfig(path=path))

@@ -105,7 +105,7 @@ def test_encoding():
 
 def test_file_reader(tmp_path):
     f = tmp_path / "p.txt"
-    f.write_text(f"# comment\nabc {PUZZLE} 7.1\n\n{PUZZLE.replace('0', '.')}\n")
+    f.write_text(f"# comment\nabc {PUZZLE} 7.1\n\n{'..' + SOLUTION[2:]}\n")  # (a repeated puzzle is refused)
     puzzles, solutions = S.read_puzzle_file(f)
     assert puzzles.shape == (2, 81) and np.array_equal(solutions[1], grid(SOLUTION))
     assert len(S.read_puzzle_file(f, skip=1)[0]) == 1
@@ -117,6 +117,9 @@ def test_file_reader(tmp_path):
         S.read_puzzle_file(f)
     with pytest.raises(FileNotFoundError):
         S.read_puzzle_file(tmp_path / "missing.txt")
+    f.write_text(f"{PUZZLE}\n{PUZZLE.replace('0', '.')}\n")  # the same puzzle written two ways
+    with pytest.raises(ValueError, match="p.txt:2: repeats the puzzle of line 1"):
+        S.read_puzzle_file(f)
 
 
 @pytest.mark.skipif(not DIABOLICAL.is_file(), reason=f"shared data not in {DIABOLICAL.parent} (set DSTRAIN_DATA_DIR)")
