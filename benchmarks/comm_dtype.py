@@ -108,10 +108,12 @@ def figure(result: dict):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("recipe", nargs="?", default="models/gpt/recipes/tiny.json")
-    p.add_argument("--nproc", type=count(1), default=2)
-    p.add_argument("--steps", type=count(1), default=200)
-    p.add_argument("--profile", default="zero2")
+    p.add_argument("recipe", nargs="?", default="models/gpt/recipes/tiny.json",
+                   help="run config trained once per dtype (default: %(default)s); --section.key=value overrides "
+                        "follow it")
+    p.add_argument("--nproc", type=count(1), default=2, help="ranks of each run (default: %(default)s)")
+    p.add_argument("--steps", type=count(1), default=200, help="training steps of each run (default: %(default)s)")
+    p.add_argument("--profile", default="zero2", help="ds_configs profile of both runs (default: %(default)s)")
     p.add_argument("--dtypes", type=_dtypes, default="fp32,bf16",
                    help="comma-separated deepspeed.comm_dtype values, the first the reference")
     p.add_argument("--out", default="benchmarks/results/comm_dtype_cpu.json",

@@ -49,7 +49,9 @@ def run(recipe: str, out: Path, lr: float | None, steps: int, nproc: int, extra:
     code = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
     if code:  # the launch has said why (one line above); a traceback of this script would only bury it
         print(f"grpo_learning: the {out.name} run failed (dstrain launch exit status {code}); "
-              "its own message is above", file=sys.stderr)
+              "its own message is above" + ("; an override it names goes to every run of this script as "
+                                            "--extra=--section.key=value" if code == 2 else ""),
+              file=sys.stderr)
         raise SystemExit(code)
     LOADS[out.name] = {"before": before, "after": [round(x, 2) for x in os.getloadavg()]}
     return time.perf_counter() - start

@@ -106,9 +106,13 @@ def measure(recipe: str, profile: str, model_args: str, overrides: list[str], de
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("recipe", nargs="?", default="models/gpt/recipes/tiny.json")
-    p.add_argument("--profiles", default="zero0,zero1,zero2,zero3")
-    p.add_argument("--model-args", default='{"n_embd": 64, "n_head": 4}')
+    p.add_argument("recipe", nargs="?", default="models/gpt/recipes/tiny.json",
+                   help="run config measured, at GPT size large cut by --model-args (default: %(default)s); "
+                        "--section.key=value overrides follow it")
+    p.add_argument("--profiles", default="zero0,zero1,zero2,zero3",
+                   help="comma-separated ds_configs profiles (default: %(default)s)")
+    p.add_argument("--model-args", default='{"n_embd": 64, "n_head": 4}',
+                   help="JSON object of model.args over the large size (default: %(default)s)")
     p.add_argument("--deepspeed-norms", action="store_true",
                    help="also measure with DeepSpeed's own norm code and bf16 overflow check")
     p.add_argument("--out", default="benchmarks/results/step_ops_cpu.json",

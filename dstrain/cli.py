@@ -174,8 +174,12 @@ def cmd_launch(args, overrides) -> int:
     (and SIGHUP unless ignored) go to the launcher's whole process group; the
     return value is its exit status (128+N when killed by signal N).
     """
-    from dstrain.cli_checks import JOBS_STARTED
+    from dstrain.cli_checks import JOBS_STARTED, nested_launch_problem
     JOBS_STARTED.clear()  # (this launch's, for the Ctrl-C line in main)
+    if nested := nested_launch_problem():  # `deepspeed -m dstrain.cli launch`: one job per rank, on one folder
+        if os.environ.get("LOCAL_RANK") == "0":  # said once per host, every rank leaves
+            print(f"dstrain: error: {nested}", file=sys.stderr)
+        return EXIT_CONFIG
     cfg = _load(args.recipe, overrides)  # fail here, once, rather than on every rank
     if not args.hostfile and (missing := _task_file_problem(cfg)):  # one machine: named before any rank starts
         raise missing
@@ -234,8 +238,11 @@ def cmd_launch(args, overrides) -> int:
     if cores:  # --nproc 3 on 2 cores: allowed, said
         print(f"dstrain: note: {cores}", file=sys.stderr)
     named = args.accelerator if args.accelerator != "auto" else os.environ.get("DS_ACCELERATOR") or accelerator
-    problem = problem or launch_check.no_gpu_problem(named, hosts.remote) or \
-        launch_check.nccl_problem(accelerator, hosts.remote)
+    no_gpu = None if problem else launch_check.no_gpu_problem(named, hosts.remote)
+    if no_gpu and args.dry_run:  # (a dry run on a login node prints the command meant for the GPU nodes)
+        print(f"dstrain: note: {no_gpu}", file=sys.stderr)
+        no_gpu = None
+    problem = problem or no_gpu or launch_check.nccl_problem(accelerator, hosts.remote)
     problem = problem or _output_problem(cfg, args.resume)
     if problem is None and args.resume:  # HRM: a checkpoint's ACT carry on another layout, refused by rank 0 too
         from dstrain.cli_checks import resume_layout_problem
@@ -428,7 +435,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", allow_abbrev=False, help="print the memory plan without training",
                         description="--dotted.key=value overrides (e.g. --model.size=xl) win over the recipe.")
     pl.add_argument("recipe", help=RECIPE_HELP)
-    pl.add_argument("--world-size", type=int, help="data-parallel ranks to plan for")
+    pl.add_argument("--world-size", type=int, help="ranks to plan for, all of them (tp x sp x pp x data-parallel; "
+                                                   "default: the recipe's tp x sp x pp)")
     pl.add_argument("--device-memory", help='memory of one device, e.g. "80GB" (plans for GPUs)')
     pl.add_argument("--gpus-per-node", type=int, default=8, help="ranks that share one node's host memory "
                                                                  "(default 8)")
@@ -439,7 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("check-config", allow_abbrev=False, help="validate a run config or a DeepSpeed JSON",
                        description="A run config takes --dotted.key=value overrides (e.g. --train.lr=3e-4).")
-    c.add_argument("file")
+    c.add_argument("file", help="a run config (models/*/recipes/*.json) or a DeepSpeed JSON (ds_configs/*.json)")
     c.add_argument("--device", choices=["cpu", "cuda"], help="device a DeepSpeed JSON is checked for "
                                                              "(default: this machine's)")
     c.add_argument("--world-size", type=int, help="data-parallel ranks for a DeepSpeed JSON's batch keys "
@@ -447,9 +455,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "the ranks it runs on (default: its tp x sp x pp)")
     c.set_defaults(func=cmd_check_config)
 
-    e = sub.add_parser("export", allow_abbrev=False, help="consolidated fp32 safetensors from a checkpoint")
+    e = sub.add_parser("export", allow_abbrev=False, help="consolidated weights from a checkpoint of any ZeRO stage")
     e.add_argument("checkpoint", help="output folder, checkpoints folder or one step_* folder")
-    e.add_argument("out", help="a .safetensors file or a folder")
+    e.add_argument("out", help="a .safetensors file or a folder (a policy run's: a Hugging Face checkpoint folder, "
+                               "which --model.args.path loads)")
     e.set_defaults(func=cmd_export)
 
     b = sub.add_parser("bench", allow_abbrev=False, help="throughput benchmark (see benchmarks/throughput.py)")
@@ -524,6 +533,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             return _rank_failed()
         raise
+    except ModuleNotFoundError as err:  # a clone run without `pip install -e .` (or another Python than its)
+        from dstrain.cli_checks import missing_requirement_line
+        if (line := missing_requirement_line(err)) is None:
+            raise
+        if args.command != "train" or _reports_failure():
+            print(f"dstrain: error: {line}", file=sys.stderr)
+        return EXIT_CONFIG
     except Exception:
         if args.command == "train":
             return _rank_failed()

@@ -176,6 +176,35 @@ def check_before_launch(cfg, args, accelerator: str) -> str | None:
     return None
 
 
+def nested_launch_problem(environ=os.environ) -> str | None:
+    """``deepspeed --module dstrain.cli launch RECIPE`` (or torchrun ... launch): every rank of that job would start
+    a job of its own, all on one run folder (one ran, the others were refused by its lock, and the outer launcher
+    then stopped the one that ran). The variables only a launcher's children have name it: deepspeed's launch.py
+    sets LOCAL_SIZE beside LOCAL_RANK, torchrun's agent TORCHELASTIC_RUN_ID."""
+    if "LOCAL_RANK" not in environ:
+        return None
+    outer = ("torchrun" if "TORCHELASTIC_RUN_ID" in environ else "deepspeed" if "LOCAL_SIZE" in environ else None)
+    if outer is None:
+        return None
+    return (f"dstrain launch is running inside rank {environ.get('RANK', environ['LOCAL_RANK'])} of a job that "
+            f"{outer} started: it starts the ranks itself; run `dstrain launch ... RECIPE` from a shell, or give "
+            f"{outer} `--module dstrain.cli train RECIPE` (what `dstrain launch --dry-run` prints)")
+
+
+REQUIRED = ("torch", "deepspeed", "fairscale", "transformers", "accelerate", "datasets", "tensorboard", "tqdm",
+            "safetensors", "psutil", "numpy")  # setup.py's install_requires, as imported
+
+
+def missing_requirement_line(err: ModuleNotFoundError) -> str | None:
+    """The one line for one of setup.py's requirements that this Python cannot import; None for anything else."""
+    name = (err.name or "").split(".")[0]
+    if name not in REQUIRED:
+        return None
+    return (f"the {name} package is not installed for {sys.executable}: install dstrain and its requirements "
+            "with `pip install -e .` from the repository's root (README: Three commands), in this Python's "
+            "environment")
+
+
 def resume_layout_problem(cfg, world: int | None) -> str | None:
     """HRM's ``--resume`` on another global batch or number of ranks (``world``: the launch's, when known): the
     checkpoint's ACT carry cannot be taken over; said before any rank starts, as rank 0 would say it. Else None."""

@@ -34,6 +34,13 @@ def cmd_hostfile(args, overrides) -> int:
     return 0
 
 
+def _fewest_ranks(cfg) -> int:
+    """The default world size of ``plan`` and ``check-config``: the fewest ranks the run config's layout takes
+    (tp x sp x pp; pp 2: 2 ranks, not 1; ``pp: auto`` counts as 1)."""
+    par = cfg.parallel
+    return par.tp * par.sp * (par.pp if isinstance(par.pp, int) else 1)
+
+
 def cmd_plan(args, overrides) -> int:
     from models.registry import planning_without_weights
     with planning_without_weights() as weightless:  # a checkpoint folder may hold only its config.json here
@@ -50,7 +57,10 @@ def _plan(args, overrides, weightless: list[str]) -> int:
     if args.device_memory:
         cfg.deepspeed.device_memory = args.device_memory
     from dstrain.engine.factory import plan_engine
-    world = 1 if args.world_size is None else args.world_size  # 0 is refused below, as -1 is
+    world = _fewest_ranks(cfg) if args.world_size is None else args.world_size  # 0 is refused below, as -1 is
+    if args.world_size is None and world > 1:  # (1 rank was planned, and refused, for an sp 2 recipe)
+        print(f"dstrain: note: planning for {world} ranks, the fewest the recipe's parallel layout takes "
+              "(--world-size N plans for more)", file=sys.stderr)
     for line in _adopted_lines(_adopt(cfg, world)):
         print(line, file=sys.stderr)
     from dstrain.engine.ds_check import this_device
@@ -95,9 +105,7 @@ def cmd_check_config(args, overrides) -> int:
         if cfg.deepspeed.profile != "auto":  # the DeepSpeed JSON it names, against it, as a launch checks it
             from dstrain.engine.ds_check import this_device
             from dstrain.engine.ds_preflight import adopt_file_values, check_run
-            par = cfg.parallel  # default: the fewest ranks the layout takes (pp 2: 2 ranks, not 1)
-            world = par.tp * par.sp * (par.pp if isinstance(par.pp, int) else 1) if args.world_size is None \
-                else args.world_size
+            world = _fewest_ranks(cfg) if args.world_size is None else args.world_size
             adopt_file_values(cfg, world)
             for note in check_run(cfg, world, args.device or this_device()):
                 print(f"dstrain: note: {note}", file=sys.stderr)

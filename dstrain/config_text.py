@@ -58,11 +58,33 @@ def missing_file_problem(path) -> str:
             names = []
         close = difflib.get_close_matches(part, names, n=1, cutoff=0.6) if names else []
         if not close:
-            return "cannot read: No such file or directory"
+            guess = None
+            break
         guess = guess / close[0]
-    if not guess.is_file():
-        return "cannot read: No such file or directory"
-    return f"cannot read: No such file or directory (did you mean {guess}?)"
+    if guess is not None and guess.is_file():
+        return f"cannot read: No such file or directory (did you mean {guess}?)"
+    shipped = shipped_recipes_named(path.name)  # `dstrain launch tiny.json`: the recipe's name without its folder
+    if shipped:
+        return f"cannot read: No such file or directory (did you mean {' or '.join(shipped)}?)"
+    return "cannot read: No such file or directory"
+
+
+def shipped_recipes_named(name: str) -> list[str]:
+    """The shipped recipes (``models/*/recipes/*.json`` beside the ``dstrain`` package) whose file name is ``name``
+    (``.json`` may be left off) or, failing that, close to it; as paths from here where they lie below it."""
+    import difflib
+    import os
+    from pathlib import Path
+    if not name:
+        return []
+    recipes = sorted(Path(__file__).resolve().parents[1].glob("models/*/recipes/*.json"))
+    stem = name.removesuffix(".json")
+    found = [r for r in recipes if r.stem == stem]
+    if not found:
+        close = set(difflib.get_close_matches(stem, [r.stem for r in recipes], n=2, cutoff=0.75))
+        found = [r for r in recipes if r.stem in close]
+    here = Path.cwd().resolve()
+    return [os.path.relpath(r, here) if r.is_relative_to(here) else str(r) for r in found[:3]]
 
 
 def decode_recipe(raw: bytes, source: str) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import random
 import re
 from dataclasses import dataclass
@@ -90,6 +91,11 @@ def _fields(row: Mapping[str, Any], what: str, *names: str) -> None:
 def missing_task_file(source: str, key: str = "path") -> str:
     """The one line for a task file that is not there: where relative paths start, and how to name it."""
     where = "" if Path(source).expanduser().is_absolute() else f" (relative paths are read from {Path.cwd()})"
+    data_dir = os.environ.get("DSTRAIN_DATA_DIR")  # the tests' data folder, which recipes do not read: the flag
+    there = Path(data_dir).expanduser() / Path(source).name if data_dir else None
+    if there is not None and there.is_file():
+        return (f"task file not found: {source}{where}; name the file with --task.{key}={there} "
+                "(recipes do not read DSTRAIN_DATA_DIR)")
     return f"task file not found: {source}{where}; name the file with --task.{key}=FILE"
 
 

@@ -362,7 +362,16 @@ def test_gpu_ranks_asked_for_where_no_gpu_is_seen_are_refused(tmp_path, capsys, 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     if not how:
         monkeypatch.setenv("DS_ACCELERATOR", "cuda")
-    line = _launch_refusal(capsys, *how, GPT, f"--output.dir={tmp_path / 'run'}")
+    import subprocess
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("refused before any rank starts")
+    monkeypatch.setattr(subprocess, "Popen", no_launch)  # (not --dry-run: there it is a note, for a login node)
+    code = cli.main(["launch", "--nproc", "1", "--no-ssh-check", *how, GPT, f"--output.dir={tmp_path / 'run'}"])
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.startswith("dstrain: error:")]
+    assert code == cli.EXIT_CONFIG and out == "" and len(lines) == 1, (code, out, err)
+    line = lines[0]
     assert "torch sees no GPU here (CUDA_VISIBLE_DEVICES='')" in line and "--accelerator cpu" in line
     from dstrain import launch_check
     assert launch_check.no_gpu_problem("cuda", False, gpu_count=lambda: 1) is None

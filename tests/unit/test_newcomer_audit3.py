@@ -60,7 +60,8 @@ def test_missing_hrm_puzzle_file_is_named_before_any_rank_starts(capsys):
     assert "--task.train_file=FILE" in err and err.count("\n") == 1
 
 
-def test_check_config_notes_a_missing_task_file_and_still_validates(capsys):
+def test_check_config_notes_a_missing_task_file_and_still_validates(capsys, monkeypatch):
+    monkeypatch.delenv("DSTRAIN_DATA_DIR", raising=False)  # (where it holds mbpp.jsonl, the line names that file)
     from dstrain.cli import main
     recipe = str(ROOT / "models" / "policy" / "recipes" / "grpo_mbpp_cpu.json")
     assert main(["check-config", recipe, "--task.path=nope/mbpp.jsonl"]) == 0
@@ -70,7 +71,8 @@ def test_check_config_notes_a_missing_task_file_and_still_validates(capsys):
     assert "--task.path=FILE" in err
 
 
-def test_missing_task_file_message_says_where_and_how():
+def test_missing_task_file_message_says_where_and_how(monkeypatch):
+    monkeypatch.delenv("DSTRAIN_DATA_DIR", raising=False)  # (where it holds mbpp.jsonl, the line names that file)
     from dstrain.data.tasks import missing_task_file
     assert missing_task_file("/abs/mbpp.jsonl") == "task file not found: /abs/mbpp.jsonl; name the file with --task.path=FILE"
     assert f"relative paths are read from {Path.cwd()}" in missing_task_file("../x.jsonl", "eval_path")
