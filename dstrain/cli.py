@@ -265,6 +265,8 @@ def cmd_launch(args, overrides) -> int:
         needed = launcher.rank_env(env) | launcher.env_delta(env)
         lines = launcher.deepspeed_env_file(needed, env.get("DS_ACCELERATOR", "cuda"))
         old = path.read_text() if path.is_file() else None
+        if old is not None and old.startswith(marker):  # a variable the user added there stays
+            lines += "".join(line + "\n" for line in launcher.user_env_lines(old, lines))
         shown = " ".join(lines.splitlines()) or "(nothing)"
         if old is not None and not old.startswith(marker):
             if not set(lines.splitlines()) <= set(old.splitlines()):
@@ -326,6 +328,8 @@ def cmd_launch(args, overrides) -> int:
             errors.append(rank_exit.error_of(failures))  # (the first failing rank's: compared across restarts)
             shutil.rmtree(failures, ignore_errors=True)
         if got:
+            if hosts.remote and args.launcher != "torchrun":  # the other hosts' ranks may still be saving
+                print(launch_check.remote_stop_line(Path(cfg.output.dir), got[0]), file=sys.stderr, flush=True)
             return 128 + got[0]
         if stopped and code:  # (torchrun reports a rank's 128 + N as 1)
             return stopped
@@ -335,7 +339,10 @@ def cmd_launch(args, overrides) -> int:
             print(f"dstrain: {launch_check.ssh_ended_line(hosts.hosts)}", file=sys.stderr, flush=True)
             return code  # a failure, restarted (not 128 + SIGHUP, a stop)
         if 128 + 64 < code < 256:  # DeepSpeed's launcher exits with -N when a rank died of signal N
-            print(f"dstrain: a rank was killed by signal {256 - code} ({signal.Signals(256 - code).name}"
+            where = ("" if not hosts.remote or args.launcher == "torchrun" else  # pdsh -S: the largest host status
+                     f" on one of {', '.join(h for h, _ in hosts.hosts)} (the 'pdsh@... HOST: ssh exited with exit code "
+                     f"{code}' line above names it)")
+            print(f"dstrain: a rank{where} was killed by signal {256 - code} ({signal.Signals(256 - code).name}"
                   f"{': out of memory, or killed by hand' if code == 256 - 9 else ''})", file=sys.stderr, flush=True)
             return 128 + 256 - code
         return 128 - code if code < 0 else code

@@ -327,3 +327,41 @@ def gone_hosts_problem(hosts: Sequence[tuple[str, int]], path: str, probe: hf.Pr
                                            for h, why in gone)
             + f"; take it out of {path} (keeping the global batch: train.grad_accum or train.micro_batch) and "
             "launch again with --resume")
+
+
+def wait_for_remote_save(out, limit_s: float, probe: Callable | None = None, sleep: Callable | None = None,
+                         clock: Callable | None = None) -> str | None:
+    """After a stop (Ctrl-C, SIGTERM) passed on to ranks on other hosts: wait until rank 0 lets go of the run
+    folder's lock (``dstrain.run_lock``: it saved the stop's checkpoint and left), at most ``limit_s``. DeepSpeed's
+    pdsh runner leaves about a second after the stop (it ends pdsh, whose ssh sessions carried the ranks' output,
+    their stop line included) while those ranks still save: ``dstrain launch`` returned 130 before the checkpoint
+    was complete, and a ``--resume`` (or a batch job ending with it) came too early. Returns the lock's holder
+    line where it was still held after ``limit_s``, else None."""
+    import time
+    from dstrain import run_lock
+    probe, sleep, clock = probe or run_lock.probe, sleep or time.sleep, clock or time.monotonic
+    end = clock() + limit_s
+    while (held := probe(out)) is not None:
+        if clock() >= end:
+            return held
+        sleep(0.5)
+    return None
+
+
+def remote_stop_line(out, signum: int) -> str:
+    """A multi-host job stopped by a signal: wait for its ranks on other hosts to save and leave (their own stop
+    line never comes back: pdsh is gone, :func:`wait_for_remote_save`), then the one line saying where it stands."""
+    import signal
+    from pathlib import Path
+
+    from dstrain import checkpoint as ckpt
+    from dstrain.job_guard import GRACE_S
+    out = Path(out)
+    held = wait_for_remote_save(out, GRACE_S)
+    latest = ckpt.find_latest(out / "checkpoints") or "none yet"
+    name = signal.Signals(signum).name
+    if held:
+        return (f"dstrain: stopped by {name}, but after {GRACE_S:.0f}s {held.split('; wait')[0]}: its stop's "
+                f"checkpoint may be incomplete; --resume takes the latest complete one ({latest})")
+    return (f"dstrain: stopped by {name}; the ranks on every host have left; latest complete checkpoint: {latest} "
+            f"in {out / 'checkpoints'} (--resume continues from it)")

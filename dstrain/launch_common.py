@@ -26,8 +26,10 @@ class LaunchSpec:
     """What to launch and where.
 
     ``nproc`` is processes per node. With a hostfile, the default ``nproc=1``
-    means "one process per slot"; ``nproc > 1`` uses slots ``[0, nproc)`` on each
-    host and must not exceed any host's slots. ``include``/``exclude`` use
+    means "one process per slot"; ``nproc > 1``, or any ``nproc`` with
+    ``nproc_given`` (``--nproc 1`` / ``--num_gpus 1`` written out, as DeepSpeed's
+    ``--num_gpus``), uses slots ``[0, nproc)`` on each host and must not exceed any
+    host's slots. ``include``/``exclude`` use
     DeepSpeed's syntax (``host[:slot,slot][@host...]``) and replace ``nproc`` and
     ``num_nodes`` (DeepSpeed rejects the combination). ``master_addr`` is only
     used for multi-node runs: DeepSpeed's local launch always uses 127.0.0.1.
@@ -38,6 +40,7 @@ class LaunchSpec:
     recipe: str
     overrides: tuple[str, ...] = ()
     nproc: int = 1
+    nproc_given: bool = False
     hostfile: str | None = None
     num_nodes: int | None = None
     master_addr: str | None = None
@@ -50,6 +53,12 @@ class LaunchSpec:
     def __post_init__(self) -> None:
         if isinstance(self.overrides, list):
             object.__setattr__(self, "overrides", tuple(self.overrides))
+
+    def per_host(self) -> int | None:
+        """Ranks on each host of a hostfile as asked (``nproc``), or None for every slot of each host."""
+        if self.include or self.exclude or not (self.nproc > 1 or self.nproc_given):
+            return None
+        return self.nproc
 
     def validate(self) -> None:
         """Raise ValueError listing every problem with this spec."""

@@ -69,7 +69,7 @@ def launch_world_size(spec: LaunchSpec, torchrun: bool = False,
         return spec.nproc * nodes, spec.nproc
     hosts = _hostfile_hosts(spec)
     local_names = _local_names(spec, local_hosts)
-    per = [spec.nproc if spec.nproc > 1 else slots for _, slots in hosts]
+    per = [spec.per_host() or slots for _, slots in hosts]
     if len(hosts) == 1 and hosts[0][0] in local_names:
         return per[0], per[0]
     return sum(per), max(per)
@@ -134,6 +134,16 @@ def deepspeed_env_file(env: Mapping[str, str], accelerator: str = "cpu") -> str:
     lines = [f"{k}={v}" for k, v in env.items()
              if not k.startswith(prefixes) and not k.startswith("PDSH_") and "\n" not in v]  # (pdsh: this machine's)
     return "".join(line + "\n" for line in lines)
+
+
+def user_env_lines(old: str, lines: str) -> list[str]:
+    """The lines a user added to a ``.deepspeed_env`` that dstrain wrote before (``MY_FLAG=1``, ``NCCL_IB_HCA=...``),
+    kept when dstrain rewrites the file with ``lines``: DeepSpeed documents the file as the place for such variables,
+    and every launch dropped them. A line is dstrain's own when its name is one :func:`rank_env` forwards (those
+    come from the launching shell each time: a stale one goes) or the marker; a name ``lines`` sets wins."""
+    ours = {line.split("=", 1)[0] for line in lines.splitlines()} | {"DSTRAIN_WROTE_DEEPSPEED_ENV"}
+    return [line for line in old.splitlines() if "=" in line and (key := line.split("=", 1)[0]).strip() == key
+            and key and key not in ours and not rank_env({key: ""})]
 
 
 def deepspeed_forwarded(env: Mapping[str, str], accelerator: str = "cpu") -> list[str]:
@@ -222,8 +232,8 @@ def build_deepspeed_command(
         argv += ["--hostfile", spec.hostfile]
         if spec.num_nodes is not None:
             argv += ["--num_nodes", str(spec.num_nodes)]
-        if spec.nproc > 1:
-            argv += ["--num_gpus", str(spec.nproc)]
+        if spec.per_host():  # --nproc 1 written out: one rank per host, whatever its slots (DeepSpeed's --num_gpus)
+            argv += ["--num_gpus", str(spec.per_host())]
         argv.append("--force_multi")  # else DeepSpeed runs a single remaining host on this machine
         env["PDSH_SSH_ARGS_APPEND"] = ssh_keepalive(env.get("PDSH_SSH_ARGS_APPEND", ""))
     elif not (include or exclude):
@@ -267,8 +277,8 @@ def _deepspeed_placement(spec: LaunchSpec, local_names: Collection[str]):
         host, slots = hosts[0]
         include = include and _rename_filter_host(include, host, "localhost")
         exclude = exclude and _rename_filter_host(exclude, host, "localhost")
-        return False, spec.nproc if spec.nproc > 1 else slots, slots, include, exclude
-    return True, spec.nproc if spec.nproc > 1 else max(s for _, s in hosts), spec.nproc, include, exclude
+        return False, spec.per_host() or slots, slots, include, exclude
+    return True, spec.per_host() or max(s for _, s in hosts), spec.nproc, include, exclude
 
 
 def _count_filtered_slots(include: str | None, exclude: str | None, pool: int) -> int:
@@ -353,10 +363,10 @@ def build_torchrun_command(
     if spec.hostfile is not None:
         hosts = _hostfile_hosts(spec)
         slot_counts = {s for _, s in hosts}
-        if spec.nproc == 1 and len(slot_counts) > 1:
+        if not spec.per_host() and len(slot_counts) > 1:
             raise ValueError(f"torchrun needs the same slots on every host; {spec.hostfile!r} has {sorted(slot_counts)}")
         nnodes = len(hosts)
-        procs = spec.nproc if spec.nproc > 1 else hosts[0][1]
+        procs = spec.per_host() or hosts[0][1]
         first = hosts[0][0]
         master = master or ("127.0.0.1" if nnodes == 1 and first in local_names else first)
 
@@ -381,7 +391,8 @@ def build_torchrun_command(
 
 def add_launch_options(parser: argparse.ArgumentParser) -> None:
     """Add the LaunchSpec options (no positionals) to ``parser``."""
-    parser.add_argument("--nproc", type=int, default=1, help="processes per node (with a hostfile, 1 = all slots)")
+    parser.add_argument("--nproc", "--num_gpus", "--num-gpus", dest="nproc", type=int, default=None,
+                        help="processes per node (default 1; with a hostfile, every slot of each host)")
     parser.add_argument("--hostfile", default=None, help="DeepSpeed hostfile: 'hostname slots=N' per line")
     parser.add_argument("--num-nodes", type=int, default=None, help="use the first N hosts")
     parser.add_argument("--master-addr", default=None, help="address of the first node (multi-node)")
@@ -412,7 +423,7 @@ def spec_from_args(args: argparse.Namespace, overrides: Sequence[str] | None = N
     of :func:`add_launch_options` plus ``args.recipe``; ``overrides`` replaces ``args.overrides``)."""
     return LaunchSpec(
         recipe=args.recipe, overrides=tuple(args.overrides if overrides is None else overrides),
-        nproc=args.nproc, hostfile=args.hostfile,
+        nproc=1 if args.nproc is None else args.nproc, nproc_given=args.nproc is not None, hostfile=args.hostfile,
         num_nodes=args.num_nodes, master_addr=args.master_addr, master_port=args.master_port,
         include=args.include, exclude=args.exclude, accelerator=args.accelerator,
         local_addr=getattr(args, "local_addr", None),

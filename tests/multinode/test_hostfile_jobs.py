@@ -71,3 +71,50 @@ def test_unreachable_host_is_refused_before_anything_starts(hosts, tmp_path):
                                   "passwordless ssh (")
     assert len(proc.stderr.splitlines()) == 1 and not (tmp_path / "run").exists()
     assert not (tmp_path / "deepspeed_env").exists()
+
+
+@pytest.mark.slow
+def test_ctrl_c_returns_once_the_other_hosts_ranks_saved(hosts, tmp_path):
+    """Ctrl-C to ``dstrain launch`` of a 2-host job: DeepSpeed's runner leaves about a second later, while the
+    ranks (every one on a pretend host, behind pdsh) still save; dstrain returns 130 only after rank 0 let go of
+    the run folder, names the stop's checkpoint (complete by then), and leaves no rank behind on either host."""
+    import signal
+    import time
+
+    from dstrain import checkpoint as ckpt
+    from dstrain.job_guard import is_rank_argv
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "dstrain.cli", "launch", "--hostfile", str(hosts.hostfile(1, tmp_path / "hostfile")),
+           "--master-port", str(find_free_port()), str(harness.RECIPE),
+           *harness.overrides(out, 500, "--checkpoint.every=1000")]
+    job = harness.Background(cmd, job_env(hosts, tmp_path))
+    try:
+        deadline = time.monotonic() + 240
+        while len(trained_steps(out)) < 2:  # training, not starting: the stop's checkpoint is one of a run
+            assert job.popen.poll() is None and time.monotonic() < deadline, job.result(check=False)
+            time.sleep(0.5)
+        job.popen.send_signal(signal.SIGINT)
+        proc = job.result(timeout=180, check=False)
+    finally:
+        job.stop()
+    latest = ckpt.find_latest(out / "checkpoints")  # read as the launch returned: complete already
+    assert proc.returncode == 130 and latest is not None, proc.stderr[-4000:]
+    assert proc.stderr.splitlines()[-1] == (f"dstrain: stopped by SIGINT; the ranks on every host have left; latest "
+                                            f"complete checkpoint: {latest} in {out / 'checkpoints'} (--resume "
+                                            "continues from it)")
+    left = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            argv = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if is_rank_argv(argv) and f"--output.dir={out}" in argv:
+            left.append(pid)
+    assert not left, left  # no rank on either pretend host outlived the launch
+
+
+def trained_steps(out):
+    try:
+        return harness.metrics(out)
+    except (OSError, ValueError):  # not written yet, or a line half written
+        return {}
