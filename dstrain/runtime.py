@@ -80,6 +80,15 @@ def init_distributed(timeout_s: float | None = None) -> World:
 
     global _TIMEOUT
     cuda = ranks_use_cuda()
+    given = os.environ.get("LOCAL_RANK", "0").strip()
+    local_rank = int(given) if given.isdigit() else 0  # (not a number: check_rank_env says so below)
+    if cuda:  # before the group starts: NCCL (and DeepSpeed's device_id) take this rank's device
+        from deepspeed.accelerator import get_accelerator
+
+        from dstrain.gpu_binding import bind_accelerator, device_index
+        index = device_index(local_rank, torch.cuda.device_count())
+        torch.cuda.set_device(index)
+        bind_accelerator(get_accelerator(), local_rank, index)
     if not dist.is_initialized():
         kwargs = {}
         if timeout_s is not None:
@@ -95,15 +104,14 @@ def init_distributed(timeout_s: float | None = None) -> World:
                                             world_size=int(os.environ["WORLD_SIZE"]), **kwargs)
                 deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", auto_mpi_discovery=False,
                                            **kwargs)
-        except RuntimeError as err:  # (torch's DistNetworkError)
-            raise port_in_use_error(err) or err
+        except RuntimeError as err:  # (torch's DistNetworkError; NCCL's DistBackendError)
+            from dstrain.gpu_binding import shared_gpu_error
+            raise port_in_use_error(err) or shared_gpu_error(err) or err
     rank, world = dist.get_rank(), dist.get_world_size()
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", world)))
     os.environ["LOCAL_WORLD_SIZE"] = str(local_world)
-    if cuda:
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+    if cuda:  # cuda:LOCAL_RANK, or cuda:0 for a rank that sees one GPU (its own): dstrain.gpu_binding
+        device = torch.device("cuda", index)
     else:
         device = torch.device("cpu")
         threads = int(os.environ.get("OMP_NUM_THREADS", 0)) or max(1, (os.cpu_count() or 1) // local_world)
@@ -119,7 +127,8 @@ def check_given_rank_env(environ=None, gpus: int | None = None) -> None:
     from another job) cannot describe this rank, before ``dstrain train`` reads them: a count that is not a whole
     number (``WORLD_SIZE=abc`` was a ValueError traceback), ``WORLD_SIZE=0`` or WORLD_SIZE without RANK (both
     replaced by one rank in silence), a LOCAL_RANK at or past the ranks of its node, or past the GPUs this rank sees
-    (``gpus``: on CUDA, torch's count; "invalid device ordinal" before)."""
+    (``gpus``: on CUDA, torch's count; "invalid device ordinal" before) unless it sees exactly one, its own
+    (:func:`dstrain.gpu_binding.device_index`)."""
     from dstrain.config import LaunchError
     environ = os.environ if environ is None else environ
     fix = "unset it (dstrain launch and the launchers set it) or set it to"
@@ -141,9 +150,9 @@ def check_given_rank_env(environ=None, gpus: int | None = None) -> None:
     if "LOCAL_RANK" in got and local is not None and got["LOCAL_RANK"] >= local:
         raise LaunchError(f"LOCAL_RANK={got['LOCAL_RANK']} with {local} rank(s) on this node (LOCAL_WORLD_SIZE): a "
                           f"local rank must be below it; {fix} one below {local}")
-    if "LOCAL_RANK" in got and gpus and got["LOCAL_RANK"] >= gpus:
-        raise LaunchError(f"LOCAL_RANK={got['LOCAL_RANK']} but this rank sees {gpus} GPU(s) (CUDA_VISIBLE_DEVICES "
-                          f"included): its device would be cuda:{got['LOCAL_RANK']}; {fix} one below {gpus}")
+    if "LOCAL_RANK" in got and gpus:  # (one GPU seen: the rank's own, whatever its LOCAL_RANK)
+        from dstrain.gpu_binding import device_index
+        device_index(got["LOCAL_RANK"], gpus, environ)
 
 
 def check_rank_env(environ=None, resolve_wait_s: float = 60.0) -> None:

@@ -113,9 +113,11 @@ class VLLMToolkit:
         tokenizer_args = {"tokenizer": source} if self.own_tokenizer else {"skip_tokenizer_init": True}
         dtype = str(next(tr.policy.parameters()).dtype).replace("torch.", "")
         launcher = {"distributed_executor_backend": "external_launcher"} if tr.world.world_size > 1 else {}
-        self.llm = vllm.LLM(model=str(folder), dtype=dtype, seed=tr.cfg.train.seed + tr.world.rank,
-                            gpu_memory_utilization=rollout_cfg.vllm_gpu_memory_utilization, enforce_eager=True,
-                            tensor_parallel_size=1, **tokenizer_args, **launcher)
+        from dstrain.gpu_binding import local_rank_as_device
+        with local_rank_as_device(tr.world):  # (its external launcher runs on cuda:LOCAL_RANK)
+            self.llm = vllm.LLM(model=str(folder), dtype=dtype, seed=tr.cfg.train.seed + tr.world.rank,
+                                gpu_memory_utilization=rollout_cfg.vllm_gpu_memory_utilization, enforce_eager=True,
+                                tensor_parallel_size=1, **tokenizer_args, **launcher)
         from dstrain.rl.rollout import policy_version
         self.version = policy_version(self.tr.engine)
         self.last_sync: dict = {}

@@ -42,7 +42,8 @@ def present_roles(task) -> set[str]:
 # ---------------------------------------------------------------- placement
 
 def _gpus_per_rank(cuda_count: int, local_ranks: int) -> int:
-    """GPUs one rank may place models on: all of them with one rank per node, else its own."""
+    """GPUs one rank may place models on: all of them with one rank per node, else its own (``cuda_count`` is what
+    this rank sees: 1 where CUDA_VISIBLE_DEVICES gives each rank its own GPU, ``dstrain.gpu_binding``)."""
     return cuda_count if local_ranks <= 1 else min(1, cuda_count)
 
 
@@ -56,6 +57,8 @@ def resolve_placement(cfg: RunConfig, task, cuda_count: int, local_ranks: int) -
         dev = p.role(role).device
         if dev.startswith("cuda:") and int(dev[5:]) >= per_rank:
             have = ("this machine has no GPU" if cuda_count == 0 else
+                    "each rank sees one GPU here, its own (CUDA_VISIBLE_DEVICES set per rank): cuda:0"
+                    if cuda_count < local_ranks else
                     f"each rank owns {per_rank} GPU(s) here (cuda:0 to cuda:{per_rank - 1}; "
                     f"{local_ranks} rank(s) per node on {cuda_count} GPU(s))")
             raise ConfigError("run config", f"placement.{role}.device", f"{dev} but {have}")

@@ -338,8 +338,9 @@ def test_launcher_variables_set_by_hand_are_checked(env, words):
     with pytest.raises(LaunchError) as info:
         check_given_rank_env(env)
     assert words in str(info.value)
-    with pytest.raises(LaunchError, match="LOCAL_RANK=1 but this rank sees 1 GPU"):
-        check_given_rank_env({"LOCAL_RANK": "1"}, gpus=1)
+    with pytest.raises(LaunchError, match="LOCAL_RANK=3 but this rank sees 2 GPU"):
+        check_given_rank_env({"LOCAL_RANK": "3"}, gpus=2)
+    check_given_rank_env({"LOCAL_RANK": "1"}, gpus=1)  # one GPU seen: its own (tests/unit/test_gpu_binding.py)
     check_given_rank_env({})  # nothing set: one rank, as before
     check_given_rank_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, gpus=2)
 
