@@ -86,7 +86,15 @@ def _plan(args, overrides, weightless: list[str]) -> int:
         if problem:
             print(f"dstrain: error: {problem}", file=sys.stderr)
             return EXIT_CONFIG
+    if note := _data_note(cfg):  # policy RL: prompts against task.max_prompt_tokens (tasks read where cheap)
+        print(f"dstrain: note: {note}", file=sys.stderr)
     return 0
+
+
+def _data_note(cfg) -> str | None:
+    """A policy-RL run's line on its prompts against ``task.max_prompt_tokens`` (tasks read where cheap)."""
+    from dstrain.trainers.prompt_limit import POLICY_TRAINERS, prompt_note
+    return prompt_note(cfg) if cfg.trainer in POLICY_TRAINERS else None
 
 
 def cmd_check_config(args, overrides) -> int:
@@ -111,6 +119,8 @@ def cmd_check_config(args, overrides) -> int:
                 print(f"dstrain: note: {note}", file=sys.stderr)
         if (missing := _task_file_problem(cfg)) is not None:  # valid, but better heard now than at launch
             print(f"dstrain: note: {missing}", file=sys.stderr)
+        elif note := _data_note(cfg):
+            print(f"dstrain: note: {note}", file=sys.stderr)
         print(f"{args.file}: valid run config"
               + (f" with {cfg.deepspeed.profile} on {world} rank(s)"
                  if cfg.deepspeed.profile != "auto" else ""))

@@ -29,6 +29,19 @@ def trainer_train(cfg: RunConfig, world_size: int):
     return cfg.train
 
 
+def planned_seq_len(cfg: RunConfig) -> tuple[int, str]:
+    """(tokens per sequence the memory plan traces, the plan's line on it or ""): ``data.seq_len``, or for a
+    policy-RL run with ``task.max_prompt_tokens`` set, the longest sequence that limit lets through
+    (``dstrain.trainers.prompt_limit.planned_seq_len``)."""
+    from dstrain.trainers.prompt_limit import planned_seq_len as policy_len
+    seq = policy_len(cfg)
+    if seq is None:
+        return cfg.data.seq_len, ""
+    extra = " + the turn-2 episode's answer, hint and words" if cfg.trainer == "score" else ""
+    return seq, (f"sequence length planned: {seq} tokens (task.max_prompt_tokens {cfg.task['max_prompt_tokens']} "
+                 f"+ task.max_new_tokens{extra}; data.seq_len {cfg.data.seq_len} is not used)")
+
+
 def hrm_file_problems(cfg: RunConfig, template: dict, dp: int, source: str) -> None:
     """Refuse (ConfigError naming the file's key) a file that asks the HRM trainer to accumulate gradients,
     or ZeRO-3 beside task.ema (the trainer refused that only inside the ranks, after the launch's checks)."""

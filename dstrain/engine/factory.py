@@ -100,7 +100,7 @@ def run_values(cfg: RunConfig, world_size: int, precision: str, hidden_size: int
 def plan_engine(cfg: RunConfig, world_size: int, hw=None, hw_notes: str = "",
                 ranks_per_node: int | None = None, device_type: str | None = None) -> EnginePlan:
     """Choose profile, precision and activation checkpointing and fill the DeepSpeed JSON."""
-    from dstrain.engine.ds_trainers import scale_schedule_horizon, trainer_train, updates_per_step
+    from dstrain.engine.ds_trainers import planned_seq_len, scale_schedule_horizon, trainer_train, updates_per_step
     from dstrain.parallel.dims import ParallelDims
     if (train := trainer_train(cfg, world_size)) is not cfg.train:  # HRM: task.global_batch / ranks per rank
         cfg = dataclasses.replace(cfg, train=train)
@@ -115,7 +115,8 @@ def plan_engine(cfg: RunConfig, world_size: int, hw=None, hw_notes: str = "",
                                                 device_type=device_type)
     # Sequence parallelism: one rank holds seq_len / sp tokens. ZeRO partitions over the
     # ranks that hold the same tensor shard (dp x sp); the batch identity counts dp only.
-    seq = cfg.data.seq_len // dims.sp
+    seq_len, seq_note = planned_seq_len(cfg)  # policy RL: task.max_prompt_tokens + max_new_tokens where set
+    seq = seq_len // dims.sp
     acts = hardware.trace_activations(
         build, lambda: spec.inputs_for_trace(mcfg, 1, seq), lambda m, flag: spec.parallelize(m, activation_checkpointing=flag),
         (lambda: spec.inputs_for_trace(mcfg, 2, seq)) if hw.device_type == "cuda" else None)
@@ -171,7 +172,7 @@ def plan_engine(cfg: RunConfig, world_size: int, hw=None, hw_notes: str = "",
     if pipe is not None:
         layout = (f"parallel layout: pp {dims.pp} x dp {dims.dp} = {world_size} ranks; the table's model states "
                   f"and activations are the fullest stage's")
-    explanation = "\n".join(x for x in (hw_notes, auto_note, layout, table, stage_text, why,
+    explanation = "\n".join(x for x in (hw_notes, auto_note, layout, seq_note, table, stage_text, why,
                                         f"precision {precision}, activation checkpointing "
                                         f"{'on' if ckpt else 'off'}, torch.compile {'on' if compile_ else 'off'}"
                                         f" (train.compile={cfg.train.compile}{compile_why}"

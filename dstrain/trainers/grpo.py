@@ -45,6 +45,7 @@ from dstrain.trainers.common import (CheckpointSaver, RunGuards, StopFlag, decid
 from dstrain.trainers.grpo_config import PolicyTaskConfig
 from dstrain.trainers.grpo_sampling import (StepBatch, load_reserve, save_reserve, step_batch, sum_over_ranks,
                                             with_stored)
+from dstrain.trainers.prompt_limit import drop_long_prompts
 from dstrain.trainers.rl_loop import RLLoop, batch_layout, sandbox_pool, window_state
 
 
@@ -73,6 +74,8 @@ class GRPOTrainer(RLLoop):
         resume_tag = decide_resume(cfg, self.world, self.out, self.ckpt_root)
         self.spec, _, self.rl = prl.policy_toolkit(cfg)
         self.train_tasks, self.eval_tasks = prl.load_task_sets(self.task, cfg.data.seed)
+        self.train_tasks, self.eval_tasks = drop_long_prompts(cfg, self.task, self.train_tasks, self.eval_tasks,
+                                                              log=self._print)
         if not self.train_tasks:
             raise ConfigError("run config", "task", "the task source gave no training tasks")
         source_cfg = cfg  # the user's checkpoint, before a warm start replaces model.args.path

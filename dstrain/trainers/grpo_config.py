@@ -40,6 +40,12 @@ class PolicyTaskConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 32
+    max_prompt_tokens: int = 0
+    """Tasks whose prompt, as the policy is given it (its tokenizer's BOS, the chat template, SCoRe's turn-1
+    sections), is longer than this many tokens are dropped when the tasks load (one note: how many, the longest);
+    with none left the run is refused. Set, it is also the prompt length ``dstrain plan`` plans for (plus
+    ``max_new_tokens``) instead of ``data.seq_len``. 0: 8192 (``prompt_limit.DEFAULT_MAX_PROMPT_TOKENS``, far
+    above any MBPP or GSM8K prompt), with ``data.seq_len`` planned as before."""
     epsilon: float = 0.2
     """Lower clip range of the importance ratio: ratio >= 1 - epsilon."""
     epsilon_high: float = 0.0
@@ -143,9 +149,10 @@ class PolicyTaskConfig:
                      "sandbox_memory_mb", "n_eval", "warm_start_batch", "dynamic_sampling_max_rounds"):
             if getattr(self, name) < 1:
                 raise ValueError(f"task.{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("n_train", "mbpp_max_reference_chars", "beta", "epsilon_high", "eval_k", "warm_start_steps",
-                     "warm_start_lr", "time_limit_s", "overlong_buffer", "overlong_penalty", "dynamic_sampling_oversample",
-                     "dynamic_sampling_max_oversample", "dynamic_sampling_round_cost", "dynamic_sampling_rest_steps"):
+        for name in ("n_train", "max_prompt_tokens", "mbpp_max_reference_chars", "beta", "epsilon_high", "eval_k",
+                     "warm_start_steps", "warm_start_lr", "time_limit_s", "overlong_buffer", "overlong_penalty",
+                     "dynamic_sampling_oversample", "dynamic_sampling_max_oversample", "dynamic_sampling_round_cost",
+                     "dynamic_sampling_rest_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"task.{name} must not be negative, got {getattr(self, name)}")
         if not 0 < self.epsilon < 1:

@@ -37,6 +37,7 @@ from dstrain.resilience import torch_timeout_s
 from dstrain.trainers.common import (CheckpointSaver, RunGuards, StopFlag, decide_resume, load_checkpoint, pin_plan,
                                      resume_plan_problem, warn_batch_change)
 from dstrain.trainers.run_files import write_run_records
+from dstrain.trainers.prompt_limit import drop_long_prompts
 from dstrain.trainers.rl_loop import RLLoop, batch_layout, sandbox_pool, window_state
 from dstrain.trainers.score_config import ScoreTaskConfig
 from dstrain.trainers.score_step import ScoreModels, ScoreStep
@@ -60,6 +61,8 @@ class ScoreTrainer(RLLoop):
         self.placement = sc.resolve_placement(cfg, self.task, self.cuda_count, w.local_world_size)
         cfg = self._policy_profile(cfg)
         self.train_tasks, self.eval_tasks = prl.load_task_sets(self.task, cfg.data.seed)
+        self.train_tasks, self.eval_tasks = drop_long_prompts(cfg, self.task, self.train_tasks,
+                                                              self.eval_tasks, log=self._print)
         if not self.train_tasks:
             raise ConfigError("run config", "task", "the task source gave no training tasks")
         source_cfg = cfg  # the user's checkpoint, before a warm start replaces model.args.path

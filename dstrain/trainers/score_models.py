@@ -160,7 +160,7 @@ def memory_report(p, counts, largest, precision: str, world_size: int, ranks_per
     lines = [f"placement memory (capacity = memory x deepspeed.margin {margin:g})",
              table.split("\ntotals")[0],
              f"activations: {format_bytes(acts)} on {dev} (the policy's at micro_batch x data.seq_len tokens: "
-             f"set data.seq_len to the turn-2 episode length)",
+             f"set data.seq_len to the turn-2 episode length, or task.max_prompt_tokens to plan that episode's bound)",
              "totals (cuda: per GPU; cpu: per node):"]
     need = dict(memory)
     need[dev] = need.get(dev, 0) + acts
