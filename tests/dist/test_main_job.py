@@ -112,33 +112,63 @@ def test_sigterm_to_one_rank_saves_exits_143_unrestarted_and_resume_warns_of_the
     assert max(steps) == stopped_at + 3
 
 
-@pytest.mark.parametrize("check", ["sync", "deferred"])
-def test_ctrl_c_stops_at_the_next_step_saves_and_waits_for_its_ranks(tmp_path, check):
-    """Ctrl-C (SIGINT) to ``dstrain launch`` with the next log step far away: the ranks agree on the stop
-    at the next optimizer step (the non-finite guard's per-step all-reduce carries it; under the deferred check
-    its verdict, all-reduced on the device, one step later), save, and leave; the launcher returns 130 only once
-    no process of the job is left, with no traceback."""
-    out = tmp_path / "run"
+CHECKS = ("sync", "deferred")
+
+
+def _ctrl_c_job(out, log, check) -> subprocess.Popen:
     deferred = ["--deepspeed.profile=zero0", "--train.optimizer=torch_fused", "--train.nonfinite_check=deferred"]
     args = harness.overrides(out, 5000, "--checkpoint.every=0", "--train.log_every=1000", "--output.progress=true",
                              *(deferred if check == "deferred" else []))
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    log = tmp_path / "launch.log"
     with open(log, "w") as sink:
-        proc = subprocess.Popen([sys.executable, "-m", "dstrain.cli", "launch", "--nproc", "2",
+        return subprocess.Popen([sys.executable, "-m", "dstrain.cli", "launch", "--nproc", "2",
                                  str(harness.RECIPE), *args], cwd=harness.ROOT, env=env, stdout=sink, stderr=sink)
-        deadline = time.time() + 240
-        while time.time() < deadline and "train:" not in log.read_text():
-            time.sleep(0.5)
-        time.sleep(3)  # a few steps in
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=120) == 128 + signal.SIGINT
-    text = log.read_text()
+
+
+@pytest.fixture(scope="module")
+def ctrl_c_jobs(tmp_path_factory):
+    """``check -> (run folder, log text, exit status, ranks of the run left when dstrain launch returned)``: one
+    job per non-finite check, launched side by side (independent: on 2 cores their start-ups overlap), each sent
+    SIGINT a few steps into training (3 s after its progress bar shows) and read the moment its launcher returns."""
+    jobs = {}
+    try:
+        for check in CHECKS:
+            folder = tmp_path_factory.mktemp(f"ctrl_c_{check}")
+            jobs[check] = folder / "run", folder / "launch.log", _ctrl_c_job(folder / "run", folder / "launch.log",
+                                                                              check)
+        deadline, training, sent, done = time.time() + 240, {}, set(), {}
+        while len(done) < len(jobs) and time.time() < deadline + 120:
+            for check, (out, log, proc) in jobs.items():
+                if check not in training and ("train:" in log.read_text() or time.time() > deadline):
+                    training[check] = time.time()
+                if check in training and check not in sent and time.time() > training[check] + 3:  # a few steps in
+                    proc.send_signal(signal.SIGINT)
+                    sent.add(check)
+                if check in sent and check not in done and proc.poll() is not None:
+                    ranks = subprocess.run(["pgrep", "-f", f"--output.dir={out}"], capture_output=True, text=True)
+                    done[check] = out, log.read_text(), proc.returncode, ranks.stdout
+            time.sleep(0.1)
+        assert len(done) == len(jobs), f"not stopped in time: {sorted(set(jobs) - set(done))}"
+        return done
+    finally:
+        for _, _, proc in jobs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_ctrl_c_stops_at_the_next_step_saves_and_waits_for_its_ranks(ctrl_c_jobs, check):
+    """Ctrl-C (SIGINT) to ``dstrain launch`` with the next log step far away: the ranks agree on the stop
+    at the next optimizer step (the non-finite guard's per-step all-reduce carries it; under the deferred check
+    its verdict, all-reduced on the device, one step later), save, and leave; the launcher returns 130 only once
+    no process of the job is left, with no traceback."""
+    out, text, code, ranks = ctrl_c_jobs[check]
+    assert code == 128 + signal.SIGINT, text[-3000:]
     tag = ckpt.find_latest(out / "checkpoints")
     assert tag is not None and 1 <= ckpt.step_of(tag) < 1000, text[-3000:]  # not held back to the log step
     assert json.loads((out / "summary.json").read_text())["nonfinite_check"] == check
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
     assert (f"by SIGINT to dstrain launch (exit 130, not a finished run): checkpoint {out / 'checkpoints' / tag} is "
             "saved") in text, text[-3000:]  # launch's own status, not the ranks' 143 for the SIGTERM it passed on
-    ranks = subprocess.run(["pgrep", "-f", f"--output.dir={out}"], capture_output=True, text=True).stdout
     assert ranks.strip() == "", ranks  # the launcher returned after its ranks were gone

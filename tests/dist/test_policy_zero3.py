@@ -2,6 +2,7 @@
 
 Expected values come from the same checkpoint run unsharded in this (the test) process.
 """
+import pytest
 import torch
 
 from models.policy import (EOS_ID, PolicyConfig, build_policy, byte_tokenizer, full_state_dict,
@@ -121,7 +122,9 @@ def _loaded_worker(rank, world, path, ids, logits, texts, ref_logp):
     return local, total, per_call
 
 
-def test_load_sharded_generate_once_and_reference_engine(tmp_path):
+def _loaded_model(folder):
+    """A tiny policy partly trained here, saved to ``folder``: ``(ids, logits, texts, reference log-probs)`` of it
+    unsharded, in this (the test) process."""
     torch.manual_seed(0)
     model = build_policy(_tiny(tie_embeddings=True))
     tok = byte_tokenizer()
@@ -133,16 +136,13 @@ def test_load_sharded_generate_once_and_reference_engine(tmp_path):
         loss.backward()
         opt.step()
     model.eval()
-    model.hf.save_pretrained(str(tmp_path))
-    tok.save_pretrained(str(tmp_path))
+    model.hf.save_pretrained(str(folder))
+    tok.save_pretrained(str(folder))
     ids = torch.randint(0, 256, (2, 12))
     with torch.no_grad():
         logits = model(ids)
     texts = {r: _texts(model, tok, p, 70) for r, p in PROMPTS.items()}
-    assert len(set(texts[0][0])) > 5
-    local, total, _ = spawn.run(_loaded_worker, 2, str(tmp_path), ids, logits, texts,
-                                token_logprobs(logits, ids), timeout=400)
-    assert local < total
+    return ids, logits, texts, token_logprobs(logits, ids)
 
 
 def _built_worker(rank, world, expected, ids, logits):
@@ -189,10 +189,61 @@ def _built_worker(rank, world, expected, ids, logits):
     return True
 
 
-def test_built_from_config_sharded_matches_unsharded_and_factory_replay():
+def _built_model():
+    """The unsharded tiny policy from seed 7: ``(state, ids, logits)``."""
     torch.manual_seed(7)
     model = build_policy(_tiny())
     ids = torch.randint(0, 256, (2, 10))
     with torch.no_grad():
         logits = model(ids)
-    assert spawn.run(_built_worker, 2, full_state_dict(model), ids, logits, timeout=400)
+    return full_state_dict(model), ids, logits
+
+
+def _both_workers(rank, world, built, loaded):
+    """``_built_worker`` then ``_loaded_worker`` in the same 2 processes (one start for both; the built one first,
+    before the loaded one patches DeepSpeed's gathers to count them): what each returned, or an AssertionError
+    holding every rank's traceback (so that each test below fails on its own worker's error only)."""
+    import traceback
+
+    import torch.distributed as dist
+    results = {}
+    for name, worker, args in (("built", _built_worker, built), ("loaded", _loaded_worker, loaded)):
+        try:
+            results[name], error = worker(rank, world, *args), None
+        except Exception:  # noqa: BLE001 - raised again by the test that reads this worker
+            error = f"rank {rank}:\n{traceback.format_exc()}"
+        errors = [None] * world
+        dist.all_gather_object(errors, error)
+        if any(errors):  # (and the next worker is not started: a rank may have left a collective unfinished)
+            results[name] = AssertionError("\n".join(e for e in errors if e))
+            break
+    return results
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """``worker name -> what rank 0's worker returned (or the error it raised)``: both workers in one spawn."""
+    folder = tmp_path_factory.mktemp("policy")
+    loaded = _loaded_model(folder)
+    results = spawn.run(_both_workers, 2, _built_model(), (str(folder), *loaded), timeout=400)
+    results["loaded_inputs"] = loaded
+    return results
+
+
+def _result(two_ranks, name):
+    if name not in two_ranks:
+        raise AssertionError(f"{name}: not run, the worker before it failed")
+    if isinstance(two_ranks[name], BaseException):
+        raise two_ranks[name]
+    return two_ranks[name]
+
+
+def test_load_sharded_generate_once_and_reference_engine(two_ranks):
+    _, _, texts, _ = two_ranks["loaded_inputs"]
+    assert len(set(texts[0][0])) > 5
+    local, total, _ = _result(two_ranks, "loaded")
+    assert local < total
+
+
+def test_built_from_config_sharded_matches_unsharded_and_factory_replay(two_ranks):
+    assert _result(two_ranks, "built")
