@@ -97,6 +97,9 @@ def text_file_problem(path: str | Path) -> str | None:
         return (f"corpus file {str(path)!r} cannot be read ({err.strerror or err}); make it readable "
                 "(chmod a+r) or move it out of the corpus")
     if (nul := head.find(b"\0")) >= 0:
+        if wide := _utf16_or_32(head):  # NULs of a Windows "Unicode" text file, not of a binary one
+            return (f"corpus file {str(path)!r} is {wide} text, not UTF-8; convert it (iconv -f {wide} -t UTF-8) "
+                    "or name another")
         return (f"corpus file {str(path)!r} is binary (a NUL byte at offset {nul}), not text; a corpus holds "
                 "UTF-8 text: move the file out of it or name another")
     text = codecs.getincrementaldecoder("utf-8")("replace").decode(head, final=False)
@@ -104,6 +107,22 @@ def text_file_problem(path: str | Path) -> str | None:
     if head and bad > _MAX_BAD_UTF8 * len(head):
         return (f"corpus file {str(path)!r} is not UTF-8 text ({bad} undecodable bytes in its first {len(head)}, "
                 f"the first at offset {_first_bad_utf8(head)}); convert it (iconv -f LATIN1 -t UTF-8) or name another")
+    return None
+
+
+def _utf16_or_32(head: bytes) -> str | None:
+    """"UTF-16" or "UTF-32" for text in either (a byte-order mark, or ASCII text whose every second byte is NUL),
+    else None: such a file has NUL bytes without being binary, and was called binary."""
+    if head.startswith((b"\xff\xfe\0\0", b"\0\0\xfe\xff")):
+        return "UTF-32"
+    if head.startswith((b"\xff\xfe", b"\xfe\xff")):
+        return "UTF-16"
+    pairs = head[:len(head) // 2 * 2]
+    if len(pairs) >= 4:  # BOM-less UTF-16 of mostly-ASCII text: NULs on one side of each pair, none on the other
+        for zeros, other in ((pairs[0::2], pairs[1::2]), (pairs[1::2], pairs[0::2])):
+            ascii_ = sum(1 for z, c in zip(zeros, other) if z == 0 and (32 <= c < 127 or c in (9, 10, 13)))
+            if other.count(0) == 0 and ascii_ >= 0.5 * len(zeros):
+                return "UTF-16"
     return None
 
 

@@ -323,8 +323,8 @@ def _text_lines(path: Path):
     """(line number, line) of a UTF-8 text file; a ValueError naming the file and byte where it is not text."""
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
-            try:
-                yield lineno, raw.decode("utf-8")
+            try:  # (a UTF-8 byte-order mark, as Windows editors write, is not part of line 1's puzzle)
+                yield lineno, raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
             except UnicodeDecodeError as err:
                 raise ValueError(f"{path}:{lineno}: not UTF-8 text (byte {raw[err.start]:#04x} at column "
                                  f"{err.start + 1}); a puzzle file holds one puzzle per line, in digits") from None

@@ -169,7 +169,33 @@ def _make_hook(tmp: str, read_roots: tuple, violations: list, quiet: set = froze
             append(violations, f"{event}: {why}"[:200])
         raise PermissionError(f"sandbox: {event} is not allowed ({why})")
 
-    made = [0, 0]  # (files, entries the program made in ``tmp``: see ``room``)
+    made = [0, 0]  # (files, entries the program made in ``tmp``: see ``room``; an upper bound, see ``recount``)
+    scandir, entry_is_dir, entry_path, pop = os.scandir, os.DirEntry.is_dir, os.DirEntry.path.__get__, list.pop
+    threads = _thread._count
+
+    def recount() -> None:
+        """``made`` as what ``tmp`` holds now, walked: a file removed (or a folder emptied) gives its room back as on
+        a tmpfs. Before, every file ever made counted, so an honest program making and removing temporary files
+        (``tempfile.mkstemp`` then ``os.remove``, 40 a test) ran out at the 65th without namespaces only. Whatever a
+        name moved to (a folder renamed with its files), the walk finds it. Walked only while no thread of the
+        program's runs (the judge's worker alone: no file moves behind the walk), and left as it was where a folder
+        cannot be listed (``chmod 0``, gone): the count never falls below what the folder holds."""
+        if threads() > 1:
+            return
+        files = entries = 0
+        stack = [tmp]
+        while stack:
+            try:
+                with scandir(pop(stack)) as found:
+                    for entry in found:
+                        entries += 1
+                        if entry_is_dir(entry, follow_symlinks=False):
+                            append(stack, entry_path(entry))
+                        else:
+                            files += 1
+            except OSError:
+                return
+        made[0], made[1] = files, entries
 
     def take(path, file: bool) -> None:
         try:
@@ -177,6 +203,8 @@ def _make_hook(tmp: str, read_roots: tuple, violations: list, quiet: set = froze
             return  # (there already: rewritten)
         except OSError:
             pass
+        if made[1] >= room[1] or file and made[0] >= room[0]:
+            recount()
         if made[1] >= room[1] or file and made[0] >= room[0]:
             raise OSError(28, f"sandbox: no room left in the program's folder ({room[0]} files, {room[1]} entries)")
         made[0] += 1 if file else 0
