@@ -21,6 +21,7 @@ from dstrain.engine.ds_files import (DEEPSPEED_NATIVE_AUTO, KNOWN_TOP_LEVEL_KEYS
                                      REMOVED_TOP_LEVEL_KEYS, DSConfigError, ds_configs_dir,
                                      format_override, list_profiles, load_ds_json,
                                      resolve_profile_path, validate_top_level, _top_level_problems)
+from dstrain.engine.ds_key_rules import fill_precision_autos, fill_stage_defaults
 from dstrain.engine.ds_reading import (AUTO, _WEIGHT_DTYPES, _is_auto, _offloads, _param_dtype_value,  # noqa: F401
                                        describe_zero, open_weights_dtype, param_dtype, pinned_weights,
                                        pinned_weights_dtype, precision_left_open)
@@ -482,6 +483,7 @@ def _fill_zero(cfg: dict, v: RunValues, problems: list[str]) -> None:
             plain = zero_defaults(name)
             block.update({key: plain[key] for key, value in block.items() if _is_auto(value) and key in plain})
     stage = zo.get("stage", 0)
+    fill_stage_defaults(zo, stage)  # overlap_comm "auto": DeepSpeed's default is stage == 3
     if _is_auto(stage):  # a file's stage is its own choice; dstrain chooses only with its own profiles
         zo["stage"] = None  # reported here, not again as a leftover "auto"
         problems.append("zero_optimization.stage: \"auto\" is not filled from a DeepSpeed JSON (DeepSpeed "
@@ -553,6 +555,7 @@ def fill_ds_config(template: dict, values: RunValues, source: str) -> dict:
     _fill_scheduler(cfg, values, problems)
     _fill_precision(cfg, values, problems)
     _fill_zero(cfg, values, problems)
+    fill_precision_autos(cfg)  # after _fill_precision: "enabled" is the run's
     leftovers: list[str] = []
     _leftover_autos({k: v for k, v in cfg.items() if k in KNOWN_TOP_LEVEL_KEYS}, "", leftovers)  # others: named
     from dstrain.engine.ds_unread import beside_type

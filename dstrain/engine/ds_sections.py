@@ -19,6 +19,8 @@ from dstrain.engine.ds_classes import class_notes, class_problems
 from dstrain.engine.ds_config import describe_zero, precision_left_open, sets_lr_itself
 from dstrain.engine.ds_engine_keys import engine_key_problems
 from dstrain.engine.ds_foreign import foreign_section_problems
+from dstrain.engine.ds_key_rules import (CLIPPING_KEYS, clipping_in_params, precision_auto_notes,
+                                        stage_default_notes, steps_per_print_check)
 from dstrain.engine.ds_scalars import scalar_checks
 from dstrain.engine.ds_copied import copied_checks
 from dstrain.engine.ds_unread import allgather_partitions_note, unread_problems
@@ -120,7 +122,7 @@ def _zero_problems(cfg: dict, device_type: str, problems: list[str], notes: list
             from dstrain.engine.ds_config import zero_defaults
             defaults = zero_defaults(name)
             known = [f"{k} {defaults[k]:g}" if not isinstance(defaults[k], bool) else f"{k} {defaults[k]}"
-                     for k in autos if k in defaults]
+                     for k in autos if k in defaults] + ([] if name else stage_default_notes(zo))
             if known:
                 notes.append(f"zero_optimization{'.' + name if name else ''}: \"auto\" is DeepSpeed's default there "
                              "(its parser drops \"auto\"): " + ", ".join(known))
@@ -300,11 +302,7 @@ def _monitor_problems(cfg: dict, problems: list[str], notes: list[str]) -> None:
     if cfg.get("dataloader_drop_last") is True:  # HF-style templates set it; DeepSpeed accepts it
         notes.append("dataloader_drop_last: only DeepSpeed's own dataloader reads it; dstrain's sampler never yields "
                      "a partial batch, so every step is a full batch either way")
-    spp = cfg.get("steps_per_print")
-    if spp is not None and not (isinstance(spp, str) and spp.strip().lower() == "auto") and \
-            (isinstance(spp, bool) or not isinstance(spp, (int, float)) or spp <= 0):
-        problems.append(f"steps_per_print: must be a positive number (or null), file says {spp!r} (DeepSpeed takes "
-                        "the step count modulo it at every step: 0 stops the first one with ZeroDivisionError)")
+    steps_per_print_check(cfg, problems, notes)
     for section, package in (("wandb", "wandb"), ("comet", "comet_ml")):
         if _enabled(cfg.get(section)) and importlib.util.find_spec(package) is None:
             problems.append(f"{section}.enabled: the {package} package is not installed here (pip install {package}; "
@@ -375,9 +373,8 @@ def _optimizer_problems(cfg: dict, device_type: str, problems: list[str]) -> Non
     zo = cfg.get("zero_optimization") if isinstance(cfg.get("zero_optimization"), dict) else {}
     offload = describe_zero(cfg)["offload_optimizer"]
     params = opt.get("params") if isinstance(opt.get("params"), dict) else {}
-    if "max_grad_norm" in params:
-        problems.append("optimizer.params.max_grad_norm: DeepSpeed refuses it; remove it and set the top-level "
-                        "\"gradient_clipping\" instead")
+    problems += clipping_in_params(params)  # one line each, not again as a param the class does not take
+    params = {k: v for k, v in params.items() if k not in CLIPPING_KEYS}
     if kind in REMOVED_OPTIMIZERS:
         problems.append(f"optimizer.type: {name!r}: DeepSpeed 0.19 no longer has its {REMOVED_OPTIMIZERS[kind]} "
                         f"optimizer (it would look for torch.optim.{name} and stop at start-up, on any device); use "
@@ -545,6 +542,7 @@ def section_problems(cfg: dict, device_type: str) -> tuple[list[str], list[str]]
     _unused_sections(cfg, problems)
     _checkpoint_writer_problems(cfg, device_type, problems)
     _monitor_problems(cfg, problems, notes)
+    notes += precision_auto_notes(cfg)
     _plain_section_keys(cfg, problems)
     _quoted_flags(cfg, problems)
     problems += class_problems(cfg, device_type, problems)

@@ -245,12 +245,13 @@ def plan_report(cfg: RunConfig, plan, world_size: int, ranks_per_node: int, devi
                          capacities_for(hw), cfg.deepspeed.margin, policy_activations(plan))
     trained = [r for r in TRAINED_ENGINE_ROLES if r in profiles]
     sched = plan.ds_config.get("scheduler")
+    rates = f"policy {cfg.train.lr:g}, " + ", ".join(f"{r} {getattr(task, LR_FIELD[r]):g}" for r in trained)
     if trained and isinstance(sched, dict) and not sched.get("type"):  # ("scheduler": {}: DeepSpeed builds none)
-        table += "\nlearning rates: the DeepSpeed JSON's scheduler block names no type: every engine keeps its lr"
+        table += (f"\nlearning rates: {rates}, each constant (the DeepSpeed JSON's scheduler block is empty, and "
+                  "DeepSpeed builds no scheduler from it)")
     elif trained and isinstance(sched, dict):
         scaled = rescale_schedule(copy.deepcopy(plan.ds_config), 1.0) is not None
-        table += (f"\nlearning rates: policy {cfg.train.lr:g}, "
-                  + ", ".join(f"{r} {getattr(task, LR_FIELD[r]):g}" for r in trained)
+        table += (f"\nlearning rates: {rates}"
                   + f"; each engine runs the DeepSpeed JSON's {sched.get('type')} scheduler"
                   + (" with its learning rates scaled to the engine's" if scaled else " on its own lr")
                   + (f" (guidance: over its own {-(-cfg.train.steps // task.guidance_every)} update(s))"

@@ -189,10 +189,10 @@ def test_check_config_reads_an_empty_object_as_a_deepspeed_json(tmp_path, capsys
     assert capsys.readouterr().out.startswith(f"{path}: valid DeepSpeed config for cpu: ZeRO stage 0; batch 8 x 1 x 2")
 
 
-@pytest.mark.parametrize("spp, refused", [(0, True), (-1, True), ("10", True), (True, True), (1, False), (2000, False),
+@pytest.mark.parametrize("spp, refused", [(0, True), (-1, False), ("10", True), (True, True), (1, False), (2000, False),
                                           (1e10, False), (None, False)])
 def test_steps_per_print_deepspeed_divides_by(spp, refused):
     problems, _ = section_problems({"steps_per_print": spp}, "cpu")
     assert bool(problems) == refused, problems
-    if refused:
-        assert problems[0].startswith(f"steps_per_print: must be a positive number (or null), file says {spp!r}")
+    if refused:  # (a negative number runs: round 26)
+        assert problems[0].startswith("steps_per_print: ") and "rank 0" in problems[0]
