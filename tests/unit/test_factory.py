@@ -113,7 +113,8 @@ def test_activation_estimate_matches_measured_memory():
                          timeout=120, check=True)
     measured = json.loads(out.stdout.strip().splitlines()[-1])
     estimate = 4 * acts.per_sample
-    assert estimate == pytest.approx(measured["saved"], rel=0.02)
+    # the saved tensors, plus what the step holds beside them at its peak (tests/unit/test_reference_round17.py)
+    assert measured["saved"] <= estimate <= 1.1 * measured["saved"]
     assert estimate == pytest.approx(measured["rss"], rel=0.35)
     # checkpointed: the 4 block inputs kept, plus one block's activations while the backward recomputes it
     assert acts.per_sample / 4 < acts.per_sample_checkpointed < acts.per_sample / 2
@@ -153,7 +154,8 @@ def test_autocast_activation_estimate_matches_a_real_autocast_forward(name, size
     params = {p.untyped_storage()._cdata for p in model.parameters()}
     measured = sum(v for k, v in storages.items() if k not in params)
     loss.backward()
-    assert 3 * per_sample + fixed == pytest.approx(measured, rel=0.01)
+    # the saved bytes, plus the logits and gradients in flight at the step's peak (the planner's live peak)
+    assert measured <= 3 * per_sample + fixed <= 1.15 * measured
     assert fixed > 0 and per_sample > 0.5 * acts.per_sample  # weight copies; fp32 kept where autocast keeps it
     assert 0 < per_sample_ckpt < per_sample and fixed_ckpt >= 0
 

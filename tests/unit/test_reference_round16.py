@@ -34,9 +34,10 @@ Found and fixed:
   measured peak by what the backward frees before it reaches that region (the head's logits), at most 20 % here.
   A pipeline stage's checkpointed activations add the stage's largest recomputed layer the same way.
 
-Pinned (agreeing): without checkpointing the plan's per-sample bytes are what a real forward leaves allocated
+Pinned (agreeing): without checkpointing the plan's per-sample bytes were what a real forward leaves allocated
 (within 0.1 %) and within 6 % below the peak of forward and backward (the backward's transients: the logits'
-gradient and the like), scaling linearly in the micro-batch; a resume that changes only ``train.grad_accum``
+gradient and the like), scaling linearly in the micro-batch (since round 17 the plan is the traced step's peak,
+those transients included); a resume that changes only ``train.grad_accum``
 follows the schedule unchanged.
 """
 from __future__ import annotations
@@ -266,8 +267,11 @@ def test_planned_activations_against_the_memory_a_real_cpu_step_allocates(name, 
     for micro in (1, 2):  # linear in the micro-batch
         held, peak = _measured(spec, mcfg, micro, seq, ckpt=False)
         planned = acts.per_sample * micro
-        assert planned == pytest.approx(held, rel=5e-3), micro      # the saved activations, to 0.1 % measured
-        assert planned <= peak <= 1.08 * planned, (micro, peak / planned)  # + the backward's transients
+        # the saved activations (what the forward leaves), plus the backward's transients at the peak (the plan
+        # counts those since round 17: the traced live peak; this op-level sum reads the peak up to 4 % low,
+        # the allocator's records agree with the plan to 0.1 %: tests/unit/test_reference_round17.py)
+        assert held <= planned <= 1.1 * held, micro
+        assert 0.98 * peak <= planned <= 1.06 * peak, (micro, peak / planned)
     held, peak = _measured(spec, mcfg, 1, seq, ckpt=True)
     planned = acts.per_sample_checkpointed
     assert held < planned  # the forward keeps the blocks' inputs; the backward recomputes one block at a time
