@@ -12,13 +12,18 @@ start, ``zero.Init`` (the ZeRO-3 build and every gather after it), the ZeRO-3 tr
 the end of the first steps (``zero/utils.py``), ``PipelineModule`` and the inference engines. All
 of them go through its accelerator (``device_name`` / ``device`` / ``set_device``), so
 :func:`bind_accelerator` makes that one object map LOCAL_RANK to the rank's device, and only in
-the one-visible-GPU case (where LOCAL_RANK is no device at all), not touching any other index.
+the one-visible-GPU case (where LOCAL_RANK is no device at all), not touching any other index. Every
+other method of it that takes a ``device_index`` (``synchronize``, ``memory_allocated``,
+``current_stream``, ``get_rng_state``, ``total_memory``...) maps it too: a caller that passes LOCAL_RANK
+there (none in DeepSpeed 0.19.8; a model's own code or a later DeepSpeed) gets the rank's GPU, not
+"invalid device ordinal".
 vLLM (``rollout.generator=vllm``) reads LOCAL_RANK as its device while it starts:
 :func:`local_rank_as_device`.
 """
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 
 import torch
@@ -43,17 +48,34 @@ def device_index(local_rank: int, visible: int, environ=None) -> int:
                       f"them (cuda:0 to cuda:{visible - 1}) nor the one GPU of its own; {FIX}")
 
 
+def _indexed_methods(cls) -> dict[str, int]:
+    """The public methods of accelerator class ``cls`` that take a ``device_index``, with its position among the
+    arguments after ``self`` (DeepSpeed 0.19.8's CUDA one: device_name, device, set_device, synchronize, the rng
+    state, stream and memory methods)."""
+    found = {}
+    for name in dir(cls):
+        fn = inspect.getattr_static(cls, name, None)
+        if name.startswith("_") or not inspect.isfunction(fn):
+            continue
+        params = list(inspect.signature(fn).parameters)
+        if "device_index" in params:
+            found[name] = params.index("device_index") - 1
+    return found
+
+
 def bind_accelerator(accelerator, local_rank: int, index: int) -> bool:
     """Make DeepSpeed's CUDA ``accelerator`` answer ``index`` where it is asked for ``local_rank`` (an int, the
-    text of LOCAL_RANK, or a ``torch.device`` built from it). Only where they differ (the rank sees one GPU and
-    is not local rank 0) and only on CUDA; every other index passes unchanged. Returns whether it bound."""
+    text of LOCAL_RANK, or a ``torch.device`` built from it), in every method of it taking a ``device_index``
+    (:func:`_indexed_methods`). Only where they differ (the rank sees one GPU and is not local rank 0) and only on
+    CUDA; every other index passes unchanged. Returns whether it bound."""
     if getattr(accelerator, "_name", None) != "cuda":
         return False
+    cls = type(accelerator)
+    methods = _indexed_methods(cls)
     if index == local_rank:  # (an earlier binding of this process, if any, undone)
-        for name in ("device_name", "device", "set_device", "dstrain_bound"):
+        for name in (*methods, "dstrain_bound"):
             accelerator.__dict__.pop(name, None)
         return False
-    cls = type(accelerator)
 
     def mapped(value):
         if isinstance(value, torch.device):
@@ -62,9 +84,18 @@ def bind_accelerator(accelerator, local_rank: int, index: int) -> bool:
             return index
         return value
 
-    accelerator.device_name = lambda device_index=None: cls.device_name(accelerator, mapped(device_index))
-    accelerator.device = lambda device_index=None: cls.device(accelerator, mapped(device_index))
-    accelerator.set_device = lambda device_index: cls.set_device(accelerator, mapped(device_index))
+    def bound(method, at: int):
+        def call(*args, **kwargs):
+            if "device_index" in kwargs:
+                kwargs["device_index"] = mapped(kwargs["device_index"])
+            elif len(args) > at:
+                args = (*args[:at], mapped(args[at]), *args[at + 1:])
+            return method(accelerator, *args, **kwargs)
+        call.__name__ = method.__name__
+        return call
+
+    for name, at in methods.items():
+        setattr(accelerator, name, bound(getattr(cls, name), at))
     accelerator.dstrain_bound = (local_rank, index)
     return True
 

@@ -191,7 +191,8 @@ class _LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
+            # (a sparse tensor, e.g. the gradient of an Embedding(sparse=True), has no storage to weigh: left out)
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
                 storage = t.untyped_storage()
                 key = storage._cdata
                 if key in self.before or (key in self.live and not self.live[key][0].expired()):

@@ -186,3 +186,28 @@ def test_colocated_vllm_starts_on_the_ranks_own_gpu(monkeypatch, tmp_path):
                              cfg=SimpleNamespace(train=SimpleNamespace(seed=7)))
         vg.VLLMToolkit(base, tr, SimpleNamespace(vllm_gpu_memory_utilization=0.3))
         assert seen.pop() == (shown, "external_launcher") and runtime.os.environ["LOCAL_RANK"] == "3"
+
+
+def test_every_accelerator_method_taking_a_device_index_maps_local_rank(monkeypatch):
+    """Task 3 that sees one GPU: a call passing LOCAL_RANK to any of the accelerator's device_index methods
+    (memory_allocated, synchronize, current_stream, set_rng_state's second argument...) reaches cuda:0, as
+    device_name / device / set_device do; other indexes and no index pass unchanged. Before: only those three were
+    mapped, and torch.cuda.memory_allocated(3) met "invalid device ordinal"."""
+    from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
+
+    from dstrain.gpu_binding import bind_accelerator
+    seen = []
+    for name in ("memory_allocated", "synchronize", "current_stream", "set_rng_state", "max_memory_allocated"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, _n=name: seen.append((_n, a[-1] if a else None)))
+    acc = CUDA_Accelerator()
+    assert bind_accelerator(acc, 3, 0)
+    acc.memory_allocated(3)
+    acc.synchronize(device_index="3")
+    acc.current_stream(torch.device("cuda", 3))
+    acc.set_rng_state("state", 3)
+    acc.max_memory_allocated()
+    acc.memory_allocated(0)
+    assert seen == [("memory_allocated", 0), ("synchronize", 0), ("current_stream", torch.device("cuda", 0)),
+                    ("set_rng_state", 0), ("max_memory_allocated", None), ("memory_allocated", 0)]
+    assert acc.device_name(3) == "cuda:0" and acc.device(3) == torch.device("cuda", 0)
+    assert not bind_accelerator(acc, 0, 0) and "memory_allocated" not in acc.__dict__  # undone where they agree

@@ -122,3 +122,23 @@ def test_model_state_parameter_count(name, size):
     assert stats.params == sum(distinct.values()) > 0
     assert stats.largest_module_params == max(sum(p.numel() for p in m.parameters(recurse=False))
                                               for m in model.modules())
+
+
+def test_a_sparse_gradient_does_not_stop_the_trace():
+    """A model with nn.Embedding(sparse=True) (DeepSpeed's ``sparse_gradients``): its backward makes a sparse
+    gradient, which has no storage. Before: NotImplementedError "Cannot access storage of SparseTensorImpl" from
+    the live-bytes count, and no plan; now its dense activations are counted as for a dense embedding."""
+    class Lookup(torch.nn.Module):
+        def __init__(self, sparse: bool):
+            super().__init__()
+            self.embed = torch.nn.Embedding(100, 16, sparse=sparse)
+            self.head = torch.nn.Linear(16, 1)
+
+        def forward(self, x):
+            return self.head(self.embed(x)).sum()
+
+    def trace(sparse: bool):
+        return hardware.trace_activations(lambda: Lookup(sparse), lambda: (torch.randint(0, 100, (1, 8)),),
+                                          lambda m, flag: None)
+    sparse, dense = trace(True), trace(False)
+    assert sparse.per_sample > 0 and sparse.per_sample <= dense.per_sample
