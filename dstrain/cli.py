@@ -13,6 +13,8 @@ import os
 import sys
 from pathlib import Path
 
+from dstrain.cli_checks import _only_launch_folders, _remove_if_only_cache  # noqa: F401 (rank 0's clean-up)
+
 EXIT_CONFIG = 2
 
 
@@ -109,7 +111,7 @@ def cmd_train(args, overrides) -> int:
                 print(f"dstrain: note: {note}", file=sys.stderr, flush=True)
     from dstrain.trainers import get_trainer
     out = Path(cfg.output.dir)
-    fresh = not out.exists()
+    fresh = not out.exists() or _only_launch_folders(out)
     _TRAIN_STARTED = True
     try:
         summary = get_trainer(cfg.trainer).train(cfg)
@@ -139,29 +141,6 @@ def cmd_train(args, overrides) -> int:
 def _visible_gpus() -> int:
     import torch
     return torch.cuda.device_count()
-
-
-def _remove_if_only_cache(out: Path) -> None:
-    """A run folder this failed run created and left holding nothing but the data cache and this run's lock:
-    removed. Before, a failure after rank 0 took the lock (the run records refused by a full disk, an error in
-    the model's set-up) left the folder with ``.dstrain.lock``, and the lock record of a rank that exits through
-    ``os._exit`` stayed in it: the retry found a folder that looked like a run's (and was refused for
-    :data:`dstrain.run_lock.STALE_S` from another host)."""
-    import shutil
-
-    from dstrain import run_lock
-    try:
-        if not out.is_dir() or not {p.name for p in out.iterdir()} <= {".cache", run_lock.NAME}:
-            return
-        held = bool(run_lock._HELD) and run_lock._HELD[0][0] == out.resolve()
-        lock = out / run_lock.NAME
-        if lock.exists() and not held and lock.read_text().strip():
-            return  # another run's lock (it took the folder meanwhile): its folder now
-        if held:
-            run_lock.release()  # (first: the heartbeat would make the folder again)
-        shutil.rmtree(out, ignore_errors=True)
-    except (OSError, UnicodeDecodeError):
-        pass
 
 
 def cmd_launch(args, overrides) -> int:
@@ -259,6 +238,10 @@ def cmd_launch(args, overrides) -> int:
         print(line, file=sys.stderr)
     print(launcher.format_command(argv, launcher.env_delta(env)), flush=True)
 
+    shared_failures = rank_exit.launch_failure_dir(cfg.output.dir, hosts.remote and args.launcher != "torchrun")
+    out_fresh = not Path(cfg.output.dir).exists()
+    if shared_failures:  # ranks on other hosts write their errors where this launcher reads them (see rank_exit)
+        env["DSTRAIN_FAILURE_DIR"] = shared_failures
     lines, path = "", Path(os.environ.get("DS_ENV_FILE", ".deepspeed_env"))
     if "--hostfile" in argv:  # DeepSpeed reads ~/NAME and ./NAME, NAME = $DS_ENV_FILE or .deepspeed_env
         marker = "DSTRAIN_WROTE_DEEPSPEED_ENV=1\n"  # first line of a file dstrain wrote (no comments allowed)
@@ -288,7 +271,13 @@ def cmd_launch(args, overrides) -> int:
     errors: list[str | None] = []  # each attempt's first unexpected error and where (see run_with_restarts)
 
     def run_once(argv, env) -> int:
-        env["DSTRAIN_FAILURE_DIR"] = failures = tempfile.mkdtemp(prefix="dstrain-job-")  # see _reports_failure
+        if shared_failures:  # in output.dir, which every host shares: the same path each attempt (.deepspeed_env);
+            shutil.rmtree(shared_failures, ignore_errors=True)  # emptied (a launcher killed outright left its own)
+            os.makedirs(shared_failures, exist_ok=True)
+            failures = shared_failures
+        else:
+            failures = tempfile.mkdtemp(prefix="dstrain-job-")
+        env["DSTRAIN_FAILURE_DIR"] = failures  # see _reports_failure
         from dstrain.cli_checks import JOBS_STARTED
         from dstrain.job_guard import start_job, stop_job, wait_for_group  # own group (Ctrl-C reaches us only), ended
         proc = start_job(argv, env, args.master_port)  # with a stop if this process is killed outright
@@ -327,6 +316,9 @@ def cmd_launch(args, overrides) -> int:
             failed = rank_exit.failed_code(failures)
             errors.append(rank_exit.error_of(failures))  # (the first failing rank's: compared across restarts)
             shutil.rmtree(failures, ignore_errors=True)
+            if shared_failures and out_fresh:  # output.dir made for it, and the failed run left nothing else there
+                with contextlib.suppress(OSError):
+                    Path(cfg.output.dir).rmdir()
         if got:
             if hosts.remote and args.launcher != "torchrun":  # the other hosts' ranks may still be saving
                 print(launch_check.remote_stop_line(Path(cfg.output.dir), got[0]), file=sys.stderr, flush=True)

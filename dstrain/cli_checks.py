@@ -237,3 +237,47 @@ def catch_ctrl_c() -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGINT, interrupt)
+
+
+def _only_launch_folders(out: Path) -> bool:
+    """Whether ``out`` holds nothing but the failure folder of a multi-host ``dstrain launch`` (which made it)."""
+    from dstrain.rank_exit import is_launch_failure_dir
+    try:
+        names = [p.name for p in out.iterdir()] if out.is_dir() else []
+        return bool(names) and all(is_launch_failure_dir(name) for name in names)
+    except OSError:
+        return False
+
+
+def _remove_if_only_cache(out: Path) -> None:
+    """A run folder this failed run created and left holding nothing but the data cache and this run's lock:
+    removed. Before, a failure after rank 0 took the lock (the run records refused by a full disk, an error in
+    the model's set-up) left the folder with ``.dstrain.lock``, and the lock record of a rank that exits through
+    ``os._exit`` stayed in it: the retry found a folder that looked like a run's (and was refused for
+    :data:`dstrain.run_lock.STALE_S` from another host)."""
+    import shutil
+
+    from dstrain import run_lock
+    try:
+        from dstrain.rank_exit import is_launch_failure_dir
+        if not out.is_dir():
+            return
+        names = {p.name for p in out.iterdir() if not is_launch_failure_dir(p.name)}  # dstrain launch's, it goes
+        if not names <= {".cache", run_lock.NAME}:
+            return
+        held = bool(run_lock._HELD) and run_lock._HELD[0][0] == out.resolve()
+        lock = out / run_lock.NAME
+        if lock.exists() and not held and lock.read_text().strip():
+            return  # another run's lock (it took the folder meanwhile): its folder now
+        if held:
+            run_lock.release()  # (first: the heartbeat would make the folder again)
+        if any(is_launch_failure_dir(p.name) for p in out.iterdir()):  # the launcher still reads it, then removes
+            for name in names:  # the folder (this rank's error is in it)
+                if (out / name).is_dir():
+                    shutil.rmtree(out / name, ignore_errors=True)
+                else:
+                    (out / name).unlink(missing_ok=True)
+            return
+        shutil.rmtree(out, ignore_errors=True)
+    except (OSError, UnicodeDecodeError):
+        pass

@@ -180,6 +180,30 @@ def note_failed(code: int) -> None:
         _write_first(folder, FAILED_FILE, code)
 
 
+LAUNCH_FAILURE_NAME = ".dstrain-failures"
+"""The failure folder a multi-host ``dstrain launch`` makes inside ``output.dir`` (see :func:`launch_failure_dir`)."""
+
+
+def launch_failure_dir(output_dir: str | Path, multi_host: bool) -> str | None:
+    """Where a launch's ranks leave their status and first error, when it is not a folder of the launcher's own.
+
+    ``$DSTRAIN_FAILURE_DIR`` is read by ``dstrain launch`` on its own host. Ranks that DeepSpeed's pdsh runner
+    starts on other hosts would write into a folder of that name on their own disk, which the launcher never sees
+    (no error line, and a deterministic error restarted until ``--max-restarts`` ran out). A multi-host run's
+    ``output.dir`` is one folder shared by every host (:mod:`dstrain.shared_folder`), so the folder goes there:
+    hidden, made afresh for each attempt and removed after it (one launch at a time holds an ``output.dir``), under
+    a name that stays the same from one launch to the next (a ``.deepspeed_env`` of the user's own can carry it).
+    ``None`` for one host (a temporary folder, as before)."""
+    if not multi_host:
+        return None
+    return str(Path(output_dir).absolute() / LAUNCH_FAILURE_NAME)
+
+
+def is_launch_failure_dir(name: str) -> bool:
+    """Whether a name in ``output.dir`` is the :func:`launch_failure_dir` (not the run's own file)."""
+    return name == LAUNCH_FAILURE_NAME
+
+
 ERROR_FILE = "error"
 """In ``$DSTRAIN_FAILURE_DIR``: the unexpected error of the first rank that failed, and where (``RuntimeError: ...
 at forward of step 150``), which ``--max-restarts`` compares from one attempt to the next."""

@@ -198,6 +198,10 @@ def update_skipped(ds_engine):
         del opt.step
 
 
+NOTES_WAIT_S = 30.0
+"""How long a firing :class:`Watchdog` waits for its notes to ``dstrain launch`` to be written before it ends the rank."""
+
+
 class Watchdog:
     """Ends this rank when one phase of a step lasts longer than ``timeout_s``.
 
@@ -216,6 +220,10 @@ class Watchdog:
         self._stopped = threading.Event()
         self.fired: str | None = None
         folder = os.environ.get("DSTRAIN_FAILURE_DIR")  # shared by the job's ranks on this host
+        from dstrain.rank_exit import is_launch_failure_dir
+        if folder and is_launch_failure_dir(os.path.basename(folder.rstrip("/"))):
+            folder = None  # a multi-host launch's, in output.dir: no heartbeat every few seconds on a network file
+            # system, where a stalled server would block this thread too (and the hang of a save go unseen)
         self._beats = os.path.join(folder, "heartbeat") if folder else None
         self._thread = threading.Thread(target=self._watch, name="dstrain-watchdog", daemon=True)
         self._thread.start()
@@ -251,8 +259,15 @@ class Watchdog:
                               f"(train.collective_timeout_s={self.timeout_s:g}){peers}; ending this rank")
                 print(self.fired, file=self._out, flush=True)
                 from dstrain.rank_exit import hang_signature, note_error, note_failed
-                note_failed(EXIT_HANG)  # dstrain launch returns 124, not the exit 1 of a peer it may see first
-                note_error(hang_signature(phase, step))  # the same hang twice in a row: not restarted again
+
+                def notes():
+                    note_failed(EXIT_HANG)  # dstrain launch returns 124, not the exit 1 of a peer it may see first
+                    note_error(hang_signature(phase, step))  # the same hang twice in a row: not restarted again
+                # (a multi-host launch's folder is on output.dir's file system, which may be what hangs: the rank
+                # ends anyway after a while)
+                noting = threading.Thread(target=notes, name="dstrain-watchdog-notes", daemon=True)
+                noting.start()
+                noting.join(NOTES_WAIT_S)
                 self._exit(EXIT_HANG)
                 return
 

@@ -33,6 +33,7 @@ from dstrain.data.prefetch import StepPrefetcher
 from dstrain.engine.ds_trainers import schedule_reference_lr
 from dstrain.engine.factory import create_engine
 from dstrain.metrics import RunLogger, reduce_mean, reduce_mean_each
+from dstrain.async_checkpoint import to_host
 from dstrain.optim.ema import EMA
 from dstrain.optim.sparse_sign_sgd import SparseEmbedding, SparseSignSGD
 from dstrain.trainers import task_config
@@ -199,7 +200,7 @@ class HRMTrainer:
             if self.world.is_main and self.puzzle_emb is not None:
                 torch.save(self.puzzle_emb.state_dict(), state_dir / "puzzle_emb.pt")
             if self.world.is_main and self.ema is not None:
-                torch.save(self.ema.state_dict(), state_dir / "ema.pt")
+                torch.save(to_host(self.ema.state_dict()), state_dir / "ema.pt")  # loads anywhere, GPU or not
         self.guards.phase("save", step)
         self.saver.save(step, {"global_batch": self.global_batch, "skipped_steps": self.guards.skipped,
                                "log_window": hrm_window_state(self.log_sums, self.log_losses)}, write_state)
