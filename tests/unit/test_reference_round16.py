@@ -49,48 +49,26 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.unit.test_reference_round7 import _DeepSpeedLike as _Round7Engine
+
 LR = 1e-2
 
 
 # ---------------------------------------------------------------- the lr of each update across a resume
 
-class _DeepSpeedLike:
-    """What decides the lr of an update in DeepSpeed's engine: a step is a boundary when ``(micro_steps + 1) %
-    gradient_accumulation_steps == 0``; there ``optimizer.step()`` and then ``lr_scheduler.step()``. A checkpoint
-    holds the optimizer's and the scheduler's state dicts; ``load_checkpoint`` loads them in that order, as
-    DeepSpeed's ``_load_checkpoint`` does, and the micro-step count starts again at 0 (DeepSpeed restores
-    ``global_steps`` only)."""
+class _DeepSpeedLike(_Round7Engine):
+    """What decides the lr of an update in DeepSpeed's engine (round 7's stand-in, at this file's lr and any
+    optimizer): a step is a boundary when ``(micro_steps + 1) % gradient_accumulation_steps == 0``; there
+    ``optimizer.step()`` and then ``lr_scheduler.step()``. A checkpoint holds the optimizer's and the scheduler's
+    state dicts; ``load_checkpoint`` loads them in that order, as DeepSpeed's ``_load_checkpoint`` does, and the
+    micro-step count starts again at 0 (DeepSpeed restores ``global_steps`` only)."""
 
     def __init__(self, make_scheduler, gas, optimizer_cls=torch.optim.SGD, **opt_kw):
-        self.weight = torch.nn.Parameter(torch.zeros(1, dtype=torch.float64))
-        self.optimizer = optimizer_cls([self.weight], lr=LR, **opt_kw)
-        self.lr_scheduler = make_scheduler(self.optimizer)
-        self.gas, self.micro_steps, self.global_steps = gas, 0, 0
+        super().__init__(make_scheduler, gas, lr=LR, optimizer_cls=optimizer_cls, **opt_kw)
         self.saved = None
 
-    def is_gradient_accumulation_boundary(self):
-        return (self.micro_steps + 1) % self.gas == 0
-
-    def step(self):
-        if self.is_gradient_accumulation_boundary():
-            self.weight.grad = torch.ones_like(self.weight)
-            self.optimizer.step()
-            self.lr_scheduler.step()
-            self.global_steps += 1
-        self.micro_steps += 1
-
-    def get_lr(self):
-        return [g["lr"] for g in self.optimizer.param_groups]
-
-    def save_checkpoint(self):
-        return {"optimizer": self.optimizer.state_dict(), "lr_scheduler": self.lr_scheduler.state_dict(),
-                "weight": float(self.weight.detach()), "global_steps": self.global_steps}
-
     def load_checkpoint(self, _dir, tag):
-        self.optimizer.load_state_dict(self.saved["optimizer"])
-        self.lr_scheduler.load_state_dict(self.saved["lr_scheduler"])
-        self.weight.data.fill_(self.saved["weight"])
-        self.global_steps = self.saved["global_steps"]
+        self.restore(self.saved)
         return f"{_dir}/{tag}", {}
 
 
@@ -114,7 +92,7 @@ def _run_resumed(make_old, make_new, gas_old, gas_new, resume_at, total):
     engine, record = _engine(old), []
     _updates(engine, old, resume_at, record)
     new = _DeepSpeedLike(make_new, gas_new)  # a new process: everything rebuilt from the resumed run's config
-    new.saved = old.save_checkpoint()
+    new.saved = old.checkpoint()
     engine = _engine(new)
     engine.load("ckpts", "step")
     _updates(engine, new, total - resume_at, record)
@@ -215,7 +193,7 @@ def test_one_cycle_momentum_goes_on_from_the_cycle_position_after_a_resume():
     got = []
     betas_per_update(old, 3, got)
     new = _DeepSpeedLike(lambda opt: OneCycle(opt, **params), 1, torch.optim.AdamW, betas=(0.9, 0.99))
-    new.saved = old.save_checkpoint()
+    new.saved = old.checkpoint()
     engine = _engine(new)
     engine.load("ckpts", "step")
     betas_per_update(new, 7, got)

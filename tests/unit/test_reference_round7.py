@@ -224,17 +224,21 @@ class _DeepSpeedLike:
     ``_take_model_step`` runs ``optimizer.step()`` and then ``lr_scheduler.step()``; ``get_lr`` reads the groups.
     Checkpoints hold the optimizer's and the scheduler's state dicts."""
 
-    def __init__(self, make_scheduler, gas, state=None):
+    def __init__(self, make_scheduler, gas, state=None, lr=None, optimizer_cls=torch.optim.SGD, **opt_kw):
         self.weight = torch.nn.Parameter(torch.zeros(1, dtype=torch.float64))
-        self.optimizer = torch.optim.SGD([self.weight], lr=LR)
+        self.optimizer = optimizer_cls([self.weight], lr=LR if lr is None else lr, **opt_kw)
         self.lr_scheduler = make_scheduler(self.optimizer)
         self.gas, self.micro_steps, self.global_steps = gas, 0, 0
         if state is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-            self.weight.data.fill_(state["weight"])
-            self.global_steps = self.micro_steps = state["global_steps"]
-            self.micro_steps *= gas
+            self.restore(state)
+            self.micro_steps = self.global_steps * gas
+
+    def restore(self, state):
+        """Load :meth:`checkpoint`'s ``state``: the optimizer's, then the scheduler's, the weight, ``global_steps``."""
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self.weight.data.fill_(state["weight"])
+        self.global_steps = state["global_steps"]
 
     def is_gradient_accumulation_boundary(self):
         return (self.micro_steps + 1) % self.gas == 0
