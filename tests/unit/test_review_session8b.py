@@ -35,22 +35,29 @@ import torch
 from dstrain.trainers import lm
 
 
-def test_a_resumed_lm_window_lives_on_the_engines_device(tmp_path, monkeypatch):
+def _resumed_trainer(tmp_path, monkeypatch, saved: dict, device: torch.device):
+    """An LMTrainer resumed (``_resume``) from a checkpoint whose trainer state is ``saved``, on an engine at
+    ``device``."""
     tag = tmp_path / "step_00000003"
     tag.mkdir()
     (tag / "ds_config.json").write_text(json.dumps({"train_batch_size": 2}))
-    monkeypatch.setattr(lm, "load_checkpoint", lambda *args: {"step": 3, "samples": 6, "log_window": [5.0, 4.5],
-                                                              "router_aux_window": [0.25]})
+    monkeypatch.setattr(lm, "load_checkpoint", lambda *args: saved)
     monkeypatch.setattr(lm, "warn_batch_change", lambda *args, **kwargs: None)
     trainer = lm.LMTrainer.__new__(lm.LMTrainer)
     trainer.window, trainer.router_aux, trainer.data_start, trainer.dp_world = [], [], (0, 0), 1
     trainer.cfg = SimpleNamespace(train=SimpleNamespace(micro_batch=2, grad_accum=1, steps=6),
                                   data=SimpleNamespace(seq_len=32))
     trainer.guards = SimpleNamespace(skipped=0, phase=lambda *a: None)
-    device = torch.device("meta")  # a device other than the CPU, as a GPU's (the losses of new steps are there)
     trainer.engine, trainer.ckpt_root, trainer.world = SimpleNamespace(device=device), tmp_path, None
     trainer.plan = SimpleNamespace(ds_config={"train_batch_size": 2})
     trainer._resume(tag.name)
+    return trainer
+
+
+def test_a_resumed_lm_window_lives_on_the_engines_device(tmp_path, monkeypatch):
+    device = torch.device("meta")  # a device other than the CPU, as a GPU's (the losses of new steps are there)
+    trainer = _resumed_trainer(tmp_path, monkeypatch, {"step": 3, "samples": 6, "log_window": [5.0, 4.5],
+                                                       "router_aux_window": [0.25]}, device)
     assert [loss.device for loss, _ in trainer.window + trainer.router_aux] == [device] * 3
     # a new step's loss on that device stacks with them, as window_state does at the next save
     new = torch.tensor(4.0, device=device)
@@ -59,18 +66,7 @@ def test_a_resumed_lm_window_lives_on_the_engines_device(tmp_path, monkeypatch):
 
 def test_the_window_values_come_back_on_the_cpu(tmp_path, monkeypatch):
     """(The values themselves, on the CPU engine of a CPU run: the window a checkpoint carried.)"""
-    tag = tmp_path / "step_00000003"
-    tag.mkdir()
-    (tag / "ds_config.json").write_text(json.dumps({"train_batch_size": 2}))
-    monkeypatch.setattr(lm, "load_checkpoint", lambda *args: {"step": 3, "samples": 6, "log_window": [5.0, 4.5]})
-    monkeypatch.setattr(lm, "warn_batch_change", lambda *args, **kwargs: None)
-    trainer = lm.LMTrainer.__new__(lm.LMTrainer)
-    trainer.window, trainer.router_aux, trainer.data_start, trainer.dp_world = [], [], (0, 0), 1
-    trainer.cfg = SimpleNamespace(train=SimpleNamespace(micro_batch=2, grad_accum=1, steps=6),
-                                  data=SimpleNamespace(seq_len=32))
-    trainer.guards = SimpleNamespace(skipped=0, phase=lambda *a: None)
-    trainer.engine, trainer.ckpt_root, trainer.world = SimpleNamespace(device=torch.device("cpu")), tmp_path, None
-    trainer.plan = SimpleNamespace(ds_config={"train_batch_size": 2})
-    trainer._resume(tag.name)
+    trainer = _resumed_trainer(tmp_path, monkeypatch, {"step": 3, "samples": 6, "log_window": [5.0, 4.5]},
+                               torch.device("cpu"))
     trainer.window.append((torch.tensor(4.0), None))
     assert lm.window_state(trainer.window) == [5.0, 4.5, 4.0]
