@@ -122,6 +122,17 @@ def init_distributed(timeout_s: float | None = None) -> World:
 _COUNTS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MASTER_PORT")
 
 
+def _whole_number(environ, name: str, who_sets: str) -> int:
+    """The launcher variable ``name`` of ``environ`` as an int, else a ``LaunchError`` naming it (``who_sets``: what
+    sets it, for the fix)."""
+    value = environ.get(name, "")
+    if not value.strip().isdigit():
+        from dstrain.config import LaunchError
+        raise LaunchError(f"{name}={value!r} in this rank's environment is not a whole number; unset it ({who_sets}) "
+                          "or set it to one")
+    return int(value)
+
+
 def check_given_rank_env(environ=None, gpus: int | None = None) -> None:
     """A ``LaunchError`` naming the variable when the launcher variables that ARE set (by hand, a script, a shell left
     from another job) cannot describe this rank, before ``dstrain train`` reads them: a count that is not a whole
@@ -132,13 +143,8 @@ def check_given_rank_env(environ=None, gpus: int | None = None) -> None:
     from dstrain.config import LaunchError
     environ = os.environ if environ is None else environ
     fix = "unset it (dstrain launch and the launchers set it) or set it to"
-    got = {}
-    for name in _COUNTS:
-        if name in environ:
-            if not environ[name].strip().isdigit():
-                raise LaunchError(f"{name}={environ[name]!r} in this rank's environment is not a whole number; "
-                                  f"{fix} one")
-            got[name] = int(environ[name])
+    got = {name: _whole_number(environ, name, "dstrain launch and the launchers set it") for name in _COUNTS
+           if name in environ}
     for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
         if got.get(name) == 0:
             raise LaunchError(f"{name}=0 in this rank's environment: a job has at least one rank; {fix} the number "
@@ -164,12 +170,8 @@ def check_rank_env(environ=None, resolve_wait_s: float = 60.0) -> None:
     other ranks start (Kubernetes' headless services publish a pod's record only once it runs)."""
     from dstrain.config import LaunchError
     environ = os.environ if environ is None else environ  # (read now: _fill_env wrote to os.environ as it is now)
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
-        value = environ.get(name, "")
-        if not value.strip().isdigit():
-            raise LaunchError(f"{name}={value!r} in this rank's environment is not a whole number; unset it (a "
-                              "launcher sets it) or set it to one")
-    rank, world, port = int(environ["RANK"]), int(environ["WORLD_SIZE"]), int(environ["MASTER_PORT"])
+    rank, world, _, port = (_whole_number(environ, name, "a launcher sets it")
+                            for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"))
     if world < 1 or rank >= world:
         raise LaunchError(f"RANK={rank} with WORLD_SIZE={world}: a rank must be below the number of ranks; "
                           "check the launcher's variables (or unset them to run one process)")
