@@ -32,6 +32,12 @@ FIX = ("give each rank one GPU (srun --gpus-per-task=1 or --gpu-bind=single:1) o
        "node's GPUs (unset CUDA_VISIBLE_DEVICES, or list them all in it)")
 
 
+def _visible_setting(environ=None) -> str:
+    """``CUDA_VISIBLE_DEVICES`` as a message shows it: its value, or that it is unset."""
+    shown = (os.environ if environ is None else environ).get("CUDA_VISIBLE_DEVICES")
+    return f"CUDA_VISIBLE_DEVICES={shown!r}" if shown is not None else "CUDA_VISIBLE_DEVICES unset"
+
+
 def device_index(local_rank: int, visible: int, environ=None) -> int:
     """The CUDA device index of a rank: ``local_rank`` when it is below the GPUs this rank sees
     (``visible``, torch's count: CUDA_VISIBLE_DEVICES applied), 0 when it sees exactly one GPU (its own),
@@ -41,9 +47,7 @@ def device_index(local_rank: int, visible: int, environ=None) -> int:
     if visible == 1:
         return 0
     from dstrain.config import LaunchError
-    environ = os.environ if environ is None else environ
-    shown = environ.get("CUDA_VISIBLE_DEVICES")
-    where = f"CUDA_VISIBLE_DEVICES={shown!r}" if shown is not None else "CUDA_VISIBLE_DEVICES unset"
+    where = _visible_setting(environ)
     raise LaunchError(f"LOCAL_RANK={local_rank} but this rank sees {visible} GPU(s) ({where}): it is neither one of "
                       f"them (cuda:0 to cuda:{visible - 1}) nor the one GPU of its own; {FIX}")
 
@@ -107,8 +111,7 @@ def shared_gpu_error(err: BaseException, environ=None):
         return None
     from dstrain.config import LaunchError
     environ = os.environ if environ is None else environ
-    shown = environ.get("CUDA_VISIBLE_DEVICES")
-    where = f"CUDA_VISIBLE_DEVICES={shown!r}" if shown is not None else "CUDA_VISIBLE_DEVICES unset"
+    where = _visible_setting(environ)
     return LaunchError(f"two ranks of this node run on the same GPU ({where} here, LOCAL_RANK="
                        f"{environ.get('LOCAL_RANK', '?')}): each sees one GPU and it is the same one; start no more "
                        f"ranks per node than it has GPUs and {FIX}")
