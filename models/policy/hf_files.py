@@ -128,8 +128,13 @@ def eos_setting(path: str, name: str):
     except (OSError, ValueError):
         return None
     value = data.get("eos_token_id") if isinstance(data, dict) else None
+    return value if _is_eos_setting(value) else None
+
+
+def _is_eos_setting(value) -> bool:
+    """Whether ``value`` is a token id or a non-empty list of token ids."""
     ids = value if isinstance(value, list) else [value]
-    return value if ids and all(isinstance(v, int) and not isinstance(v, bool) for v in ids) else None
+    return bool(ids) and all(isinstance(v, int) and not isinstance(v, bool) for v in ids)
 
 
 def eos_setting_problem(path: str) -> str | None:
@@ -147,7 +152,7 @@ def eos_setting_problem(path: str) -> str | None:
             return "generation_config.json is not a JSON object: fix or remove the file"
     for name, data in (("generation_config.json", generation), ("config.json", read_config(path))):
         value = data.get("eos_token_id")
-        if value is not None and value != [] and eos_setting(path, name) is None:
+        if value is not None and value != [] and not _is_eos_setting(value):
             return (f"{name} eos_token_id is {json.dumps(value)}: it must be a token id or a list of token ids "
                     "(the ids that end a completion); fix the file")
     return None
