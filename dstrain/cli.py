@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from dstrain.cli_checks import _only_launch_folders, _remove_if_only_cache  # noqa: F401 (rank 0's clean-up)
+from dstrain.cli_checks import _only_launch_folders, _remove_if_only_cache  # (rank 0's clean-up of a failed fresh run)
 
 EXIT_CONFIG = 2
 
